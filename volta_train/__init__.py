@@ -1,0 +1,39 @@
+"""volta_train: FlashAttention-2 for V100 (sm_70) training, behind flash-attn's API.
+
+Public API::
+
+    volta_train.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)
+    volta_train.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    volta_train.flash_attn_qkvpacked_func / flash_attn_kvpacked_func
+    volta_train.patch(model) / volta_train.unpatch(model)      # HuggingFace transformers models
+"""
+
+from __future__ import annotations
+
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "patch",
+    "unpatch",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # patch/unpatch import transformers, which is slow: load it on first use only.
+    if name in ("patch", "unpatch"):
+        from .integrations import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'volta_train' has no attribute {name!r}")

@@ -1,0 +1,279 @@
+"""Pure-PyTorch reference attention: the CPU fallback and the oracle of the kernel tests.
+
+It implements exactly the semantics of the Volta kernels:
+
+* FlashAttention-2's algorithm: an online softmax over key blocks of ``BLOCK_K``
+  columns, so no [seqlen_q, seqlen_k] score matrix is ever built (memory is
+  O(seqlen_q x BLOCK_K) per head), and a backward that recomputes the
+  probabilities from the saved fp32 log-sum-exp.
+* causal masks aligned to the bottom-right corner, local windows and ALiBi as in
+  flash-attn >= 2.1: query ``i`` sees key ``j`` iff
+  ``i + sk - sq - left <= j <= i + sk - sq + right``.
+* rows with no visible key give ``out = 0`` and ``lse = +inf`` (so that
+  ``exp(s - lse) = 0`` in the backward), never NaN.
+* dropout from :func:`volta_train._philox.dropout_keep_mask`, a pure function of
+  ``(seed, offset, batch, head, row, col)``, regenerated in the backward.
+
+Tensors come in flash-attn layout ``[batch, seqlen, heads, head_dim]``; GQA is
+handled by viewing the query heads as ``[kv_heads, group]`` so K and V are
+never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._philox import dropout_keep_mask
+
+BLOCK_K = 256  # keys per block of the online softmax
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Everything but the tensors that defines one attention call."""
+
+    softmax_scale: float
+    causal: bool = False
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1  # -1: unbounded (causal forces 0)
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+
+    @property
+    def right_limit(self) -> int:
+        return 0 if self.causal else self.window_right
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _visible_and_bias(
+    params: AttentionParams,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    alibi_slopes: torch.Tensor | None,
+    dtype: torch.dtype,
+):
+    """Mask [rows, cols] (None if all visible) and the ALiBi bias (None without slopes).
+
+    ``alibi_slopes`` arrives already shaped to broadcast against the scores:
+    [Hkv, G, 1, 1] or [B, Hkv, G, 1, 1].
+    """
+    diag = rows.view(-1, 1) + (seqlen_k - seqlen_q)  # column of each row's diagonal
+    distance = diag - cols.view(1, -1)  # >0: key lies before the diagonal
+    visible = None
+    if params.right_limit >= 0:
+        visible = distance >= -params.right_limit
+    if params.window_left >= 0:
+        left_ok = distance <= params.window_left
+        visible = left_ok if visible is None else visible & left_ok
+    bias = None
+    if alibi_slopes is not None:
+        bias = -alibi_slopes.to(dtype) * distance.abs().to(dtype)
+    return visible, bias
+
+
+def _block_is_empty(params: AttentionParams, col0: int, col1: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """True when no query row sees any key in [col0, col1)."""
+    shift = seqlen_k - seqlen_q
+    if params.right_limit >= 0 and col0 > (seqlen_q - 1) + shift + params.right_limit:
+        return True
+    if params.window_left >= 0 and col1 - 1 < shift - params.window_left:
+        return True
+    return False
+
+
+def _scores(q, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes):
+    """Scaled, biased and masked scores of one key block: [B, Hkv, G, Nq, bk]."""
+    s = torch.matmul(q, k_blk.transpose(-1, -2)) * params.softmax_scale
+    visible, bias = _visible_and_bias(params, rows, cols, seqlen_q, seqlen_k, alibi_slopes, s.dtype)
+    if bias is not None:
+        s = s + bias
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _dropout_scale(params, batch_index, nheads, q_shape, rows, cols, device, dtype):
+    """keep / (1 - p) for one key block, shaped like the scores [B, Hkv, G, Nq, bk]."""
+    batch, nheads_kv, group = q_shape[0], q_shape[1], q_shape[2]
+    bh = (
+        (batch_index.view(-1, 1) * nheads + torch.arange(nheads, device=device).view(1, -1))
+        .reshape(-1)
+    )
+    keep = dropout_keep_mask(params.seed, params.offset, params.dropout_p, bh, rows, cols)
+    keep = keep.view(batch, nheads_kv, group, rows.numel(), cols.numel())
+    return keep.to(dtype) / (1.0 - params.dropout_p)
+
+
+def _shape_alibi(alibi_slopes: torch.Tensor | None, nheads_kv: int) -> torch.Tensor | None:
+    """[H] or [B, H] slopes -> [Hkv, G, 1, 1] or [B, Hkv, G, 1, 1] to broadcast with the scores."""
+    if alibi_slopes is None:
+        return None
+    lead = alibi_slopes.shape[:-1]
+    return alibi_slopes.reshape(*lead, nheads_kv, -1, 1, 1)
+
+
+def _split_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_dtype):
+    """[B, N, H, D] -> q [B, Hkv, G, Nq, D], k/v [B, Hkv, 1, Nk, D] in the compute dtype."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv = k.shape[2]
+    group = nheads // nheads_kv
+    qh = q.to(compute_dtype).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, head_dim)
+    kh = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vh = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    return qh, kh, vh
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: AttentionParams,
+    alibi_slopes: torch.Tensor | None = None,
+    batch_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked FlashAttention-2 forward. Returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] fp32.
+
+    ``batch_index`` gives the batch coordinate each of the B entries uses in the
+    dropout function (varlen passes the sequence number); default arange(B).
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    cdt = _compute_dtype(q.dtype)
+    device = q.device
+    qh, kh, vh = _split_heads(q, k, v, cdt)
+    alibi_slopes = _shape_alibi(alibi_slopes, kh.shape[1])
+    if batch_index is None:
+        batch_index = torch.arange(batch, device=device)
+    rows = torch.arange(seqlen_q, device=device)
+
+    stat_shape = qh.shape[:-1] + (1,)
+    row_max = torch.full(stat_shape, float("-inf"), dtype=cdt, device=device)
+    row_sum = torch.zeros(stat_shape, dtype=cdt, device=device)
+    acc = torch.zeros(qh.shape[:-1] + (vh.shape[-1],), dtype=cdt, device=device)
+
+    for col0 in range(0, seqlen_k, BLOCK_K):
+        col1 = min(col0 + BLOCK_K, seqlen_k)
+        if _block_is_empty(params, col0, col1, seqlen_q, seqlen_k):
+            continue
+        cols = torch.arange(col0, col1, device=device)
+        s = _scores(qh, kh[..., col0:col1, :], params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+        safe_max = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
+        p = torch.exp(s - safe_max)
+        rescale = torch.exp(row_max - safe_max)
+        row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
+        if params.dropout_p > 0.0:
+            p = p * _dropout_scale(params, batch_index, nheads, qh.shape, rows, cols, device, cdt)
+        acc = acc * rescale + torch.matmul(p, vh[..., col0:col1, :])
+        row_max = new_max
+
+    empty = row_sum == 0
+    out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(row_sum), row_sum))
+    lse = torch.where(
+        empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
+    )
+    out = out.reshape(batch, nheads, seqlen_q, -1).permute(0, 2, 1, 3).to(q.dtype)
+    lse = lse.reshape(batch, nheads, seqlen_q).to(torch.float32)
+    return out, lse
+
+
+def reference_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    params: AttentionParams,
+    alibi_slopes: torch.Tensor | None = None,
+    batch_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 backward with recompute from the saved log-sum-exp. Returns dq, dk, dv."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    cdt = _compute_dtype(q.dtype)
+    device = q.device
+    qh, kh, vh = _split_heads(q, k, v, cdt)
+    nheads_kv, group = qh.shape[1], qh.shape[2]
+    alibi_slopes = _shape_alibi(alibi_slopes, nheads_kv)
+    if batch_index is None:
+        batch_index = torch.arange(batch, device=device)
+    rows = torch.arange(seqlen_q, device=device)
+    to_heads = lambda t: t.to(cdt).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, -1)
+    do_h, o_h = to_heads(dout), to_heads(out)
+    lse_h = lse.to(cdt).reshape(batch, nheads_kv, group, seqlen_q, 1)
+    delta = (do_h * o_h).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+
+    dq = torch.zeros_like(qh)
+    dk = torch.zeros(kh.shape[:2] + kh.shape[3:], dtype=cdt, device=device)
+    dv = torch.zeros(vh.shape[:2] + vh.shape[3:], dtype=cdt, device=device)
+    for col0 in range(0, seqlen_k, BLOCK_K):
+        col1 = min(col0 + BLOCK_K, seqlen_k)
+        if _block_is_empty(params, col0, col1, seqlen_q, seqlen_k):
+            continue
+        cols = torch.arange(col0, col1, device=device)
+        k_blk, v_blk = kh[..., col0:col1, :], vh[..., col0:col1, :]
+        s = _scores(qh, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        p = torch.exp(s - lse_h)  # lse = +inf on empty rows gives 0
+        dp = torch.matmul(do_h, v_blk.transpose(-1, -2))
+        if params.dropout_p > 0.0:
+            z = _dropout_scale(params, batch_index, nheads, qh.shape, rows, cols, device, cdt)
+            p_dropped, dp = p * z, dp * z
+        else:
+            p_dropped = p
+        dv[:, :, col0:col1] = torch.matmul(p_dropped.transpose(-1, -2), do_h).sum(dim=2)
+        ds = p * (dp - delta)
+        dq += torch.matmul(ds, k_blk) * params.softmax_scale
+        dk[:, :, col0:col1] = torch.matmul(ds.transpose(-1, -2), qh).sum(dim=2) * params.softmax_scale
+
+    dq = dq.reshape(batch, nheads, seqlen_q, head_dim).permute(0, 2, 1, 3).to(q.dtype)
+    dk = dk.permute(0, 2, 1, 3).to(k.dtype)
+    dv = dv.permute(0, 2, 1, 3).to(v.dtype)
+    return dq, dk, dv
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for index in range(len(starts_q) - 1):
+        yield index, starts_q[index], starts_q[index + 1], starts_k[index], starts_k[index + 1]
+
+
+def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None):
+    """Packed [total, H, D] forward, one sequence at a time. lse is [H, total_q] fp32."""
+    out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        bidx = torch.tensor([index], device=q.device)
+        seq_alibi = alibi_slopes[index : index + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = reference_forward(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], params, seq_alibi, bidx
+        )
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
+    return out, lse
+
+
+def reference_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        bidx = torch.tensor([index], device=q.device)
+        seq_alibi = alibi_slopes[index : index + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        g = reference_backward(
+            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+            lse[None, :, q0:q1], params, seq_alibi, bidx,
+        )
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
