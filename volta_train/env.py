@@ -1,0 +1,111 @@
+"""``python -m volta_train.env``: what volta_train sees here, on one screen.
+
+torch and its CUDA version, the GPUs, the NVRTC that would compile the kernels, the kernel cache directory, and
+which backend a typical call (fp16, [2, 4096, 16, 64], causal) would take and why.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from . import __version__
+from ._dispatch import BACKEND_ENV, choose_backend
+from .kernels import CallDescription
+from .kernels import nvrtc
+from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_dir_path
+
+TYPICAL_SHAPE = (2, 4096, 16, 64)  # batch, seqlen, heads, head_dim
+VOLTA_ARCH = 70
+ENV_VARS = (BACKEND_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+
+
+def gpu_lines() -> list[str]:
+    if not torch.cuda.is_available():
+        return ["GPU: no CUDA GPU" + ("" if torch.version.cuda else " (this torch build has no CUDA)")]
+    lines = [f"CUDA driver: supports CUDA {driver_version_text()}"]
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        name = torch.cuda.get_device_name(index)
+        lines.append(f"GPU {index}: {name}, compute capability {major}.{minor} (sm_{major}{minor})")
+    return lines
+
+
+def driver_version_text() -> str:
+    from .kernels.driver import CudaDriverError, driver_version
+
+    try:
+        return "%d.%d" % driver_version()
+    except CudaDriverError as error:
+        return f"unknown ({error})"
+
+
+def target_arch() -> int:
+    """The first GPU's architecture, or sm_70 (what the kernels are for) without a GPU."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        return 10 * major + minor
+    return VOLTA_ARCH
+
+
+def nvrtc_lines(arch: int) -> list[str]:
+    try:
+        libraries = nvrtc.available_nvrtc_libraries()
+        chosen = nvrtc.select_nvrtc(libraries, arch)
+    except nvrtc.NvrtcNotFoundError as error:
+        return [f"NVRTC for sm_{arch}: NOT FOUND: {error}"]
+    lines = [f"NVRTC for sm_{arch}: {chosen.version_string} at {chosen.path}"]
+    for library in libraries:
+        archs = " ".join(str(a) for a in library.supported_archs)
+        lines.append(f"  found NVRTC {library.version_string} at {library.path}; archs {archs}")
+    for path, why in nvrtc.load_failures().items():
+        lines.append(f"  unusable: {path}: {why}")
+    return lines
+
+
+def cache_lines() -> list[str]:
+    directory = cache_dir_path()
+    if not directory.is_dir():
+        return [f"kernel cache: {directory} (not created yet)"]
+    entries = sum(1 for path in directory.iterdir() if path.name.endswith(ENTRY_SUFFIX))
+    mode = oct(directory.stat().st_mode & 0o777)[2:]
+    return [f"kernel cache: {directory} (entries: {entries}, mode {mode})"]
+
+
+def backend_line() -> str:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    batch, seqlen, heads, head_dim = TYPICAL_SHAPE
+    call = CallDescription(
+        device=device, dtype=torch.float16, head_dim=head_dim, varlen=False, causal=True, window=(-1, -1),
+        alibi=False, dropout=False, accum="fp32",
+    )
+    what = f"typical call (fp16, [{batch}, {seqlen}, {heads}, {head_dim}], causal, on {device})"
+    try:
+        choice = choose_backend(call)
+    except Exception as error:  # e.g. VOLTA_TRAIN_BACKEND=kernel where the kernel cannot run: report, don't fail
+        return f"{what}: error: {error}"
+    return f"{what}: {choice.backend} backend, because {choice.reason}"
+
+
+def report() -> str:
+    lines = [
+        f"volta_train {__version__}, Python {platform.python_version()}",
+        f"torch {torch.__version__}, torch CUDA {torch.version.cuda or 'none (CPU build)'}",
+        *gpu_lines(),
+        *nvrtc_lines(target_arch()),
+        *cache_lines(),
+        backend_line(),
+    ]
+    settings = [f"{name}={os.environ[name]}" for name in ENV_VARS if name in os.environ]
+    lines.append("environment: " + (" ".join(settings) if settings else "no volta_train/CUDA variables set"))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
