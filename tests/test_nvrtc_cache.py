@@ -472,6 +472,19 @@ def test_kernel_variant_validates_its_fields():
     assert KernelVariant(name="x", sources=["a.cu"], name_expressions=["k"]).sources == ("a.cu",)
 
 
+def test_variant_compile_is_memoized_without_rereading_sources(nvrtc70, cache_dir, monkeypatch):
+    first = PROBE_VARIANT.compile("sm_70")
+
+    def no_sources():
+        raise AssertionError("sources reread on a memo hit")
+
+    monkeypatch.setattr(variants, "csrc_dir", no_sources)
+    assert PROBE_VARIANT.compile(70) is first
+    cache.clear_memo()
+    with pytest.raises(AssertionError, match="reread"):
+        PROBE_VARIANT.compile(70)
+
+
 def test_precompile_all_fills_the_cache(nvrtc70, cache_dir, capsys):
     from volta_train.kernels.precompile import precompile_all
 

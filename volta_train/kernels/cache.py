@@ -39,7 +39,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +75,8 @@ class CacheStats:
 
 
 stats = CacheStats()
-_memo: dict[tuple, CompiledProgram] = {}
-_memo_lock = threading.Lock()
+_memo: dict[Hashable, CompiledProgram] = {}
+_memo_lock = threading.RLock()  # memoized() nests: a variant's key, then the source's
 _checked_dirs: set[Path] = set()
 
 
@@ -351,13 +351,20 @@ def get_or_compile(
     """The compiled program: from this process's memo, else from the disk cache, else compiled and stored."""
     target = normalize_arch(arch)
     memo_key = (source, tuple(name_expressions), target, tuple(options), tuple(map(os.fspath, include_dirs)))
+    return memoized(
+        memo_key, lambda: _load_or_compile(source, name_expressions, target, options, include_dirs, program_name)
+    )
+
+
+def memoized(key: Hashable, compute: Callable[[], CompiledProgram]) -> CompiledProgram:
+    """compute() once per key and process (until clear_memo); callers with a cheap key skip rebuilding sources."""
     with _memo_lock:
-        program = _memo.get(memo_key)
+        program = _memo.get(key)
         if program is not None:
             stats.memo_hits += 1
             return program
-        program = _load_or_compile(source, name_expressions, target, options, include_dirs, program_name)
-        _memo[memo_key] = program
+        program = compute()
+        _memo[key] = program
         return program
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import get_or_compile
+from .cache import get_or_compile, memoized
 from .nvrtc import CompiledProgram, normalize_arch
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -58,14 +58,13 @@ class KernelVariant:
         return "".join(f'#line 1 "{name}"\n{(directory / name).read_text()}\n' for name in self.sources)
 
     def compile(self, arch: int | str) -> CompiledProgram:
-        """Compiled for arch through the kernel cache."""
-        return get_or_compile(
-            self.source_text(),
-            self.name_expressions,
-            normalize_arch(arch),
-            self.options,
-            [csrc_dir()],
-            program_name=self.sources[0],
+        """Compiled for arch through the kernel cache; after the first call, a dictionary lookup."""
+        target = normalize_arch(arch)
+        return memoized(
+            (self, target),
+            lambda: get_or_compile(
+                self.source_text(), self.name_expressions, target, self.options, [csrc_dir()], self.sources[0]
+            ),
         )
 
 
