@@ -72,9 +72,11 @@ def _random_problem(num_warps: int, device: torch.device, seed: int):
     return a, b, c
 
 
-def _poisoned_output(num_warps: int, device: torch.device, spare_warps: int = 2) -> torch.Tensor:
-    """NaN output with room for spare_warps more warps than the kernel may write."""
-    return torch.full(((num_warps + spare_warps) * 4, 8, 8), float("nan"), device=device)
+def _problem(num_warps: int, device: torch.device, seed: int, spare_warps: int = 2):
+    """(a, b, c, d): random inputs and a NaN output with room for spare_warps more warps than the kernel may write."""
+    a, b, c = _random_problem(num_warps, device, seed)
+    d = torch.full(((num_warps + spare_warps) * 4, 8, 8), float("nan"), device=device)
+    return a, b, c, d
 
 
 def _expected(a, b, c, alpha: float) -> torch.Tensor:
@@ -110,8 +112,7 @@ def _check(d: torch.Tensor, a, b, c, alpha: float, num_warps: int) -> None:
 @pytest.mark.parametrize("num_warps, seed", [(1, 0), (5, 1), (64, 2)])
 def test_probe_matches_float64_matmul(probe, num_warps, seed):
     device = probe.device
-    a, b, c = _random_problem(num_warps, device, seed)
-    d = _poisoned_output(num_warps, device)
+    a, b, c, d = _problem(num_warps, device, seed)
     _launch(probe, _params(a, b, c, d, num_warps, 0.5), num_warps)
     torch.cuda.synchronize(device)
     _check(d, a, b, c, 0.5, num_warps)
@@ -121,8 +122,7 @@ def test_probe_matches_float64_matmul(probe, num_warps, seed):
 @needs_gpu
 def test_probe_on_a_side_stream_with_64_kb_of_dynamic_shared_memory(probe):
     device, num_warps = probe.device, 7
-    a, b, c = _random_problem(num_warps, device, 3)
-    d = _poisoned_output(num_warps, device)
+    a, b, c, d = _problem(num_warps, device, 3)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -135,8 +135,7 @@ def test_probe_on_a_side_stream_with_64_kb_of_dynamic_shared_memory(probe):
 @needs_gpu
 def test_probe_launched_from_a_fresh_thread(probe):
     device, num_warps = probe.device, 3
-    a, b, c = _random_problem(num_warps, device, 4)
-    d = _poisoned_output(num_warps, device)
+    a, b, c, d = _problem(num_warps, device, 4)
     errors = []
 
     def launch_in_thread():
@@ -157,8 +156,7 @@ def test_probe_launched_from_a_fresh_thread(probe):
 @needs_gpu
 def test_probe_inside_a_cuda_graph(probe):
     device, num_warps = probe.device, 4
-    a, b, c = _random_problem(num_warps, device, 5)
-    d = _poisoned_output(num_warps, device)
+    a, b, c, d = _problem(num_warps, device, 5)
     params = _params(a, b, c, d, num_warps, 1.0)
     graph = torch.cuda.CUDAGraph()
     capture_stream = torch.cuda.Stream(device)

@@ -367,14 +367,10 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
-@dataclass
-class _FunctionResources:
-    registers: int = 0
-    spill_store_bytes: int = 0
-    spill_load_bytes: int = 0
-    stack_bytes: int = 0
-    static_smem_bytes: int = 0
-    entry: bool = False
+_NO_RESOURCES = {
+    "registers": 0, "spill_store_bytes": 0, "spill_load_bytes": 0, "stack_bytes": 0, "static_smem_bytes": 0,
+    "entry": False,
+}
 
 
 def parse_ptxas_log(log: str) -> dict[str, dict[str, int | bool]]:
@@ -383,33 +379,23 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int | bool]]:
     Reads the ptxas -v lines of an NVRTC log. Entry functions (kernels) have entry=True; non-inlined device
     functions appear too (registers 0: ptxas reports their frame and spills only).
     """
-    functions: dict[str, _FunctionResources] = {}
+    functions: dict[str, dict[str, int | bool]] = {}
     current_entry = None  # the kernel a "Used N registers" line belongs to
     frame_owner = None  # the function a "bytes stack frame" line belongs to
     for line in log.splitlines():
         if match := _ENTRY.search(line):
             current_entry = match.group(1)
-            functions.setdefault(current_entry, _FunctionResources()).entry = True
+            functions.setdefault(current_entry, dict(_NO_RESOURCES))["entry"] = True
         elif match := _PROPERTIES.search(line):
             frame_owner = match.group(1)
-            functions.setdefault(frame_owner, _FunctionResources())
+            functions.setdefault(frame_owner, dict(_NO_RESOURCES))
         elif (match := _FRAME.search(line)) and frame_owner is not None:
-            resources = functions[frame_owner]
-            resources.stack_bytes, resources.spill_store_bytes, resources.spill_load_bytes = map(int, match.groups())
+            stack, stores, loads = map(int, match.groups())
+            functions[frame_owner].update(stack_bytes=stack, spill_store_bytes=stores, spill_load_bytes=loads)
             frame_owner = None
         elif (match := _USED.search(line)) and current_entry is not None:
-            resources = functions[current_entry]
-            resources.registers = int(match.group(1))
             smem = _SMEM.search(line)
-            resources.static_smem_bytes = int(smem.group(1)) if smem else 0
-    return {
-        name: {
-            "registers": r.registers,
-            "spill_store_bytes": r.spill_store_bytes,
-            "spill_load_bytes": r.spill_load_bytes,
-            "stack_bytes": r.stack_bytes,
-            "static_smem_bytes": r.static_smem_bytes,
-            "entry": r.entry,
-        }
-        for name, r in functions.items()
-    }
+            functions[current_entry].update(
+                registers=int(match.group(1)), static_smem_bytes=int(smem.group(1)) if smem else 0
+            )
+    return functions
