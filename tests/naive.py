@@ -39,20 +39,20 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     v = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if alibi_slopes is not None:
-        i = torch.arange(seqlen_q).view(-1, 1)
-        j = torch.arange(seqlen_k).view(1, -1)
+        i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+        j = torch.arange(seqlen_k, device=q.device).view(1, -1)
         dist = (i + seqlen_k - seqlen_q - j).abs().double()
         slopes = alibi_slopes.double()
         slopes = slopes.view(1, nheads, 1, 1) if slopes.dim() == 1 else slopes.view(batch, nheads, 1, 1)
         s = s - slopes * dist
-    ok = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    ok = visible_mask(seqlen_q, seqlen_k, causal, window_size, device=q.device)
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
     p = torch.where(empty.unsqueeze(-1), torch.zeros_like(p), p)
     if keep_mask is not None:
-        p = p * keep_mask.double() / (1.0 - dropout_p)
+        p = p * keep_mask.to(p.device).double() / (1.0 - dropout_p)
     out = torch.einsum("bhij,bjhd->bihd", p, v)
     lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
     return out, lse

@@ -70,7 +70,8 @@ def _log_choice(choice: Choice, pass_name: str, on_gpu: bool) -> None:
     logger.log(level, "volta_train attention %s: %s backend (%s)", pass_name, choice.backend, choice.reason)
 
 
-def _describe_call(q, k, cu_seqlens_q, causal, window, alibi, dropout_p, accum) -> kernels.CallDescription:
+def _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi, dropout_p, accum, softmax_scale, extra=()):
+    aligned = q.is_cuda and kernels.support.tensors_aligned(q, k, v, *extra)
     return kernels.CallDescription(
         device=q.device,
         dtype=q.dtype,
@@ -81,6 +82,8 @@ def _describe_call(q, k, cu_seqlens_q, causal, window, alibi, dropout_p, accum) 
         alibi=alibi is not None,
         dropout=dropout_p > 0.0,
         accum=accum,
+        aligned=aligned,
+        positive_scale=softmax_scale > 0,
     )
 
 
@@ -119,7 +122,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is fp32 [B, H, Nq] (dense) or [H, total_q] (varlen)."""
     window = (window_left, window_right)
-    call = _describe_call(q, k, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, accum)
+    call = _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, accum, softmax_scale)
     choice = choose_backend(call)
     _log_choice(choice, "forward", q.is_cuda)
     params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset)
@@ -164,7 +167,9 @@ def attention_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    call = _describe_call(q, k, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, bwd_accum)
+    call = _describe_call(
+        q, k, v, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, bwd_accum, softmax_scale, (dout, out)
+    )
     call = kernels.CallDescription(**{**call.__dict__, "backward": True, "deterministic": deterministic})
     choice = choose_backend(call)
     _log_choice(choice, "backward", q.is_cuda)

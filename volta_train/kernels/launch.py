@@ -1,10 +1,93 @@
-"""Launching the compiled Volta kernels (filled in by the kernel issues)."""
+"""Launching the compiled Volta kernels on PyTorch's current stream."""
 
 from __future__ import annotations
 
+import math
 
-def forward(*args, **kwargs):
-    raise NotImplementedError("the Volta forward kernel is not part of this build yet")
+import torch
+
+from .. import _philox
+from .._reference import AttentionParams as CallParams
+from . import configs, driver
+from .params import AttentionParams
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _kernel(variant, device: torch.device):
+    compiled = variant.compile(_arch(device))
+    return driver.load_function(compiled, variant.name_expressions[0], device)
+
+
+def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements; varlen tensors have no batch axis."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                params: CallParams, block_m: int) -> tuple[int, int, int]:
+    """Pointers, strides, lengths, masks and dropout state; returns the grid (m blocks, heads, batch)."""
+    varlen = cu_seqlens_q is not None
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        setattr(prm, name, t.data_ptr())
+        b, r, h = _strides(t, varlen)
+        setattr(prm, f"{name}_batch_stride", b)
+        setattr(prm, f"{name}_row_stride", r)
+        setattr(prm, f"{name}_head_stride", h)
+    prm.lse = lse.data_ptr()
+    if varlen:
+        prm.cu_seqlens_q, prm.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+        prm.lse_batch_stride, prm.lse_head_stride = 0, lse.stride(0)
+    else:
+        prm.cu_seqlens_q = prm.cu_seqlens_k = None
+        prm.lse_batch_stride, prm.lse_head_stride = lse.stride(0), lse.stride(1)
+    prm.seqlen_q, prm.seqlen_k = max_seqlen_q, max_seqlen_k
+    prm.nheads, prm.heads_per_kv = nheads, nheads // nheads_kv
+    prm.num_m_blocks = max(1, -(-max_seqlen_q // block_m))
+    prm.window_left = params.window_left
+    prm.window_right = params.right_limit
+    prm.scale_log2 = params.softmax_scale * LOG2E
+    prm.seed, prm.offset = params.seed, params.offset
+    prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
+    prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
+    return prm.num_m_blocks, nheads, batch
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams, alibi_slopes,
+            accum: str, tile: configs.FwdTile | None = None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None):
+    """Volta forward kernel: returns (out, lse) like the reference backend.
+
+    ``tile`` overrides the tile table (sweeps); ``out``/``lse`` let tests hand in poisoned buffers.
+    """
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes in the Volta forward kernel")
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    if out is None:
+        out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    tile = tile or configs.fwd_tile(head_dim, params.causal)
+    variant = configs.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0)
+    kernel = _kernel(variant, q.device)
+    prm = AttentionParams()
+    grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+                       tile.block_m)
+    kernel.launch(grid, tile.threads, variant.dynamic_smem_bytes, [prm])
+    return out, lse
 
 
 def backward(*args, **kwargs):

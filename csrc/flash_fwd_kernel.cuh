@@ -1,0 +1,454 @@
+// FlashAttention-2 forward on Volta (sm_70) tensor cores: mma.sync.m8n8k4 only, no ldmatrix, no cp.async.
+//
+// Per CTA: kBlockM query rows of one (batch, head). Q stays in registers for the whole kernel
+// (loaded straight from global memory into A fragments); K and V blocks pass through registers into
+// padded shared memory; S = Q K^T and P stay in registers; O accumulates in registers and leaves
+// through shared memory in 16-byte rows. Two accumulation modes (SparkAttention's terms):
+//   FP32-ACC: both GEMMs accumulate in fp32; P is rounded to fp16 for the second GEMM.
+//   FP16-ACC: both GEMMs accumulate in fp16 (Q is pre-scaled by softmax_scale * log2(e) so the fp16
+//             scores cannot overflow); each key block's P V partial is added into fp32 O, and the
+//             softmax statistics stay fp32, so long sequences cannot overflow the output.
+#pragma once
+#include "philox.cuh"
+#include "kernel_traits.cuh"
+#include "masking.cuh"
+#include "softmax.cuh"
+
+template <class KT>
+struct FwdWarpGeometry {
+    int lane, warp;
+    LaneInQuadPair lq;
+    int qp_m, qp_n;  // this lane's quad-pair position in the warp's 2-D arrangement
+    int warp_row0;   // first query row of the warp (within the sequence)
+
+    __device__ __forceinline__ FwdWarpGeometry(int tid, int m0)
+        : lane(tid & 31), warp(tid >> 5), lq(tid & 31),
+          qp_m(((tid & 31) >> 2 & 3) % KT::kQuadPairRows), qp_n(((tid & 31) >> 2 & 3) / KT::kQuadPairRows),
+          warp_row0(m0 + (tid >> 5) * KT::kRowsPerWarp) {}
+
+    // First row of 8-row tile `a` of this lane's quad-pair.
+    __device__ __forceinline__ int mtile_row0(int a) const { return warp_row0 + 8 * (a * KT::kQuadPairRows + qp_m); }
+    // First key (within the block) of S tile `nt` computed by this lane's quad-pair.
+    __device__ __forceinline__ int stile_key0(int nt) const { return (qp_n * KT::kSTilesPerQuadPair + nt) * 8; }
+    // Same, for the neighbouring quad-pair column (2x2 arrangement): whose P this lane receives.
+    __device__ __forceinline__ int partner_stile_key0(int nt) const {
+        return ((1 - qp_n) * KT::kSTilesPerQuadPair + nt) * 8;
+    }
+    // head_dim column of O for physical column c of output tile `ot` of this quad-pair. Tiles come in
+    // pairs read by one 16-byte load: the low group holds d + 0..7 of the pair, the high group d + 8..15.
+    __device__ __forceinline__ int o_col(int ot, int c) const {
+        const int base = qp_n * KT::kOColsPerQuadPair + 16 * (ot / 2);
+        if (KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1) return base + c;
+        return base + 4 * (ot & 1) + (c & 3) + 8 * (c >> 2);
+    }
+};
+
+// Copies kBlockN rows x head_dim of K or V, starting at key row `key0`, from global memory into
+// registers; rows at or past `seqlen_k` become zeros (never read garbage: 0 * inf would be NaN).
+template <class KT>
+__device__ __forceinline__ void load_kv_block(const half_bits* base, long long row_stride, int key0, int seqlen_k,
+                                              int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        const bool in_tile = (KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks;
+        stage[c] = (in_tile && key0 + row < seqlen_k) ? load_global_16B(base + (long long)(key0 + row) * row_stride + col)
+                                                      : zero_u32x4();
+    }
+}
+
+template <class KT>
+__device__ __forceinline__ void store_kv_block(half_bits* tile, int tid, const u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
+            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            store_shared_16B(tile + row * KT::kSmemStride + col, stage[c]);
+        }
+    }
+}
+
+// Q rows -> A fragments (row-major): the lane's row of each m-tile, all of head_dim, as f16x2.
+// FP16-ACC pre-scales Q by softmax_scale * log2(e) so S comes out of the tensor cores in the log2
+// domain and within fp16 range.
+template <class KT>
+__device__ __forceinline__ void load_q_fragments(const half_bits* q_base, long long row_stride, int seqlen_q,
+                                                 float scale_log2, const FwdWarpGeometry<KT>& g,
+                                                 u32 (&q)[KT::kMTiles][KT::kQRegs]) {
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a) {
+        const int row = g.mtile_row0(a) + g.lq.operand_row();
+#pragma unroll
+        for (int c = 0; c < KT::kChunksPerRow; ++c) {
+            u32x4 v = row < seqlen_q ? load_global_16B(q_base + (long long)row * row_stride + 8 * c) : zero_u32x4();
+            if (KT::kAccumF16) {
+                v.x = pack_half2(low_half_to_float(v.x) * scale_log2, high_half_to_float(v.x) * scale_log2);
+                v.y = pack_half2(low_half_to_float(v.y) * scale_log2, high_half_to_float(v.y) * scale_log2);
+                v.z = pack_half2(low_half_to_float(v.z) * scale_log2, high_half_to_float(v.z) * scale_log2);
+                v.w = pack_half2(low_half_to_float(v.w) * scale_log2, high_half_to_float(v.w) * scale_log2);
+            }
+            q[a][4 * c + 0] = v.x;
+            q[a][4 * c + 1] = v.y;
+            q[a][4 * c + 2] = v.z;
+            q[a][4 * c + 3] = v.w;
+        }
+    }
+}
+
+// Per-lane state of the forward pass that differs between the two accumulation modes.
+// Row slots: FP32-ACC lanes hold two rows per m-tile (see softmax.cuh), FP16-ACC lanes one.
+template <class KT>
+struct FwdAccumulators {
+    static constexpr int kRowSlots = KT::kAccumF16 ? 1 : 2;
+    float o[KT::kMTiles][KT::kOTilesPerQuadPair][8];
+    float row_max[KT::kMTiles][kRowSlots];  // running max, log2 domain
+    float row_sum[KT::kMTiles][kRowSlots];  // this lane's partial sum of p
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a) {
+#pragma unroll
+            for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[a][ot][i] = 0.f;
+#pragma unroll
+            for (int r = 0; r < kRowSlots; ++r) {
+                row_max[a][r] = neg_inf();
+                row_sum[a][r] = 0.f;
+            }
+        }
+    }
+
+    // Row slot of output element i of an 8x8 tile.
+    __device__ __forceinline__ static int o_row_slot(int i) { return KT::kAccumF16 ? 0 : f32_acc_row_slot(i); }
+    // Row (within the m-tile) and physical column of output element i.
+    __device__ __forceinline__ static int o_row(const LaneInQuadPair& lq, int i) {
+        return KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i);
+    }
+    __device__ __forceinline__ static int o_phys_col(const LaneInQuadPair& lq, int i) {
+        return KT::kAccumF16 ? i : lq.acc_col(i);
+    }
+};
+
+// One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
+// dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
+// p_partner[a][nt] (2x2 only) those received from the neighbouring quad-pair.
+template <class KT>
+__device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][KT::kQRegs], const half_bits* k_tile,
+                                                    const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
+                                                    int key0, bool needs_mask, float scale_log2,
+                                                    const DropoutRng& rng, FwdAccumulators<KT>& acc,
+                                                    u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                                    u32 (&p_partner)[KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
+    constexpr int kRowSlots = FwdAccumulators<KT>::kRowSlots;
+    const LaneInQuadPair& lq = g.lq;
+    // ---- S = Q K^T: B fragments are K rows (col-major B), 8 head_dim values per 16-byte load.
+    float s[KT::kMTiles][KT::kSTilesPerQuadPair][8];
+    if (KT::kAccumF16) {
+        u32 s16[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) s16[a][nt][r] = 0u;
+#pragma unroll
+        for (int kk = 0; kk < KT::kHeadDim / 8; ++kk) {
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+                const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
+#pragma unroll
+                for (int a = 0; a < KT::kMTiles; ++a) {
+                    mma_rc_f16(s16[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
+                    mma_rc_f16(s16[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    s[a][nt][2 * r] = low_half_to_float(s16[a][nt][r]);
+                    s[a][nt][2 * r + 1] = high_half_to_float(s16[a][nt][r]);
+                }
+    } else {
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s[a][nt][i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KT::kHeadDim / 8; ++kk) {
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+                const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
+#pragma unroll
+                for (int a = 0; a < KT::kMTiles; ++a) {
+                    mma_rc_f32(s[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
+                    mma_rc_f32(s[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
+                }
+            }
+        }
+    }
+
+    // ---- mask: only key blocks that cross a boundary pay for it
+    if (needs_mask) {
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int row = g.mtile_row0(a) + FwdAccumulators<KT>::o_row(lq, i);
+                    const int key = key0 + g.stile_key0(nt) + FwdAccumulators<KT>::o_phys_col(lq, i);
+                    if (!vis.visible(row, key)) s[a][nt][i] = neg_inf();
+                }
+    }
+
+    // ---- online softmax; FP32-ACC scores still need softmax_scale (scale > 0, so max commutes with it)
+    const float score_scale = KT::kAccumF16 ? 1.f : scale_log2;
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a) {
+        float tile_max[kRowSlots];
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) tile_max[r] = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = FwdAccumulators<KT>::o_row_slot(i);
+                tile_max[r] = fmaxf(tile_max[r], s[a][nt][i]);
+            }
+        float exp_offset[kRowSlots], rescale[kRowSlots];
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            if (!KT::kAccumF16) tile_max[r] = max_over_lanes(tile_max[r], 2);
+            if (KT::kQuadPairCols == 2) tile_max[r] = max_over_lanes(tile_max[r], 8);
+            const float new_max = fmaxf(acc.row_max[a][r], tile_max[r] * score_scale);
+            exp_offset[r] = safe_row_max(new_max);
+            rescale[r] = fast_exp2(acc.row_max[a][r] - exp_offset[r]);
+            acc.row_max[a][r] = new_max;
+            acc.row_sum[a][r] *= rescale[r];
+        }
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[FwdAccumulators<KT>::o_row_slot(i)];
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = FwdAccumulators<KT>::o_row_slot(i);
+                const float p = fast_exp2(fmaf(s[a][nt][i], score_scale, -exp_offset[r]));
+                acc.row_sum[a][r] += p;
+                s[a][nt][i] = p;
+            }
+            if (KT::kAccumF16) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) p_own[a][nt][r] = pack_half2(s[a][nt][2 * r], s[a][nt][2 * r + 1]);
+            } else {
+                f32_acc_to_row_fragment(s[a][nt], lq.t, p_own[a][nt]);
+            }
+            if (KT::kDropout) {
+                const int row = g.mtile_row0(a) + lq.operand_row();
+                rng.apply(p_own[a][nt], (u32)((key0 + g.stile_key0(nt)) >> 3), (u32)row);
+            }
+            if (KT::kQuadPairCols == 2) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) p_partner[a][nt][r] = __shfl_xor_sync(0xffffffffu, p_own[a][nt][r], 8);
+            }
+        }
+    }
+}
+
+// O += P V for one key block. A = P (row-major, 4 keys per k-step), B = V rows (row-major B).
+// FP16-ACC accumulates chunks of kOChunk output tiles in fp16 over the whole key block, then adds
+// each chunk into the fp32 O: few fp16 registers live at a time, and 2 * kMTiles independent
+// accumulator chains per k-step.
+template <class KT>
+__device__ __forceinline__ void fwd_pv_chunk(const u32 (&p)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
+                                             bool partner_keys, int ot0, int ot_count,
+                                             u32 (&o16)[KT::kMTiles][KT::kOTilesPerQuadPair][4],
+                                             FwdAccumulators<KT>& acc) {
+    const LaneInQuadPair& lq = g.lq;
+#pragma unroll
+    for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+        const int group_key0 = partner_keys ? g.partner_stile_key0(nt) : g.stile_key0(nt);
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+            const half_bits* v_row = v_tile + (group_key0 + 4 * step + lq.t) * KT::kSmemStride +
+                                     g.qp_n * KT::kOColsPerQuadPair;
+#pragma unroll
+            for (int ot = ot0; ot < ot0 + ot_count; ot += 2) {
+                const bool single = KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1;
+                u32x4 b;
+                if (single) {
+                    const u32x2 b2 = load_shared_8B(v_row + 16 * (ot / 2) + 4 * lq.hi);
+                    b = u32x4{b2.x, b2.y, 0u, 0u};
+                } else {
+                    b = load_shared_16B(v_row + 16 * (ot / 2) + 8 * lq.hi);
+                }
+#pragma unroll
+                for (int a = 0; a < KT::kMTiles; ++a) {
+                    const u32 a0 = p[a][nt][2 * step], a1 = p[a][nt][2 * step + 1];
+                    if (KT::kAccumF16) {
+                        mma_rr_f16(o16[a][ot], a0, a1, b.x, b.y);
+                        if (!single) mma_rr_f16(o16[a][ot + 1], a0, a1, b.z, b.w);
+                    } else {
+                        mma_rr_f32(acc.o[a][ot], a0, a1, b.x, b.y);
+                        if (!single) mma_rr_f32(acc.o[a][ot + 1], a0, a1, b.z, b.w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <class KT>
+__device__ __forceinline__ void fwd_accumulate_pv(const u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                                  const u32 (&p_partner)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                                  const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
+                                                  FwdAccumulators<KT>& acc) {
+    constexpr int kTiles = KT::kOTilesPerQuadPair;
+    constexpr int kOChunk = KT::kAccumF16 ? 4 : kTiles;  // output tiles per fp16 chunk (even)
+    u32 o16[KT::kMTiles][kTiles][4];
+#pragma unroll
+    for (int ot0 = 0; ot0 < kTiles; ot0 += kOChunk) {
+        const int count = ot0 + kOChunk <= kTiles ? kOChunk : kTiles - ot0;
+        if (KT::kAccumF16) {
+#pragma unroll
+            for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+                for (int ot = ot0; ot < ot0 + count; ++ot)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) o16[a][ot][r] = 0u;
+        }
+        fwd_pv_chunk<KT>(p_own, v_tile, g, false, ot0, count, o16, acc);
+        if (KT::kQuadPairCols == 2) fwd_pv_chunk<KT>(p_partner, v_tile, g, true, ot0, count, o16, acc);
+        if (KT::kAccumF16) {
+#pragma unroll
+            for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+                for (int ot = ot0; ot < ot0 + count; ++ot)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        acc.o[a][ot][2 * r] += low_half_to_float(o16[a][ot][r]);
+                        acc.o[a][ot][2 * r + 1] += high_half_to_float(o16[a][ot][r]);
+                    }
+        }
+    }
+}
+
+// Final normalisation: O / l (times 1 / (1 - p) under dropout), lse = (m + log2 l) * ln 2; rows with
+// no visible key get O = 0 and lse = +inf. O is staged in shared memory and written in 16-byte rows.
+template <class KT>
+__device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccumulators<KT>& acc,
+                                             const FwdWarpGeometry<KT>& g, int tid, int m0, int seqlen_q,
+                                             half_bits* o_stage, half_bits* o_base, float* lse_base) {
+    constexpr int kRowSlots = FwdAccumulators<KT>::kRowSlots;
+    const LaneInQuadPair& lq = g.lq;
+    const float output_scale = KT::kDropout ? prm.dropout_rescale : 1.f;
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a) {
+        float inv_sum[kRowSlots];
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            float l = acc.row_sum[a][r];
+            if (!KT::kAccumF16) l = sum_over_lanes(l, 2);
+            if (KT::kQuadPairCols == 2) l = sum_over_lanes(l, 8);
+            inv_sum[r] = l > 0.f ? output_scale / l : 0.f;
+            const float lse = l > 0.f ? (acc.row_max[a][r] + fast_log2(l)) * kLn2 : pos_inf();
+            // one writer per row: FP32-ACC lanes t = 0, 1 own rows t + 2r (+4 hi); FP16-ACC lanes own row t (+4 hi)
+            const bool writer = g.qp_n == 0 && (KT::kAccumF16 || (lq.t & 2) == 0);
+            const int row = g.mtile_row0(a) + (KT::kAccumF16 ? lq.operand_row() : (lq.t & 1) + 2 * r + 4 * lq.hi);
+            if (writer && row < seqlen_q) lse_base[row] = lse;
+        }
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                const int row = g.mtile_row0(a) - m0 + FwdAccumulators<KT>::o_row(lq, i);
+                const int col = g.o_col(ot, FwdAccumulators<KT>::o_phys_col(lq, i));
+                const float scale = inv_sum[FwdAccumulators<KT>::o_row_slot(i)];
+                *reinterpret_cast<u32*>(o_stage + row * KT::kSmemStride + col) =
+                    pack_half2(acc.o[a][ot][i] * scale, acc.o[a][ot][i + 1] * scale);
+            }
+    }
+    __syncthreads();
+    for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
+        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        if (m0 + row < seqlen_q)
+            store_global_16B(o_base + (long long)(m0 + row) * prm.o_row_stride + col,
+                             load_shared_16B(o_stage + row * KT::kSmemStride + col));
+    }
+}
+
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const AttentionParams prm) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
+    half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
+
+    const int m_block = prm.num_m_blocks - 1 - (int)blockIdx.x;  // longest (causal) blocks first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const SequenceExtent seq(prm, batch);
+    const int m0 = m_block * KT::kBlockM;
+    if (m0 >= seq.seqlen_q) return;
+    const int kv_head = head / prm.heads_per_kv;
+    const VisibleKeys vis(prm, seq);
+
+    const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
+    const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
+    const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
+    half_bits* o_base = prm.o + batch * prm.o_batch_stride + seq.q_start * prm.o_row_stride + head * prm.o_head_stride;
+    float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+
+    const int tid = threadIdx.x;
+    const FwdWarpGeometry<KT> g(tid, m0);
+    const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
+
+    u32 q[KT::kMTiles][KT::kQRegs];
+    load_q_fragments<KT>(q_base, prm.q_row_stride, seq.seqlen_q, prm.scale_log2, g, q);
+    FwdAccumulators<KT> acc;
+    acc.init();
+
+    const int cta_row_end = min(m0 + KT::kBlockM, seq.seqlen_q);
+    const int n_begin = vis.first_key(m0) / KT::kBlockN;
+    const int key_end = vis.end_key(cta_row_end);
+    const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    const int warp_row_end = min(g.warp_row0 + KT::kRowsPerWarp, seq.seqlen_q);
+
+    if (n_begin < n_end) {
+        u32x4 stage[KT::kChunksPerThread];
+        load_kv_block<KT>(k_base, prm.k_row_stride, n_begin * KT::kBlockN, seq.seqlen_k, tid, stage);
+        store_kv_block<KT>(k_tile, tid, stage);
+        __syncthreads();
+        for (int n_block = n_begin; n_block < n_end; ++n_block) {
+            const int key0 = n_block * KT::kBlockN;
+            const bool has_next = n_block + 1 < n_end;
+            load_kv_block<KT>(v_base, prm.v_row_stride, key0, seq.seqlen_k, tid, stage);  // V of this block
+            const bool warp_active = g.warp_row0 < warp_row_end &&
+                                     !vis.tile_is_empty(g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN);
+            u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+            u32 p_partner[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+            if (warp_active) {
+                const bool needs_mask = !vis.tile_is_full(g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN);
+                fwd_scores_to_probs<KT>(q, k_tile, g, vis, key0, needs_mask, prm.scale_log2, rng, acc, p_own, p_partner);
+            }
+            __syncthreads();  // every warp is done with this K block and the previous V block
+            store_kv_block<KT>(v_tile, tid, stage);
+            if (has_next) load_kv_block<KT>(k_base, prm.k_row_stride, key0 + KT::kBlockN, seq.seqlen_k, tid, stage);
+            __syncthreads();  // V visible
+            if (warp_active) fwd_accumulate_pv<KT>(p_own, p_partner, v_tile, g, acc);
+            if (has_next) store_kv_block<KT>(k_tile, tid, stage);
+            __syncthreads();  // next K visible; every warp is done with this V block
+        }
+    }
+    fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);
+}

@@ -1,0 +1,55 @@
+// Tile shapes of the forward kernel and everything derived from them.
+//
+// A CTA owns kBlockM query rows of one (batch, head) and walks the key blocks of kBlockN keys.
+// Each warp owns kRowsPerWarp consecutive rows. Inside a warp the four quad-pairs of every
+// m8n8k4 are arranged kQuadPairRows (along query rows) x kQuadPairCols (along keys in S = Q K^T,
+// along head_dim in O = P V):
+//   4 x 1: every quad-pair has its own 8 rows and all keys, so P never leaves its lanes
+//          (used up to head_dim 96: O costs head_dim f32 registers per lane);
+//   2 x 2: 16-row warps, half the output registers (head_dim / 2), but P must be exchanged
+//          between the two quad-pairs of a row (one shuffle per register).
+// kMTiles > 1 stacks more 8-row tiles per quad-pair so each K/V fragment read from shared memory
+// feeds kMTiles tensor-core instructions.
+#pragma once
+#include "vt_numeric.cuh"
+
+__host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
+
+template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
+          int MIN_BLOCKS_PER_SM = 1>
+struct FwdKernelTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
+    static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
+    static constexpr int kQuadPairCols = 4 / QUAD_PAIR_ROWS;
+    static constexpr int kMTiles = M_TILES;
+    static constexpr int kWarps = WARPS;
+    static constexpr int kThreads = 32 * WARPS;
+    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_PER_SM;
+    static constexpr bool kAccumF16 = ACCUM_F16;
+    static constexpr bool kDropout = DROPOUT;
+
+    static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
+    static constexpr int kBlockM = kWarps * kRowsPerWarp;
+    static constexpr int kBlockN = BLOCK_N;
+
+    static constexpr int kKeyGroups = kBlockN / 8;                   // 8-key groups of a key block
+    static constexpr int kSTilesPerQuadPair = kKeyGroups / kQuadPairCols;  // S tiles (8 keys) per quad-pair
+    static constexpr int kOColsPerQuadPair = kHeadDim / kQuadPairCols;
+    static constexpr int kOTilesPerQuadPair = kOColsPerQuadPair / 8;
+    static constexpr int kOTilePairs = kOTilesPerQuadPair / 2;      // read with one 16-byte shared load
+    static constexpr bool kOTileOdd = (kOTilesPerQuadPair % 2) != 0;
+    static constexpr int kQRegs = kHeadDim / 2;                      // f16x2 registers per Q row
+
+    static constexpr int kSmemStride = kHeadDim + 8;                 // halves: +16 B per row, no bank conflicts
+    static constexpr int kTileBytes = kBlockN * kSmemStride * 2;
+    static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;
+    static constexpr int kSmemBytes = const_max(2 * kTileBytes, kOStageBytes);
+    static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row
+    static constexpr int kTileChunks = kBlockN * kChunksPerRow;
+    static constexpr int kChunksPerThread = (kTileChunks + kThreads - 1) / kThreads;
+
+    static_assert(QUAD_PAIR_ROWS == 4 || QUAD_PAIR_ROWS == 2, "quad-pairs are arranged 4x1 or 2x2");
+    static_assert(kHeadDim % (8 * kQuadPairCols) == 0, "head_dim must split evenly over the quad-pair columns");
+    static_assert(kKeyGroups % kQuadPairCols == 0, "key groups must split evenly over the quad-pair columns");
+    static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
+};

@@ -1,0 +1,50 @@
+// Kernel parameters, passed by value as one struct. volta_train/kernels/params.py mirrors this layout
+// field for field (ctypes); keep the two in the same order. All strides are in elements.
+#pragma once
+#include "vt_numeric.cuh"
+
+struct AttentionParams {
+    // 8-byte fields first: pointers, strides, RNG state
+    const half_bits* q;
+    const half_bits* k;
+    const half_bits* v;
+    half_bits* o;
+    float* lse;                 // [B, H, Nq] (dense) or [H, total_q] (varlen), fp32
+    const int* cu_seqlens_q;    // null: dense batch
+    const int* cu_seqlens_k;
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+    u64 seed, offset;           // dropout Philox state
+    // 4-byte fields
+    int seqlen_q, seqlen_k;     // dense lengths (varlen: the maxima)
+    int nheads, heads_per_kv;   // query heads, query heads per key/value head (GQA)
+    int num_m_blocks;           // query blocks per (batch, head)
+    int window_left, window_right;  // keys [i + sk - sq - left, i + sk - sq + right]; -1 = unbounded
+    float scale_log2;           // softmax_scale * log2(e)
+    u32 dropout_threshold;      // keep iff 16-bit uniform >= threshold
+    float dropout_rescale;      // 1 / (1 - p)
+};
+
+// Where one sequence lives: its token offset in the packed tensors and its lengths.
+struct SequenceExtent {
+    int batch;
+    long long q_start, k_start;
+    int seqlen_q, seqlen_k;
+
+    __device__ __forceinline__ SequenceExtent(const AttentionParams& p, int batch_) : batch(batch_) {
+        if (p.cu_seqlens_q != nullptr) {
+            q_start = p.cu_seqlens_q[batch];
+            k_start = p.cu_seqlens_k[batch];
+            seqlen_q = p.cu_seqlens_q[batch + 1] - (int)q_start;
+            seqlen_k = p.cu_seqlens_k[batch + 1] - (int)k_start;
+        } else {
+            q_start = 0;
+            k_start = 0;
+            seqlen_q = p.seqlen_q;
+            seqlen_k = p.seqlen_k;
+        }
+    }
+};

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Attention benchmark: the Volta kernel against PyTorch eager attention and every SDPA backend available.
+
+    python scripts/bench_attention.py                       # forward, head_dim 64/128, seqlen 1k-8k
+    python scripts/bench_attention.py --pass bwd            # backward (needs the backward kernel)
+    python scripts/bench_attention.py --sweep               # forward tile-shape sweep of the Volta kernel
+
+FLOPs counted (and written in the table header): forward 4*B*H*Nq*Nk*D, half of it under causal;
+backward 2.5x the forward. Times are medians of --repeats CUDA-event timings after --warmup runs,
+cycling through several input sets so the L2 cache does not hold them. Batch x seqlen is kept at
+--tokens (16384) and heads = --hidden / head_dim (2048), as in shared/VOLTA_NOTES.md's baselines.
+Writes a markdown table and a PNG plot to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import volta_train  # noqa: E402
+from volta_train._reference import AttentionParams  # noqa: E402
+from volta_train.kernels import configs, launch  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover
+    tqdm = lambda x, **_: x  # noqa: E731
+
+
+def flops(pass_name: str, batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    forward = 4.0 * batch * heads * sq * sk * d * (0.5 if causal else 1.0)
+    return {"fwd": forward, "bwd": 2.5 * forward, "fwdbwd": 3.5 * forward}[pass_name]
+
+
+def time_ms(fn, input_sets, warmup: int, repeats: int) -> float:
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = input_sets[i % len(input_sets)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_inputs(batch, seqlen, heads, d, sets, requires_grad):
+    out = []
+    for _ in range(sets):
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        out.append(tuple(t.requires_grad_(requires_grad) for t in (q, k, v)))
+    return out
+
+
+def volta_fn(pass_name, causal, accum, tile=None):
+    if pass_name == "fwd" and tile is not None:
+        def run(q, k, v):
+            params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
+            return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, tile=tile)
+        return run
+
+    def run(q, k, v):
+        out = volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
+        if pass_name != "fwd":
+            out.backward(torch.ones_like(out))
+        return out
+    return run
+
+
+def sdpa_fn(pass_name, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "sdpa-math": SDPBackend.MATH, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run(q, k, v):
+        with sdpa_kernel([chosen]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=causal)
+        if pass_name != "fwd":
+            out.backward(torch.ones_like(out))
+        return out
+    return run
+
+
+def eager_fn(pass_name, causal):
+    def run(q, k, v):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        s = qt @ kt.transpose(-1, -2) * qt.shape[-1] ** -0.5
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        out = torch.softmax(s.float(), dim=-1).half() @ vt
+        if pass_name != "fwd":
+            out.backward(torch.ones_like(out))
+        return out
+    return run
+
+
+def measure(fn, batch, seqlen, heads, d, pass_name, args):
+    torch.cuda.empty_cache()
+    inputs = make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd")
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        ms = time_ms(fn, inputs, args.warmup, args.repeats)
+    except (RuntimeError, NotImplementedError) as error:  # unsupported backend / out of memory
+        return None, None, str(error).splitlines()[0][:80]
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, peak, ""
+
+
+def run_benchmark(args) -> list[dict]:
+    rows = []
+    cases = [(d, n, c) for d in args.head_dims for n in args.seqlens for c in args.causal]
+    for d, n, causal in tqdm(cases, desc="benchmark"):
+        heads = args.hidden // d
+        batch = max(1, args.tokens // n)
+        fl = flops(args.pass_name, batch, heads, n, n, d, causal)
+        backends = []
+        for accum in args.accum:
+            backends.append((f"volta-{accum}acc", volta_fn(args.pass_name, causal, accum)))
+        for b in args.baselines:
+            backends.append((b, eager_fn(args.pass_name, causal) if b == "eager" else sdpa_fn(args.pass_name, causal, b)))
+        for name, fn in backends:
+            if name == "eager" and batch * heads * n * n * 6 > args.eager_limit_gb * 2**30:
+                continue
+            ms, peak, note = measure(fn, batch, n, heads, d, args.pass_name, args)
+            rows.append(dict(backend=name, head_dim=d, seqlen=n, causal=causal, batch=batch, heads=heads,
+                             ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note))
+    return rows
+
+
+def run_sweep(args) -> list[dict]:
+    candidates = [configs.FwdTile(*t) for t in args.tiles] if args.tiles else [
+        configs.FwdTile(4, 1, 4, 32), configs.FwdTile(4, 1, 4, 64), configs.FwdTile(4, 1, 8, 32),
+        configs.FwdTile(2, 1, 4, 32), configs.FwdTile(2, 1, 4, 64), configs.FwdTile(2, 1, 8, 32),
+        configs.FwdTile(2, 2, 4, 32), configs.FwdTile(4, 2, 4, 16),
+    ]
+    rows = []
+    cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
+             for t in candidates for a in args.accum]
+    for d, n, causal, tile, accum in tqdm(cases, desc="sweep"):
+        heads, batch = args.hidden // d, max(1, args.tokens // n)
+        try:
+            configs.fwd_variant(d, tile, accum == "fp16", False)
+        except Exception as error:  # invalid shape for this head_dim
+            continue
+        ms, peak, note = measure(volta_fn("fwd", causal, accum, tile), batch, n, heads, d, "fwd", args)
+        fl = flops("fwd", batch, heads, n, n, d, causal)
+        rows.append(dict(backend=f"volta-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
+                         f"m{tile.block_m} n{tile.block_n} w{tile.warps} mt{tile.m_tiles}", head_dim=d, seqlen=n,
+                         causal=causal, ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note))
+    return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    columns = ["backend"] + (["tile"] if args.sweep else []) + ["head_dim", "seqlen", "causal", "ms", "tflops",
+                                                                 "peak_mib", "note"]
+    lines = [
+        f"pass: {args.pass_name}; FLOPs = {'4*B*H*N^2*D' if args.pass_name == 'fwd' else '2.5 * 4*B*H*N^2*D'}"
+        f" (half under causal); B*N = {args.tokens}, H = {args.hidden}/head_dim; median of {args.repeats} after "
+        f"{args.warmup} warm-up runs; device: {torch.cuda.get_device_name()}",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for r in rows:
+        cell = lambda c: ("%.3f" % r[c] if c == "ms" else "%.2f" % r[c] if c == "tflops" else "%.0f" % r[c]) \
+            if isinstance(r.get(c), float) else str(r.get(c, ""))
+        lines.append("| " + " | ".join(cell(c) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    keys = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], keys):
+        label_key = "tile" if "tile" in rows[0] else "backend"
+        for label in sorted({r[label_key] + ("" if label_key == "backend" else " " + r["backend"]) for r in rows}):
+            pts = [(r["seqlen"], r["tflops"]) for r in rows if r["head_dim"] == d and r["causal"] == causal
+                   and (r[label_key] + ("" if label_key == "backend" else " " + r["backend"])) == label and r["tflops"]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"head_dim {d}, {'causal' if causal else 'full'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pass", dest="pass_name", choices=["fwd", "bwd", "fwdbwd"], default="fwd")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False, True])
+    parser.add_argument("--accum", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    parser.add_argument("--baselines", nargs="*", default=["sdpa-flash", "sdpa-efficient", "eager"])
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    parser.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--input-sets", type=int, default=3)
+    parser.add_argument("--eager-limit-gb", type=float, default=24.0)
+    parser.add_argument("--sweep", action="store_true", help="sweep the Volta forward tile shapes")
+    parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
+                        help="sweep candidates as qp_rows,m_tiles,warps,block_n")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_sweep(args) if args.sweep else run_benchmark(args)
+    stem = f"{'sweep' if args.sweep else 'bench'}_{args.pass_name}"
+    table = markdown(rows, args)
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args.out / f"{stem}.png", f"{stem} on {torch.cuda.get_device_name()}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Tile shapes of the Volta kernels, per head_dim and mask, and the NVRTC variant of each.
+
+The table is the result of the sweep in scripts/sweep_tiles.py, recorded in docs/performance.md
+with the V100 occupancy of every choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .variants import KernelVariant
+
+SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+V100_SMEM_PER_BLOCK = 96 * 1024
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """Template parameters of FwdKernelTraits (csrc/kernel_traits.cuh)."""
+
+    quad_pair_rows: int  # 4: 4x1 quad-pair arrangement (8-row quad-pairs, all keys); 2: 2x2
+    m_tiles: int  # 8-row tiles per quad-pair
+    warps: int
+    block_n: int  # keys per block
+    min_blocks_per_sm: int = 1
+
+    @property
+    def rows_per_warp(self) -> int:
+        return 8 * self.quad_pair_rows * self.m_tiles
+
+    @property
+    def block_m(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        stride = (head_dim + 8) * 2
+        return max(2 * self.block_n * stride, self.block_m * stride)
+
+
+# (head_dim, causal) -> tile; head dims not listed use the next larger listed one's tile.
+FWD_TILES: dict[tuple[int, bool], FwdTile] = {
+    (32, False): FwdTile(4, 1, 4, 64),
+    (32, True): FwdTile(4, 1, 4, 64),
+    (64, False): FwdTile(4, 1, 4, 32),
+    (64, True): FwdTile(4, 1, 4, 32),
+    (96, False): FwdTile(2, 1, 4, 32),
+    (96, True): FwdTile(2, 1, 4, 32),
+    (128, False): FwdTile(2, 1, 4, 32),
+    (128, True): FwdTile(2, 1, 4, 32),
+}
+
+
+def fwd_tile(head_dim: int, causal: bool) -> FwdTile:
+    for listed in sorted({d for d, _ in FWD_TILES}):
+        if head_dim <= listed:
+            return FWD_TILES[(listed, causal)]
+    raise ValueError(f"head_dim {head_dim}: the Volta forward kernel supports {SUPPORTED_HEAD_DIMS}")
+
+
+def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> str:
+    flag = lambda b: "true" if b else "false"
+    return (
+        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
+        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}>>"
+    )
+
+
+def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout)
+    return KernelVariant(
+        name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}",
+        sources=("flash_fwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=tile.smem_bytes(head_dim),
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "fwd"},
+    )
+
+
+def shipped_fwd_variants() -> list[KernelVariant]:
+    """Every forward variant the dispatcher can launch."""
+    variants = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        tiles = {fwd_tile(head_dim, causal) for causal in (False, True)}
+        for tile in sorted(tiles, key=repr):
+            for accum_f16 in (False, True):
+                for dropout in (False, True):
+                    variants.append(fwd_variant(head_dim, tile, accum_f16, dropout))
+    return variants

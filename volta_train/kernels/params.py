@@ -1,0 +1,37 @@
+"""ctypes mirror of ``AttentionParams`` in csrc/params.cuh: same fields, same order."""
+
+from __future__ import annotations
+
+import ctypes
+
+_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+_STRIDES = (
+    "q_batch_stride", "q_row_stride", "q_head_stride",
+    "k_batch_stride", "k_row_stride", "k_head_stride",
+    "v_batch_stride", "v_row_stride", "v_head_stride",
+    "o_batch_stride", "o_row_stride", "o_head_stride",
+    "lse_batch_stride", "lse_head_stride",
+)
+
+
+class AttentionParams(ctypes.Structure):
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in _POINTERS]
+        + [(name, ctypes.c_longlong) for name in _STRIDES]
+        + [("seed", ctypes.c_ulonglong), ("offset", ctypes.c_ulonglong)]
+        + [
+            ("seqlen_q", ctypes.c_int),
+            ("seqlen_k", ctypes.c_int),
+            ("nheads", ctypes.c_int),
+            ("heads_per_kv", ctypes.c_int),
+            ("num_m_blocks", ctypes.c_int),
+            ("window_left", ctypes.c_int),
+            ("window_right", ctypes.c_int),
+            ("scale_log2", ctypes.c_float),
+            ("dropout_threshold", ctypes.c_uint),
+            ("dropout_rescale", ctypes.c_float),
+        ]
+    )
+
+
+assert ctypes.sizeof(AttentionParams) == 224, "AttentionParams must match csrc/params.cuh (224 bytes)"
