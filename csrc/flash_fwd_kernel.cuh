@@ -14,6 +14,16 @@
 #include "masking.cuh"
 #include "softmax.cuh"
 
+// On sm_70 every m8n8k4 is a hardware HMMA: interleave independent accumulators (k-major loops) for ILP.
+// On sm_80+ the same instruction is an emulation subroutine whose operands sit in fixed registers: running
+// one accumulator's whole k-chain back to back (accumulator-major loops) saves the register moves around
+// every call. Both orders add the same products in the same order per accumulator: identical results.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kAccumulatorMajorMma = true;
+#else
+constexpr bool kAccumulatorMajorMma = false;
+#endif
+
 template <class KT>
 struct FwdWarpGeometry {
     int lane, warp;
@@ -132,10 +142,46 @@ struct FwdAccumulators {
     }
 };
 
+// Visits the (S tile, 8-wide head_dim step) pairs of S = Q K^T in the order that suits the target.
+template <class KT, class Body>
+__device__ __forceinline__ void for_each_qk_step(Body body) {
+    if (kAccumulatorMajorMma) {
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int kk = 0; kk < KT::kHeadDim / 8; ++kk) body(nt, kk);
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KT::kHeadDim / 8; ++kk)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) body(nt, kk);
+    }
+}
+
+// Visits the (key group, 4-key step, output tile pair) triples of O += P V in the order that suits the target.
+template <class KT, class Body>
+__device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body body) {
+    if (kAccumulatorMajorMma) {
+#pragma unroll
+        for (int ot = ot0; ot < ot0 + ot_count; ot += 2)
+#pragma unroll
+            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+                for (int step = 0; step < 2; ++step) body(nt, step, ot);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int step = 0; step < 2; ++step)
+#pragma unroll
+                for (int ot = ot0; ot < ot0 + ot_count; ot += 2) body(nt, step, ot);
+    }
+}
+
 // One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
 // dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
 // p_partner[a][nt] (2x2 only) those received from the neighbouring quad-pair.
-template <class KT>
+template <class KT, bool MASKED>
 __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][KT::kQRegs], const half_bits* k_tile,
                                                     const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
                                                     int key0, bool needs_mask, float scale_log2,
@@ -154,18 +200,14 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
             for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) s16[a][nt][r] = 0u;
+        for_each_qk_step<KT>([&](int nt, int kk) {
+            const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
-        for (int kk = 0; kk < KT::kHeadDim / 8; ++kk) {
-#pragma unroll
-            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
-                const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
-#pragma unroll
-                for (int a = 0; a < KT::kMTiles; ++a) {
-                    mma_rc_f16(s16[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
-                    mma_rc_f16(s16[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
-                }
+            for (int a = 0; a < KT::kMTiles; ++a) {
+                mma_rc_f16(s16[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
+                mma_rc_f16(s16[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
             }
-        }
+        });
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -182,22 +224,18 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
             for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) s[a][nt][i] = 0.f;
+        for_each_qk_step<KT>([&](int nt, int kk) {
+            const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
-        for (int kk = 0; kk < KT::kHeadDim / 8; ++kk) {
-#pragma unroll
-            for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
-                const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
-#pragma unroll
-                for (int a = 0; a < KT::kMTiles; ++a) {
-                    mma_rc_f32(s[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
-                    mma_rc_f32(s[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
-                }
+            for (int a = 0; a < KT::kMTiles; ++a) {
+                mma_rc_f32(s[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
+                mma_rc_f32(s[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
             }
-        }
+        });
     }
 
     // ---- mask: only key blocks that cross a boundary pay for it
-    if (needs_mask) {
+    if (MASKED && needs_mask) {
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -277,37 +315,30 @@ __device__ __forceinline__ void fwd_pv_chunk(const u32 (&p)[KT::kMTiles][KT::kST
                                              u32 (&o16)[KT::kMTiles][KT::kOTilesPerQuadPair][4],
                                              FwdAccumulators<KT>& acc) {
     const LaneInQuadPair& lq = g.lq;
-#pragma unroll
-    for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+    for_each_pv_step<KT>(ot0, ot_count, [&](int nt, int step, int ot) {
         const int group_key0 = partner_keys ? g.partner_stile_key0(nt) : g.stile_key0(nt);
+        const half_bits* v_row = v_tile + (group_key0 + 4 * step + lq.t) * KT::kSmemStride +
+                                 g.qp_n * KT::kOColsPerQuadPair;
+        const bool single = KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1;
+        u32x4 b;
+        if (single) {
+            const u32x2 b2 = load_shared_8B(v_row + 16 * (ot / 2) + 4 * lq.hi);
+            b = u32x4{b2.x, b2.y, 0u, 0u};
+        } else {
+            b = load_shared_16B(v_row + 16 * (ot / 2) + 8 * lq.hi);
+        }
 #pragma unroll
-        for (int step = 0; step < 2; ++step) {
-            const half_bits* v_row = v_tile + (group_key0 + 4 * step + lq.t) * KT::kSmemStride +
-                                     g.qp_n * KT::kOColsPerQuadPair;
-#pragma unroll
-            for (int ot = ot0; ot < ot0 + ot_count; ot += 2) {
-                const bool single = KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1;
-                u32x4 b;
-                if (single) {
-                    const u32x2 b2 = load_shared_8B(v_row + 16 * (ot / 2) + 4 * lq.hi);
-                    b = u32x4{b2.x, b2.y, 0u, 0u};
-                } else {
-                    b = load_shared_16B(v_row + 16 * (ot / 2) + 8 * lq.hi);
-                }
-#pragma unroll
-                for (int a = 0; a < KT::kMTiles; ++a) {
-                    const u32 a0 = p[a][nt][2 * step], a1 = p[a][nt][2 * step + 1];
-                    if (KT::kAccumF16) {
-                        mma_rr_f16(o16[a][ot], a0, a1, b.x, b.y);
-                        if (!single) mma_rr_f16(o16[a][ot + 1], a0, a1, b.z, b.w);
-                    } else {
-                        mma_rr_f32(acc.o[a][ot], a0, a1, b.x, b.y);
-                        if (!single) mma_rr_f32(acc.o[a][ot + 1], a0, a1, b.z, b.w);
-                    }
-                }
+        for (int a = 0; a < KT::kMTiles; ++a) {
+            const u32 a0 = p[a][nt][2 * step], a1 = p[a][nt][2 * step + 1];
+            if (KT::kAccumF16) {
+                mma_rr_f16(o16[a][ot], a0, a1, b.x, b.y);
+                if (!single) mma_rr_f16(o16[a][ot + 1], a0, a1, b.z, b.w);
+            } else {
+                mma_rr_f32(acc.o[a][ot], a0, a1, b.x, b.y);
+                if (!single) mma_rr_f32(acc.o[a][ot + 1], a0, a1, b.z, b.w);
             }
         }
-    }
+    });
 }
 
 template <class KT>
@@ -389,6 +420,76 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
     }
 }
 
+// What one key-block step of a CTA works on (references into the kernel's registers and shared memory).
+template <class KT>
+struct FwdBlockState {
+    const u32 (&q)[KT::kMTiles][KT::kQRegs];
+    FwdAccumulators<KT>& acc;
+    u32x4 (&stage)[KT::kChunksPerThread];
+    half_bits* k_tile;
+    half_bits* v_tile;
+    const half_bits* k_base;
+    const half_bits* v_base;
+    const FwdWarpGeometry<KT>& g;
+    const VisibleKeys& vis;
+    const DropoutRng& rng;
+    const AttentionParams& prm;
+    const SequenceExtent& seq;
+    int tid, warp_row_end;
+};
+
+// Processing order of a CTA's key blocks [begin, end): the unmasked blocks [full_begin, full_end) first,
+// then the masked ones, [full_end, end) and [begin, full_begin).
+struct KeyBlockOrder {
+    int begin, full_begin, full_end, end;
+
+    __device__ __forceinline__ int masked_count() const { return (end - full_end) + (full_begin - begin); }
+    __device__ __forceinline__ int masked(int i) const {
+        return i < end - full_end ? full_end + i : begin + (i - (end - full_end));
+    }
+    __device__ __forceinline__ int first() const { return full_begin < full_end ? full_begin : masked(0); }
+    // The block processed after n_block, or -1.
+    __device__ __forceinline__ int next(int n_block) const {
+        if (n_block >= full_begin && n_block < full_end) {
+            if (n_block + 1 < full_end) return n_block + 1;
+            return masked_count() > 0 ? masked(0) : -1;
+        }
+        if (n_block >= full_end) {
+            if (n_block + 1 < end) return n_block + 1;
+            return begin < full_begin ? begin : -1;
+        }
+        return n_block + 1 < full_begin ? n_block + 1 : -1;
+    }
+};
+
+// One key block: S, softmax and P while the block's V is in flight; V to shared memory with the next K in
+// flight; then O += P V. MASKED: the block crosses a mask boundary, so warps whose rows see none of it
+// skip it and elements are masked; otherwise every warp computes it straight through.
+template <class KT, bool MASKED>
+__device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, int next_block) {
+    const int key0 = n_block * KT::kBlockN;
+    const bool has_next = next_block >= 0;
+    load_kv_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
+    bool warp_active = true, needs_mask = false;
+    if (MASKED) {
+        warp_active = st.g.warp_row0 < st.warp_row_end &&
+                      !st.vis.tile_is_empty(st.g.warp_row0, st.warp_row_end, key0, key0 + KT::kBlockN);
+        needs_mask = !st.vis.tile_is_full(st.g.warp_row0, st.warp_row_end, key0, key0 + KT::kBlockN);
+    }
+    u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+    u32 p_partner[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+    if (warp_active)
+        fwd_scores_to_probs<KT, MASKED>(st.q, st.k_tile, st.g, st.vis, key0, needs_mask, st.prm.scale_log2, st.rng,
+                                        st.acc, p_own, p_partner);
+    __syncthreads();  // every warp is done with this K block and the previous V block
+    store_kv_block<KT>(st.v_tile, st.tid, st.stage);
+    if (has_next) load_kv_block<KT>(st.k_base, st.prm.k_row_stride, next_block * KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
+    __syncthreads();  // V visible
+    if (warp_active) fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);
+    if (has_next) store_kv_block<KT>(st.k_tile, st.tid, st.stage);
+    __syncthreads();  // next K visible; every warp is done with this V block
+}
+
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const AttentionParams prm) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -425,29 +526,21 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const int warp_row_end = min(g.warp_row0 + KT::kRowsPerWarp, seq.seqlen_q);
 
     if (n_begin < n_end) {
+        // Key blocks every row of the CTA sees entirely run first, without masks or per-warp checks; the
+        // ones that cross the causal diagonal, a window edge or the end of the keys take the masked path.
+        const int full_begin = min(n_end, max(n_begin, vis.first_full_block(cta_row_end, KT::kBlockN)));
+        const int full_end = max(full_begin, min(n_end, vis.end_full_block(m0, KT::kBlockN)));
+        const KeyBlockOrder order{n_begin, full_begin, full_end, n_end};
         u32x4 stage[KT::kChunksPerThread];
-        load_kv_block<KT>(k_base, prm.k_row_stride, n_begin * KT::kBlockN, seq.seqlen_k, tid, stage);
+        load_kv_block<KT>(k_base, prm.k_row_stride, order.first() * KT::kBlockN, seq.seqlen_k, tid, stage);
         store_kv_block<KT>(k_tile, tid, stage);
         __syncthreads();
-        for (int n_block = n_begin; n_block < n_end; ++n_block) {
-            const int key0 = n_block * KT::kBlockN;
-            const bool has_next = n_block + 1 < n_end;
-            load_kv_block<KT>(v_base, prm.v_row_stride, key0, seq.seqlen_k, tid, stage);  // V of this block
-            const bool warp_active = g.warp_row0 < warp_row_end &&
-                                     !vis.tile_is_empty(g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN);
-            u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
-            u32 p_partner[KT::kMTiles][KT::kSTilesPerQuadPair][4];
-            if (warp_active) {
-                const bool needs_mask = !vis.tile_is_full(g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN);
-                fwd_scores_to_probs<KT>(q, k_tile, g, vis, key0, needs_mask, prm.scale_log2, rng, acc, p_own, p_partner);
-            }
-            __syncthreads();  // every warp is done with this K block and the previous V block
-            store_kv_block<KT>(v_tile, tid, stage);
-            if (has_next) load_kv_block<KT>(k_base, prm.k_row_stride, key0 + KT::kBlockN, seq.seqlen_k, tid, stage);
-            __syncthreads();  // V visible
-            if (warp_active) fwd_accumulate_pv<KT>(p_own, p_partner, v_tile, g, acc);
-            if (has_next) store_kv_block<KT>(k_tile, tid, stage);
-            __syncthreads();  // next K visible; every warp is done with this V block
+        FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid, warp_row_end};
+        for (int n_block = full_begin; n_block < full_end; ++n_block)
+            fwd_key_block<KT, false>(st, n_block, order.next(n_block));
+        for (int i = 0; i < order.masked_count(); ++i) {
+            const int n_block = order.masked(i);
+            fwd_key_block<KT, true>(st, n_block, order.next(n_block));
         }
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);

@@ -147,9 +147,9 @@ def run_benchmark(args) -> list[dict]:
 
 def run_sweep(args) -> list[dict]:
     candidates = [configs.FwdTile(*t) for t in args.tiles] if args.tiles else [
-        configs.FwdTile(4, 1, 4, 32), configs.FwdTile(4, 1, 4, 64), configs.FwdTile(4, 1, 8, 32),
-        configs.FwdTile(2, 1, 4, 32), configs.FwdTile(2, 1, 4, 64), configs.FwdTile(2, 1, 8, 32),
-        configs.FwdTile(2, 2, 4, 32), configs.FwdTile(4, 2, 4, 16),
+        configs.FwdTile(4, 1, 4, 32), configs.FwdTile(4, 1, 4, 16), configs.FwdTile(4, 1, 8, 16),
+        configs.FwdTile(2, 1, 4, 32), configs.FwdTile(2, 1, 8, 32), configs.FwdTile(2, 1, 4, 16),
+        configs.FwdTile(2, 1, 8, 16),
     ]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal

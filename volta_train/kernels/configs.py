@@ -43,14 +43,14 @@ class FwdTile:
 
 # (head_dim, causal) -> tile; head dims not listed use the next larger listed one's tile.
 FWD_TILES: dict[tuple[int, bool], FwdTile] = {
-    (32, False): FwdTile(4, 1, 4, 64),
-    (32, True): FwdTile(4, 1, 4, 64),
+    (32, False): FwdTile(4, 1, 4, 32),
+    (32, True): FwdTile(4, 1, 4, 32),
     (64, False): FwdTile(4, 1, 4, 32),
     (64, True): FwdTile(4, 1, 4, 32),
     (96, False): FwdTile(2, 1, 4, 32),
     (96, True): FwdTile(2, 1, 4, 32),
-    (128, False): FwdTile(2, 1, 4, 32),
-    (128, True): FwdTile(2, 1, 4, 32),
+    (128, False): FwdTile(2, 1, 4, 16),
+    (128, True): FwdTile(2, 1, 4, 16),
 }
 
 
