@@ -12,7 +12,7 @@ or at load time::
     hf.register()
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="volta_train")
 
-How it works. transformers (>= 5.0 for the families here) looks attention up by
+How it works. transformers (BERT: >= 5.0.0, GPT-2: >= 5.3.0) looks attention up by
 name in two registries: ``AttentionInterface`` (the attention function) and
 ``AttentionMaskInterface`` (the function that builds the mask the model hands
 to it). :func:`register` puts one of each under :data:`ATTN_IMPLEMENTATION`;
