@@ -40,10 +40,13 @@ struct FwdWarpGeometry {
     __device__ __forceinline__ int mtile_row0(int a) const { return warp_row0 + 8 * (a * KT::kQuadPairRows + qp_m); }
     // First key (within the block) of S tile `nt` computed by this lane's quad-pair.
     __device__ __forceinline__ int stile_key0(int nt) const { return (qp_n * KT::kSTilesPerQuadPair + nt) * 8; }
-    // Same, for the neighbouring quad-pair column (2x2 arrangement): whose P this lane receives.
-    __device__ __forceinline__ int partner_stile_key0(int nt) const {
-        return ((1 - qp_n) * KT::kSTilesPerQuadPair + nt) * 8;
+    // Same, for the quad-pair column qp_n ^ x (x = 1 .. kQuadPairCols - 1): whose P this lane receives.
+    __device__ __forceinline__ int partner_stile_key0(int x, int nt) const {
+        return ((qp_n ^ x) * KT::kSTilesPerQuadPair + nt) * 8;
     }
+    // Lane distance to the quad-pair in column qp_n ^ x of the same rows: flipping qp_n flips bits of the
+    // quad-pair index qp = qp_n * kQuadPairRows + qp_m, i.e. lane bits 2-3.
+    __device__ __forceinline__ static constexpr int partner_lane_xor(int x) { return 4 * KT::kQuadPairRows * x; }
     // head_dim column of O for physical column c of output tile `ot` of this quad-pair. Tiles come in
     // pairs read by one 16-byte load: the low group holds d + 0..7 of the pair, the high group d + 8..15.
     __device__ __forceinline__ int o_col(int ot, int c) const {
@@ -180,14 +183,14 @@ __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body bod
 
 // One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
 // dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
-// p_partner[a][nt] (2x2 only) those received from the neighbouring quad-pair.
-template <class KT, bool MASKED>
+// p_partner[x - 1][a][nt] those received from the quad-pair in column qp_n ^ x (2x2 and 1x4).
+template <class KT>
 __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][KT::kQRegs], const half_bits* k_tile,
                                                     const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
                                                     int key0, bool needs_mask, float scale_log2,
                                                     const DropoutRng& rng, FwdAccumulators<KT>& acc,
                                                     u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
-                                                    u32 (&p_partner)[KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
+                                                    u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
     constexpr int kRowSlots = FwdAccumulators<KT>::kRowSlots;
     const LaneInQuadPair& lq = g.lq;
     // ---- S = Q K^T: B fragments are K rows (col-major B), 8 head_dim values per 16-byte load.
@@ -235,7 +238,7 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
     }
 
     // ---- mask: only key blocks that cross a boundary pay for it
-    if (MASKED && needs_mask) {
+    if (needs_mask) {
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -266,7 +269,9 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
 #pragma unroll
         for (int r = 0; r < kRowSlots; ++r) {
             if (!KT::kAccumF16) tile_max[r] = max_over_lanes(tile_max[r], 2);
-            if (KT::kQuadPairCols == 2) tile_max[r] = max_over_lanes(tile_max[r], 8);
+#pragma unroll
+            for (int bit = 1; bit < KT::kQuadPairCols; bit <<= 1)
+                tile_max[r] = max_over_lanes(tile_max[r], FwdWarpGeometry<KT>::partner_lane_xor(bit));
             const float new_max = fmaxf(acc.row_max[a][r], tile_max[r] * score_scale);
             exp_offset[r] = safe_row_max(new_max);
             rescale[r] = fast_exp2(acc.row_max[a][r] - exp_offset[r]);
@@ -296,10 +301,12 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
                 const int row = g.mtile_row0(a) + lq.operand_row();
                 rng.apply(p_own[a][nt], (u32)((key0 + g.stile_key0(nt)) >> 3), (u32)row);
             }
-            if (KT::kQuadPairCols == 2) {
 #pragma unroll
-                for (int r = 0; r < 4; ++r) p_partner[a][nt][r] = __shfl_xor_sync(0xffffffffu, p_own[a][nt][r], 8);
-            }
+            for (int x = 1; x < KT::kQuadPairCols; ++x)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    p_partner[x - 1][a][nt][r] =
+                        __shfl_xor_sync(0xffffffffu, p_own[a][nt][r], FwdWarpGeometry<KT>::partner_lane_xor(x));
         }
     }
 }
@@ -311,12 +318,12 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
 template <class KT>
 __device__ __forceinline__ void fwd_pv_chunk(const u32 (&p)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                              const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
-                                             bool partner_keys, int ot0, int ot_count,
+                                             int partner_x, int ot0, int ot_count,
                                              u32 (&o16)[KT::kMTiles][KT::kOTilesPerQuadPair][4],
                                              FwdAccumulators<KT>& acc) {
     const LaneInQuadPair& lq = g.lq;
     for_each_pv_step<KT>(ot0, ot_count, [&](int nt, int step, int ot) {
-        const int group_key0 = partner_keys ? g.partner_stile_key0(nt) : g.stile_key0(nt);
+        const int group_key0 = partner_x ? g.partner_stile_key0(partner_x, nt) : g.stile_key0(nt);
         const half_bits* v_row = v_tile + (group_key0 + 4 * step + lq.t) * KT::kSmemStride +
                                  g.qp_n * KT::kOColsPerQuadPair;
         const bool single = KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1;
@@ -343,7 +350,7 @@ __device__ __forceinline__ void fwd_pv_chunk(const u32 (&p)[KT::kMTiles][KT::kST
 
 template <class KT>
 __device__ __forceinline__ void fwd_accumulate_pv(const u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
-                                                  const u32 (&p_partner)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                                  const u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                                   const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
                                                   FwdAccumulators<KT>& acc) {
     constexpr int kTiles = KT::kOTilesPerQuadPair;
@@ -360,8 +367,9 @@ __device__ __forceinline__ void fwd_accumulate_pv(const u32 (&p_own)[KT::kMTiles
 #pragma unroll
                     for (int r = 0; r < 4; ++r) o16[a][ot][r] = 0u;
         }
-        fwd_pv_chunk<KT>(p_own, v_tile, g, false, ot0, count, o16, acc);
-        if (KT::kQuadPairCols == 2) fwd_pv_chunk<KT>(p_partner, v_tile, g, true, ot0, count, o16, acc);
+        fwd_pv_chunk<KT>(p_own, v_tile, g, 0, ot0, count, o16, acc);
+#pragma unroll
+        for (int x = 1; x < KT::kQuadPairCols; ++x) fwd_pv_chunk<KT>(p_partner[x - 1], v_tile, g, x, ot0, count, o16, acc);
         if (KT::kAccumF16) {
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a)
@@ -392,7 +400,8 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
         for (int r = 0; r < kRowSlots; ++r) {
             float l = acc.row_sum[a][r];
             if (!KT::kAccumF16) l = sum_over_lanes(l, 2);
-            if (KT::kQuadPairCols == 2) l = sum_over_lanes(l, 8);
+#pragma unroll
+            for (int bit = 1; bit < KT::kQuadPairCols; bit <<= 1) l = sum_over_lanes(l, FwdWarpGeometry<KT>::partner_lane_xor(bit));
             inv_sum[r] = l > 0.f ? output_scale / l : 0.f;
             const float lse = l > 0.f ? (acc.row_max[a][r] + fast_log2(l)) * kLn2 : pos_inf();
             // one writer per row: FP32-ACC lanes t = 0, 1 own rows t + 2r (+4 hi); FP16-ACC lanes own row t (+4 hi)
@@ -435,57 +444,27 @@ struct FwdBlockState {
     const DropoutRng& rng;
     const AttentionParams& prm;
     const SequenceExtent& seq;
-    int tid, warp_row_end;
+    int tid;
 };
 
-// Processing order of a CTA's key blocks [begin, end): the unmasked blocks [full_begin, full_end) first,
-// then the masked ones, [full_end, end) and [begin, full_begin).
-struct KeyBlockOrder {
-    int begin, full_begin, full_end, end;
-
-    __device__ __forceinline__ int masked_count() const { return (end - full_end) + (full_begin - begin); }
-    __device__ __forceinline__ int masked(int i) const {
-        return i < end - full_end ? full_end + i : begin + (i - (end - full_end));
-    }
-    __device__ __forceinline__ int first() const { return full_begin < full_end ? full_begin : masked(0); }
-    // The block processed after n_block, or -1.
-    __device__ __forceinline__ int next(int n_block) const {
-        if (n_block >= full_begin && n_block < full_end) {
-            if (n_block + 1 < full_end) return n_block + 1;
-            return masked_count() > 0 ? masked(0) : -1;
-        }
-        if (n_block >= full_end) {
-            if (n_block + 1 < end) return n_block + 1;
-            return begin < full_begin ? begin : -1;
-        }
-        return n_block + 1 < full_begin ? n_block + 1 : -1;
-    }
-};
 
 // One key block: S, softmax and P while the block's V is in flight; V to shared memory with the next K in
-// flight; then O += P V. MASKED: the block crosses a mask boundary, so warps whose rows see none of it
-// skip it and elements are masked; otherwise every warp computes it straight through.
-template <class KT, bool MASKED>
-__device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, int next_block) {
+// flight; then O += P V. Every warp computes every block of the CTA's range (with small tiles the
+// diagonal blocks waste only a few percent), so the tensor-core work is branch-free; only blocks that
+// cross a mask boundary (CTA-uniform `needs_mask`) pay for the element mask.
+template <class KT>
+__device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, bool has_next, bool needs_mask) {
     const int key0 = n_block * KT::kBlockN;
-    const bool has_next = next_block >= 0;
     load_kv_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
-    bool warp_active = true, needs_mask = false;
-    if (MASKED) {
-        warp_active = st.g.warp_row0 < st.warp_row_end &&
-                      !st.vis.tile_is_empty(st.g.warp_row0, st.warp_row_end, key0, key0 + KT::kBlockN);
-        needs_mask = !st.vis.tile_is_full(st.g.warp_row0, st.warp_row_end, key0, key0 + KT::kBlockN);
-    }
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
-    u32 p_partner[KT::kMTiles][KT::kSTilesPerQuadPair][4];
-    if (warp_active)
-        fwd_scores_to_probs<KT, MASKED>(st.q, st.k_tile, st.g, st.vis, key0, needs_mask, st.prm.scale_log2, st.rng,
-                                        st.acc, p_own, p_partner);
+    u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
+    fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, needs_mask, st.prm.scale_log2, st.rng, st.acc,
+                            p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
     store_kv_block<KT>(st.v_tile, st.tid, st.stage);
-    if (has_next) load_kv_block<KT>(st.k_base, st.prm.k_row_stride, next_block * KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
+    if (has_next) load_kv_block<KT>(st.k_base, st.prm.k_row_stride, key0 + KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
     __syncthreads();  // V visible
-    if (warp_active) fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);
+    fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);
     if (has_next) store_kv_block<KT>(st.k_tile, st.tid, st.stage);
     __syncthreads();  // next K visible; every warp is done with this V block
 }
@@ -523,24 +502,17 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const int n_begin = vis.first_key(m0) / KT::kBlockN;
     const int key_end = vis.end_key(cta_row_end);
     const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
-    const int warp_row_end = min(g.warp_row0 + KT::kRowsPerWarp, seq.seqlen_q);
 
     if (n_begin < n_end) {
-        // Key blocks every row of the CTA sees entirely run first, without masks or per-warp checks; the
-        // ones that cross the causal diagonal, a window edge or the end of the keys take the masked path.
-        const int full_begin = min(n_end, max(n_begin, vis.first_full_block(cta_row_end, KT::kBlockN)));
-        const int full_end = max(full_begin, min(n_end, vis.end_full_block(m0, KT::kBlockN)));
-        const KeyBlockOrder order{n_begin, full_begin, full_end, n_end};
         u32x4 stage[KT::kChunksPerThread];
-        load_kv_block<KT>(k_base, prm.k_row_stride, order.first() * KT::kBlockN, seq.seqlen_k, tid, stage);
+        load_kv_block<KT>(k_base, prm.k_row_stride, n_begin * KT::kBlockN, seq.seqlen_k, tid, stage);
         store_kv_block<KT>(k_tile, tid, stage);
         __syncthreads();
-        FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid, warp_row_end};
-        for (int n_block = full_begin; n_block < full_end; ++n_block)
-            fwd_key_block<KT, false>(st, n_block, order.next(n_block));
-        for (int i = 0; i < order.masked_count(); ++i) {
-            const int n_block = order.masked(i);
-            fwd_key_block<KT, true>(st, n_block, order.next(n_block));
+        FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid};
+        for (int n_block = n_begin; n_block < n_end; ++n_block) {
+            const int key0 = n_block * KT::kBlockN;
+            const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
+            fwd_key_block<KT>(st, n_block, n_block + 1 < n_end, needs_mask);
         }
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);

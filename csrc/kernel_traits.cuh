@@ -7,7 +7,9 @@
 //   4 x 1: every quad-pair has its own 8 rows and all keys, so P never leaves its lanes
 //          (used up to head_dim 96: O costs head_dim f32 registers per lane);
 //   2 x 2: 16-row warps, half the output registers (head_dim / 2), but P must be exchanged
-//          between the two quad-pairs of a row (one shuffle per register).
+//          between the two quad-pairs of a row (one shuffle per register);
+//   1 x 4: 8-row warps, a quarter of the output registers (head_dim / 4): the fewest registers per
+//          thread, so the most resident warps; P is gathered from all four quad-pairs (three shuffles).
 // kMTiles > 1 stacks more 8-row tiles per quad-pair so each K/V fragment read from shared memory
 // feeds kMTiles tensor-core instructions.
 #pragma once
@@ -15,16 +17,25 @@
 
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
 
+// MIN_BLOCKS_PER_SM is the __launch_bounds__ occupancy target on sm_70 (kept spill-free by the CI report);
+// MIN_BLOCKS_EMULATED the one on sm_80+, where m8n8k4 is an emulation subroutine whose latency only more
+// resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
-          int MIN_BLOCKS_PER_SM = 1>
+          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
     static constexpr int kQuadPairCols = 4 / QUAD_PAIR_ROWS;
+    static constexpr int kPartners = kQuadPairCols - 1;              // quad-pairs that share a lane's rows
+    static constexpr int kPartnerSlots = kPartners > 0 ? kPartners : 1;  // (no zero-length arrays)
     static constexpr int kMTiles = M_TILES;
     static constexpr int kWarps = WARPS;
     static constexpr int kThreads = 32 * WARPS;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_EMULATED;
+#else
     static constexpr int kMinBlocksPerSM = MIN_BLOCKS_PER_SM;
+#endif
     static constexpr bool kAccumF16 = ACCUM_F16;
     static constexpr bool kDropout = DROPOUT;
 
@@ -48,7 +59,8 @@ struct FwdKernelTraits {
     static constexpr int kTileChunks = kBlockN * kChunksPerRow;
     static constexpr int kChunksPerThread = (kTileChunks + kThreads - 1) / kThreads;
 
-    static_assert(QUAD_PAIR_ROWS == 4 || QUAD_PAIR_ROWS == 2, "quad-pairs are arranged 4x1 or 2x2");
+    static_assert(QUAD_PAIR_ROWS == 4 || QUAD_PAIR_ROWS == 2 || QUAD_PAIR_ROWS == 1,
+                  "quad-pairs are arranged 4x1, 2x2 or 1x4");
     static_assert(kHeadDim % (8 * kQuadPairCols) == 0, "head_dim must split evenly over the quad-pair columns");
     static_assert(kKeyGroups % kQuadPairCols == 0, "key groups must split evenly over the quad-pair columns");
     static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");

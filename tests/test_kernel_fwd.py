@@ -61,13 +61,14 @@ def _torch_fp16_attention(q, k, v, causal, scale, window=(-1, -1)):
 
 
 def _kernel_forward(q, k, v, causal=False, scale=None, accum="fp32", window=(-1, -1), dropout_p=0.0, seed=0,
-                    offset=0):
+                    offset=0, tile=None):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     params = AttentionParams(softmax_scale=scale, causal=causal, window_left=window[0], window_right=window[1],
                              dropout_p=dropout_p, seed=seed, offset=offset)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, out=out, lse=lse)
+    return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, out=out, lse=lse,
+                          tile=tile)
 
 
 def _random_cases(n, seed):
@@ -123,6 +124,30 @@ def test_forward_accuracy(case, accum):
         assert err <= 1e-2, f"FP16-ACC error {err:.3e}"
 
 
+ARRANGEMENTS = [  # (head_dim, tile): every quad-pair arrangement and block shape the sweep considers
+    (64, configs.FwdTile(4, 1, 4, 32)), (64, configs.FwdTile(2, 1, 4, 16)), (64, configs.FwdTile(1, 1, 4, 32)),
+    (64, configs.FwdTile(1, 1, 8, 64)), (64, configs.FwdTile(1, 2, 4, 32)), (128, configs.FwdTile(2, 1, 4, 16)),
+    (128, configs.FwdTile(1, 1, 8, 32)), (96, configs.FwdTile(1, 1, 4, 32)), (80, configs.FwdTile(2, 1, 8, 16)),
+    (32, configs.FwdTile(1, 1, 4, 32)), (32, configs.FwdTile(4, 2, 4, 32)),
+]
+
+
+@pytest.mark.parametrize("head_dim, tile", ARRANGEMENTS, ids=lambda x: str(x))
+@pytest.mark.parametrize("accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_every_tile_arrangement(head_dim, tile, accum, dropout):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 333, 301, 4, 2, head_dim, gen)
+    seed, p = random.getrandbits(64), 0.25 if dropout else 0.0
+    out, lse = _kernel_forward(q, k, v, causal=True, accum=accum, dropout_p=p, seed=seed, offset=8, tile=tile)
+    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=True, dropout_p=p, seed=seed, offset=8)
+    ref, ref_lse = _reference.reference_forward(q.double(), k.double(), v.double(), params)
+    rows = ~torch.isinf(ref_lse).transpose(1, 2)
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isposinf(lse), torch.isinf(ref_lse))
+    assert _rel(out, ref, rows) < (2e-3 if accum == "fp32" else 1e-2)
+
+
 @pytest.mark.parametrize("accum", ["fp32", "fp16"])
 @pytest.mark.parametrize("window", [(32, 0), (100, 7), (-1, 20), (0, 0)])
 def test_local_window(accum, window):
@@ -146,8 +171,14 @@ def test_large_scores_stay_finite(accum, d):
     out, lse = _kernel_forward(q, k, v, scale=1.0, accum=accum)
     ref, ref_lse = naive_attention(q, k, v, softmax_scale=1.0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert _rel(out, ref) < 2e-2
-    assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-3
+    if accum == "fp32":
+        assert _rel(out, ref) < 2e-3
+        assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-3
+    else:
+        # FP16-ACC scores of magnitude 1e4 carry fp16 rounding (ulp 8): finite, but only roughly right.
+        # docs/accuracy.md states the limit; FP32-ACC (the default) is exact to fp32 here.
+        assert _rel(out, ref) < 0.1
+        assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-2
 
 
 def _revealed_mask(seed, offset, p, batch, heads, sq, sk, d=128, accum="fp32"):

@@ -22,7 +22,8 @@ class FwdTile:
     m_tiles: int  # 8-row tiles per quad-pair
     warps: int
     block_n: int  # keys per block
-    min_blocks_per_sm: int = 1
+    min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
+    min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
 
     @property
     def rows_per_warp(self) -> int:
@@ -65,7 +66,7 @@ def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: 
     flag = lambda b: "true" if b else "false"
     return (
         f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
-        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}>>"
+        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}>>"
     )
 
 
@@ -73,7 +74,8 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
     expression = fwd_name_expression(head_dim, tile, accum_f16, dropout)
     return KernelVariant(
         name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
-        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}",
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
+        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}",
         sources=("flash_fwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim),
