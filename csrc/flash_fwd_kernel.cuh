@@ -13,6 +13,7 @@
 #include "kernel_traits.cuh"
 #include "masking.cuh"
 #include "softmax.cuh"
+#include "transpose.cuh"
 
 // On sm_70 every m8n8k4 is a hardware HMMA: interleave independent accumulators (k-major loops) for ILP.
 // On sm_80+ the same instruction is an emulation subroutine whose operands sit in fixed registers: running
@@ -47,13 +48,9 @@ struct FwdWarpGeometry {
     // Lane distance to the quad-pair in column qp_n ^ x of the same rows: flipping qp_n flips bits of the
     // quad-pair index qp = qp_n * kQuadPairRows + qp_m, i.e. lane bits 2-3.
     __device__ __forceinline__ static constexpr int partner_lane_xor(int x) { return 4 * KT::kQuadPairRows * x; }
-    // head_dim column of O for physical column c of output tile `ot` of this quad-pair. Tiles come in
-    // pairs read by one 16-byte load: the low group holds d + 0..7 of the pair, the high group d + 8..15.
-    __device__ __forceinline__ int o_col(int ot, int c) const {
-        const int base = qp_n * KT::kOColsPerQuadPair + 16 * (ot / 2);
-        if (KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1) return base + c;
-        return base + 4 * (ot & 1) + (c & 3) + 8 * (c >> 2);
-    }
+    // head_dim column of O for physical column c of output tile `ot` of this quad-pair (B = V^T is
+    // col-major: physical column c is the V^T row fed by the lane with operand_row() == c).
+    __device__ __forceinline__ int o_col(int ot, int c) const { return qp_n * KT::kOColsPerQuadPair + 8 * ot + c; }
 };
 
 // Copies kBlockN rows x head_dim of K or V, starting at key row `key0`, from global memory into
@@ -79,6 +76,38 @@ __device__ __forceinline__ void store_kv_block(half_bits* tile, int tid, const u
         if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
             const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
             store_shared_16B(tile + row * KT::kSmemStride + col, stage[c]);
+        }
+    }
+}
+
+// V block -> registers, in the order the 8x8 transposes need: each group of eight lanes takes one 8-column
+// chunk of eight consecutive keys (lane i: key 8 * key_block8 + i). Rows past seqlen_k become zeros.
+template <class KT>
+__device__ __forceinline__ void load_v_block(const half_bits* base, long long row_stride, int key0, int seqlen_k,
+                                             int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        const int group8 = chunk >> 3;
+        const int key = 8 * (group8 / KT::kChunksPerRow) + (chunk & 7), col = (group8 % KT::kChunksPerRow) * 8;
+        const bool in_tile = (KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks;
+        stage[c] = (in_tile && key0 + key < seqlen_k) ? load_global_16B(base + (long long)(key0 + key) * row_stride + col)
+                                                      : zero_u32x4();
+    }
+}
+
+// Registers -> V^T block in shared memory: transposing each 8x8 chunk across its eight lanes turns
+// "one key, eight head_dim columns" into "one head_dim column, eight keys", stored as one 16-byte row piece.
+template <class KT>
+__device__ __forceinline__ void store_vt_block(half_bits* vt_tile, int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        transpose_8x8_halves(stage[c], tid & 31);
+        if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
+            const int group8 = chunk >> 3;
+            const int d = (group8 % KT::kChunksPerRow) * 8 + (chunk & 7), key = 8 * (group8 / KT::kChunksPerRow);
+            store_shared_16B(vt_tile + d * KT::kVtStride + key, stage[c]);
         }
     }
 }
@@ -161,23 +190,24 @@ __device__ __forceinline__ void for_each_qk_step(Body body) {
     }
 }
 
-// Visits the (key group, 4-key step, output tile pair) triples of O += P V in the order that suits the target.
+// Visits the (quad-pair column x, S tile, output tile) triples of O += P V in the order that suits the target:
+// x = 0 is this lane's own keys, x > 0 the keys of quad-pair column qp_n ^ x.
 template <class KT, class Body>
 __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body body) {
     if (kAccumulatorMajorMma) {
 #pragma unroll
-        for (int ot = ot0; ot < ot0 + ot_count; ot += 2)
+        for (int ot = ot0; ot < ot0 + ot_count; ++ot)
+#pragma unroll
+            for (int x = 0; x < KT::kQuadPairCols; ++x)
+#pragma unroll
+                for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) body(x, nt, ot);
+    } else {
+#pragma unroll
+        for (int x = 0; x < KT::kQuadPairCols; ++x)
 #pragma unroll
             for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
-                for (int step = 0; step < 2; ++step) body(nt, step, ot);
-    } else {
-#pragma unroll
-        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
-#pragma unroll
-            for (int step = 0; step < 2; ++step)
-#pragma unroll
-                for (int ot = ot0; ot < ot0 + ot_count; ot += 2) body(nt, step, ot);
+                for (int ot = ot0; ot < ot0 + ot_count; ++ot) body(x, nt, ot);
     }
 }
 
@@ -311,50 +341,19 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
     }
 }
 
-// O += P V for one key block. A = P (row-major, 4 keys per k-step), B = V rows (row-major B).
-// FP16-ACC accumulates chunks of kOChunk output tiles in fp16 over the whole key block, then adds
-// each chunk into the fp32 O: few fp16 registers live at a time, and 2 * kMTiles independent
-// accumulator chains per k-step.
-template <class KT>
-__device__ __forceinline__ void fwd_pv_chunk(const u32 (&p)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
-                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
-                                             int partner_x, int ot0, int ot_count,
-                                             u32 (&o16)[KT::kMTiles][KT::kOTilesPerQuadPair][4],
-                                             FwdAccumulators<KT>& acc) {
-    const LaneInQuadPair& lq = g.lq;
-    for_each_pv_step<KT>(ot0, ot_count, [&](int nt, int step, int ot) {
-        const int group_key0 = partner_x ? g.partner_stile_key0(partner_x, nt) : g.stile_key0(nt);
-        const half_bits* v_row = v_tile + (group_key0 + 4 * step + lq.t) * KT::kSmemStride +
-                                 g.qp_n * KT::kOColsPerQuadPair;
-        const bool single = KT::kOTileOdd && ot == KT::kOTilesPerQuadPair - 1;
-        u32x4 b;
-        if (single) {
-            const u32x2 b2 = load_shared_8B(v_row + 16 * (ot / 2) + 4 * lq.hi);
-            b = u32x4{b2.x, b2.y, 0u, 0u};
-        } else {
-            b = load_shared_16B(v_row + 16 * (ot / 2) + 8 * lq.hi);
-        }
-#pragma unroll
-        for (int a = 0; a < KT::kMTiles; ++a) {
-            const u32 a0 = p[a][nt][2 * step], a1 = p[a][nt][2 * step + 1];
-            if (KT::kAccumF16) {
-                mma_rr_f16(o16[a][ot], a0, a1, b.x, b.y);
-                if (!single) mma_rr_f16(o16[a][ot + 1], a0, a1, b.z, b.w);
-            } else {
-                mma_rr_f32(acc.o[a][ot], a0, a1, b.x, b.y);
-                if (!single) mma_rr_f32(acc.o[a][ot + 1], a0, a1, b.z, b.w);
-            }
-        }
-    });
-}
-
+// O += P V for one key block. A = P (row-major, 4 keys per k-step), B = V^T rows (col-major B: the lane
+// feeds head_dim column operand_row() of the tile, 8 keys per 16-byte load = two k-steps). FP16-ACC
+// accumulates chunks of kOChunk output tiles in fp16 over the whole key block, then adds each chunk
+// into the fp32 O: few fp16 registers live at a time.
 template <class KT>
 __device__ __forceinline__ void fwd_accumulate_pv(const u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                                   const u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4],
-                                                  const half_bits* v_tile, const FwdWarpGeometry<KT>& g,
+                                                  const half_bits* vt_tile, const FwdWarpGeometry<KT>& g,
                                                   FwdAccumulators<KT>& acc) {
     constexpr int kTiles = KT::kOTilesPerQuadPair;
-    constexpr int kOChunk = KT::kAccumF16 ? 4 : kTiles;  // output tiles per fp16 chunk (even)
+    constexpr int kOChunk = KT::kAccumF16 ? 4 : kTiles;  // output tiles per fp16 chunk
+    const LaneInQuadPair& lq = g.lq;
+    const half_bits* vt_rows = vt_tile + (g.qp_n * KT::kOColsPerQuadPair + lq.operand_row()) * KT::kVtStride;
     u32 o16[KT::kMTiles][kTiles][4];
 #pragma unroll
     for (int ot0 = 0; ot0 < kTiles; ot0 += kOChunk) {
@@ -367,9 +366,21 @@ __device__ __forceinline__ void fwd_accumulate_pv(const u32 (&p_own)[KT::kMTiles
 #pragma unroll
                     for (int r = 0; r < 4; ++r) o16[a][ot][r] = 0u;
         }
-        fwd_pv_chunk<KT>(p_own, v_tile, g, 0, ot0, count, o16, acc);
+        for_each_pv_step<KT>(ot0, count, [&](int x, int nt, int ot) {
+            const int group_key0 = x ? g.partner_stile_key0(x, nt) : g.stile_key0(nt);
+            const u32x4 b = load_shared_16B(vt_rows + 8 * ot * KT::kVtStride + group_key0);
 #pragma unroll
-        for (int x = 1; x < KT::kQuadPairCols; ++x) fwd_pv_chunk<KT>(p_partner[x - 1], v_tile, g, x, ot0, count, o16, acc);
+            for (int a = 0; a < KT::kMTiles; ++a) {
+                const u32(&pf)[4] = x ? p_partner[x - 1][a][nt] : p_own[a][nt];
+                if (KT::kAccumF16) {
+                    mma_rc_f16(o16[a][ot], pf[0], pf[1], b.x, b.y);
+                    mma_rc_f16(o16[a][ot], pf[2], pf[3], b.z, b.w);
+                } else {
+                    mma_rc_f32(acc.o[a][ot], pf[0], pf[1], b.x, b.y);
+                    mma_rc_f32(acc.o[a][ot], pf[2], pf[3], b.z, b.w);
+                }
+            }
+        });
         if (KT::kAccumF16) {
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a)
@@ -455,13 +466,13 @@ struct FwdBlockState {
 template <class KT>
 __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, bool has_next, bool needs_mask) {
     const int key0 = n_block * KT::kBlockN;
-    load_kv_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
+    load_v_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
     u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
     fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, needs_mask, st.prm.scale_log2, st.rng, st.acc,
                             p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
-    store_kv_block<KT>(st.v_tile, st.tid, st.stage);
+    store_vt_block<KT>(st.v_tile, st.tid, st.stage);
     if (has_next) load_kv_block<KT>(st.k_base, st.prm.k_row_stride, key0 + KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
     __syncthreads();  // V visible
     fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);

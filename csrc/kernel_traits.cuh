@@ -52,9 +52,11 @@ struct FwdKernelTraits {
     static constexpr int kQRegs = kHeadDim / 2;                      // f16x2 registers per Q row
 
     static constexpr int kSmemStride = kHeadDim + 8;                 // halves: +16 B per row, no bank conflicts
-    static constexpr int kTileBytes = kBlockN * kSmemStride * 2;
+    static constexpr int kTileBytes = kBlockN * kSmemStride * 2;     // K block, [key][head_dim]
+    static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
+    static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
     static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;
-    static constexpr int kSmemBytes = const_max(2 * kTileBytes, kOStageBytes);
+    static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row
     static constexpr int kTileChunks = kBlockN * kChunksPerRow;
     static constexpr int kChunksPerThread = (kTileChunks + kThreads - 1) / kThreads;

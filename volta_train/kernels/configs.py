@@ -38,8 +38,10 @@ class FwdTile:
         return 32 * self.warps
 
     def smem_bytes(self, head_dim: int) -> int:
-        stride = (head_dim + 8) * 2
-        return max(2 * self.block_n * stride, self.block_m * stride)
+        """K block [key][head_dim] + V^T block [head_dim][key], rows padded by 16 B; or the O staging."""
+        k_tile = self.block_n * (head_dim + 8) * 2
+        vt_tile = head_dim * (self.block_n + 8) * 2
+        return max(k_tile + vt_tile, self.block_m * (head_dim + 8) * 2)
 
 
 # (head_dim, causal) -> tile; head dims not listed use the next larger listed one's tile.
