@@ -63,6 +63,8 @@ def main(argv=None) -> dict:
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
+    if cfg.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        log.warning("mixed_precision fp16 on CPU: accelerate has no fp16 autocast there, the run is fp32 (try bf16)")
     set_seed(cfg.seed)
     log.info("config: %s", json.dumps(config.to_dict(cfg)))
     log.info(
@@ -95,10 +97,10 @@ def main(argv=None) -> dict:
         except ImportError as e:
             sys.exit(f"gpt_long.py: error: volta_train.patch is unavailable ({e}); run with --no-patch")
         patch(model)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params, attention = sum(p.numel() for p in model.parameters()), model.config._attn_implementation
     log.info(
         "model: GPT-2 %s (n_layer %d, n_head %d, n_embd %d), %.2fM parameters, seq_len %d, attention %s",
-        cfg.model, cfg.n_layer, cfg.n_head, cfg.n_embd, n_params / 1e6, cfg.seq_len, model.config._attn_implementation,
+        cfg.model, cfg.n_layer, cfg.n_head, cfg.n_embd, n_params / 1e6, cfg.seq_len, attention,
     )
     optimizer = optim.build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -158,7 +160,7 @@ def main(argv=None) -> dict:
         "steps": cfg.steps, "tokens": meter.tokens, "seconds": round(seconds, 2),
         "tokens_per_second": round(meter.tokens / seconds, 1), "train_loss": train_loss, "val_loss": val_loss,
         "skipped_steps": skipped, "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
-        "attention": accelerator.unwrap_model(model).config._attn_implementation, "parameters": n_params,
+        "attention": attention, "parameters": n_params,
         "checkpoint": str(out_dir / "final") if cfg.save else None,
     }
     if cfg.save:
