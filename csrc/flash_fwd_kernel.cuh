@@ -112,29 +112,60 @@ __device__ __forceinline__ void store_vt_block(half_bits* vt_tile, int tid, u32x
     }
 }
 
-// Q rows -> A fragments (row-major): the lane's row of each m-tile, all of head_dim, as f16x2.
+// Q as the A operand of S = Q K^T (row-major: the lane's row of each m-tile), 16 bytes = two k-steps at a
+// time, from registers or from the CTA's Q tile in shared memory (KT::kQInSmem).
+template <class KT>
+struct QOperand {
+    static constexpr int kRegs = KT::kQInSmem ? 1 : KT::kQRegs;
+    u32 regs[KT::kMTiles][kRegs];
+    const half_bits* tile_row;  // shared memory: this lane's row of m-tile 0
+
+    __device__ __forceinline__ u32x4 chunk(int a, int kk) const {
+        if (KT::kQInSmem)
+            return load_shared_16B(tile_row + a * 8 * KT::kQuadPairRows * KT::kSmemStride + 8 * kk);
+        return u32x4{regs[a][4 * kk], regs[a][4 * kk + 1], regs[a][4 * kk + 2], regs[a][4 * kk + 3]};
+    }
+};
+
 // FP16-ACC pre-scales Q by softmax_scale * log2(e) so S comes out of the tensor cores in the log2
 // domain and within fp16 range.
 template <class KT>
-__device__ __forceinline__ void load_q_fragments(const half_bits* q_base, long long row_stride, int seqlen_q,
-                                                 float scale_log2, const FwdWarpGeometry<KT>& g,
-                                                 u32 (&q)[KT::kMTiles][KT::kQRegs]) {
+__device__ __forceinline__ u32x4 prescale_q_chunk(u32x4 v, float scale_log2) {
+    if (KT::kAccumF16) {
+        v.x = pack_half2(low_half_to_float(v.x) * scale_log2, high_half_to_float(v.x) * scale_log2);
+        v.y = pack_half2(low_half_to_float(v.y) * scale_log2, high_half_to_float(v.y) * scale_log2);
+        v.z = pack_half2(low_half_to_float(v.z) * scale_log2, high_half_to_float(v.z) * scale_log2);
+        v.w = pack_half2(low_half_to_float(v.w) * scale_log2, high_half_to_float(v.w) * scale_log2);
+    }
+    return v;
+}
+
+// Rows past seqlen_q become zeros (finite scores, never stored).
+template <class KT>
+__device__ __forceinline__ void load_q(const half_bits* q_base, long long row_stride, int m0, int seqlen_q,
+                                       float scale_log2, const FwdWarpGeometry<KT>& g, int tid, half_bits* q_tile,
+                                       QOperand<KT>& q) {
+    if (KT::kQInSmem) {
+        for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
+            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            const u32x4 v = m0 + row < seqlen_q ? load_global_16B(q_base + (long long)(m0 + row) * row_stride + col)
+                                                : zero_u32x4();
+            store_shared_16B(q_tile + row * KT::kSmemStride + col, prescale_q_chunk<KT>(v, scale_log2));
+        }
+        q.tile_row = q_tile + (g.mtile_row0(0) - m0 + g.lq.operand_row()) * KT::kSmemStride;
+        return;
+    }
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a) {
         const int row = g.mtile_row0(a) + g.lq.operand_row();
 #pragma unroll
         for (int c = 0; c < KT::kChunksPerRow; ++c) {
-            u32x4 v = row < seqlen_q ? load_global_16B(q_base + (long long)row * row_stride + 8 * c) : zero_u32x4();
-            if (KT::kAccumF16) {
-                v.x = pack_half2(low_half_to_float(v.x) * scale_log2, high_half_to_float(v.x) * scale_log2);
-                v.y = pack_half2(low_half_to_float(v.y) * scale_log2, high_half_to_float(v.y) * scale_log2);
-                v.z = pack_half2(low_half_to_float(v.z) * scale_log2, high_half_to_float(v.z) * scale_log2);
-                v.w = pack_half2(low_half_to_float(v.w) * scale_log2, high_half_to_float(v.w) * scale_log2);
-            }
-            q[a][4 * c + 0] = v.x;
-            q[a][4 * c + 1] = v.y;
-            q[a][4 * c + 2] = v.z;
-            q[a][4 * c + 3] = v.w;
+            const u32x4 v = prescale_q_chunk<KT>(
+                row < seqlen_q ? load_global_16B(q_base + (long long)row * row_stride + 8 * c) : zero_u32x4(), scale_log2);
+            q.regs[a][(4 * c + 0) % QOperand<KT>::kRegs] = v.x;
+            q.regs[a][(4 * c + 1) % QOperand<KT>::kRegs] = v.y;
+            q.regs[a][(4 * c + 2) % QOperand<KT>::kRegs] = v.z;
+            q.regs[a][(4 * c + 3) % QOperand<KT>::kRegs] = v.w;
         }
     }
 }
@@ -215,7 +246,7 @@ __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body bod
 // dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
 // p_partner[x - 1][a][nt] those received from the quad-pair in column qp_n ^ x (2x2 and 1x4).
 template <class KT>
-__device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][KT::kQRegs], const half_bits* k_tile,
+__device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const half_bits* k_tile,
                                                     const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
                                                     int key0, bool needs_mask, float scale_log2,
                                                     const DropoutRng& rng, FwdAccumulators<KT>& acc,
@@ -237,8 +268,9 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
             const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a) {
-                mma_rc_f16(s16[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
-                mma_rc_f16(s16[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
+                const u32x4 qa = q.chunk(a, kk);
+                mma_rc_f16(s16[a][nt], qa.x, qa.y, b.x, b.y);
+                mma_rc_f16(s16[a][nt], qa.z, qa.w, b.z, b.w);
             }
         });
 #pragma unroll
@@ -261,8 +293,9 @@ __device__ __forceinline__ void fwd_scores_to_probs(const u32 (&q)[KT::kMTiles][
             const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a) {
-                mma_rc_f32(s[a][nt], q[a][4 * kk], q[a][4 * kk + 1], b.x, b.y);
-                mma_rc_f32(s[a][nt], q[a][4 * kk + 2], q[a][4 * kk + 3], b.z, b.w);
+                const u32x4 qa = q.chunk(a, kk);
+                mma_rc_f32(s[a][nt], qa.x, qa.y, b.x, b.y);
+                mma_rc_f32(s[a][nt], qa.z, qa.w, b.z, b.w);
             }
         });
     }
@@ -443,7 +476,7 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
 // What one key-block step of a CTA works on (references into the kernel's registers and shared memory).
 template <class KT>
 struct FwdBlockState {
-    const u32 (&q)[KT::kMTiles][KT::kQRegs];
+    const QOperand<KT>& q;
     FwdAccumulators<KT>& acc;
     u32x4 (&stage)[KT::kChunksPerThread];
     half_bits* k_tile;
@@ -504,8 +537,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const FwdWarpGeometry<KT> g(tid, m0);
     const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
 
-    u32 q[KT::kMTiles][KT::kQRegs];
-    load_q_fragments<KT>(q_base, prm.q_row_stride, seq.seqlen_q, prm.scale_log2, g, q);
+    QOperand<KT> q;
+    load_q<KT>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
+               reinterpret_cast<half_bits*>(smem + KT::kTileBytes + KT::kVtTileBytes), q);
     FwdAccumulators<KT> acc;
     acc.init();
 

@@ -21,7 +21,7 @@ __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b
 // MIN_BLOCKS_EMULATED the one on sm_80+, where m8n8k4 is an emulation subroutine whose latency only more
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
-          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1>
+          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -38,6 +38,9 @@ struct FwdKernelTraits {
 #endif
     static constexpr bool kAccumF16 = ACCUM_F16;
     static constexpr bool kDropout = DROPOUT;
+    // Q in registers (head_dim / 2 per m-tile and lane, read once) or in shared memory (A fragments read
+    // per use: more shared-memory traffic, fewer registers, so more resident warps).
+    static constexpr bool kQInSmem = Q_IN_SMEM;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;
@@ -55,8 +58,9 @@ struct FwdKernelTraits {
     static constexpr int kTileBytes = kBlockN * kSmemStride * 2;     // K block, [key][head_dim]
     static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
     static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
-    static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;
-    static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes, kOStageBytes);
+    static constexpr int kQTileBytes = kQInSmem ? kBlockM * kSmemStride * 2 : 0;  // after K and V^T
+    static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;                // reuses the start
+    static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes + kQTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row
     static constexpr int kTileChunks = kBlockN * kChunksPerRow;
     static constexpr int kChunksPerThread = (kTileChunks + kThreads - 1) / kThreads;

@@ -146,11 +146,12 @@ def run_benchmark(args) -> list[dict]:
 
 
 def run_sweep(args) -> list[dict]:
-    candidates = [configs.FwdTile(*t) for t in args.tiles] if args.tiles else [
-        configs.FwdTile(4, 1, 4, 32), configs.FwdTile(2, 1, 4, 16), configs.FwdTile(2, 1, 4, 32),
-        configs.FwdTile(2, 1, 8, 16), configs.FwdTile(1, 1, 4, 32), configs.FwdTile(1, 1, 4, 64),
-        configs.FwdTile(1, 1, 8, 32), configs.FwdTile(1, 1, 8, 64), configs.FwdTile(1, 2, 4, 32),
-        configs.FwdTile(1, 1, 4, 32, 1, 4),
+    T = configs.FwdTile
+    candidates = [T(*t[:6], q_in_smem=bool(t[6]) if len(t) > 6 else False) for t in args.tiles] if args.tiles else [
+        T(4, 1, 4, 32), T(2, 1, 4, 16), T(2, 1, 4, 32), T(2, 1, 8, 16), T(1, 1, 4, 32), T(1, 1, 8, 64),
+        T(1, 1, 4, 32, 1, 4), T(2, 1, 4, 32, q_in_smem=True), T(2, 1, 4, 16, q_in_smem=True),
+        T(2, 1, 8, 16, q_in_smem=True), T(1, 1, 4, 32, q_in_smem=True), T(1, 1, 8, 32, q_in_smem=True),
+        T(1, 1, 4, 64, q_in_smem=True),
     ]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
@@ -165,7 +166,8 @@ def run_sweep(args) -> list[dict]:
         fl = flops("fwd", batch, heads, n, n, d, causal)
         rows.append(dict(backend=f"volta-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
                          f"m{tile.block_m} n{tile.block_n} w{tile.warps} mt{tile.m_tiles} "
-                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}", head_dim=d, seqlen=n,
+                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{' qsmem' if tile.q_in_smem else ''}",
+                         head_dim=d, seqlen=n,
                          causal=causal, ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note))
     return rows
 
@@ -232,7 +234,7 @@ def main() -> None:
     parser.add_argument("--eager-limit-gb", type=float, default=24.0)
     parser.add_argument("--sweep", action="store_true", help="sweep the Volta forward tile shapes")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
-                        help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated]")
+                        help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem]]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -129,6 +129,8 @@ ARRANGEMENTS = [  # (head_dim, tile): every quad-pair arrangement and block shap
     (64, configs.FwdTile(1, 1, 8, 64)), (64, configs.FwdTile(1, 2, 4, 32)), (128, configs.FwdTile(2, 1, 4, 16)),
     (128, configs.FwdTile(1, 1, 8, 32)), (96, configs.FwdTile(1, 1, 4, 32)), (80, configs.FwdTile(2, 1, 8, 16)),
     (32, configs.FwdTile(1, 1, 4, 32)), (32, configs.FwdTile(4, 2, 4, 32)),
+    (64, configs.FwdTile(2, 1, 4, 32, q_in_smem=True)), (128, configs.FwdTile(2, 1, 4, 16, q_in_smem=True)),
+    (128, configs.FwdTile(1, 1, 4, 32, q_in_smem=True)), (96, configs.FwdTile(1, 2, 4, 32, q_in_smem=True)),
 ]
 
 

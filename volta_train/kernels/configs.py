@@ -24,6 +24,7 @@ class FwdTile:
     block_n: int  # keys per block
     min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
     min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
+    q_in_smem: bool = False  # Q read from shared memory per use instead of held in registers
 
     @property
     def rows_per_warp(self) -> int:
@@ -41,7 +42,8 @@ class FwdTile:
         """K block [key][head_dim] + V^T block [head_dim][key], rows padded by 16 B; or the O staging."""
         k_tile = self.block_n * (head_dim + 8) * 2
         vt_tile = head_dim * (self.block_n + 8) * 2
-        return max(k_tile + vt_tile, self.block_m * (head_dim + 8) * 2)
+        q_tile = self.block_m * (head_dim + 8) * 2 if self.q_in_smem else 0
+        return max(k_tile + vt_tile + q_tile, self.block_m * (head_dim + 8) * 2)
 
 
 # (head_dim, causal) -> tile; head dims not listed use the next larger listed one's tile.
@@ -68,7 +70,8 @@ def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: 
     flag = lambda b: "true" if b else "false"
     return (
         f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
-        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}>>"
+        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
+        f"{flag(tile.q_in_smem)}>>"
     )
 
 
@@ -77,7 +80,7 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
     return KernelVariant(
         name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
-        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}",
+        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}",
         sources=("flash_fwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim),
