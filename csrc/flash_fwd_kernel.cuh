@@ -492,24 +492,56 @@ struct FwdBlockState {
 };
 
 
+// Processing order of a CTA's key blocks [begin, end): the unmasked blocks [full_begin, full_end) first,
+// then the masked ones, [full_end, end) and [begin, full_begin).
+struct KeyBlockOrder {
+    int begin, full_begin, full_end, end;
+
+    __device__ __forceinline__ int masked_count() const { return (end - full_end) + (full_begin - begin); }
+    __device__ __forceinline__ int masked(int i) const {
+        return i < end - full_end ? full_end + i : begin + (i - (end - full_end));
+    }
+    __device__ __forceinline__ int first() const { return full_begin < full_end ? full_begin : masked(0); }
+    // The block processed after n_block, or -1.
+    __device__ __forceinline__ int next(int n_block) const {
+        if (n_block >= full_begin && n_block < full_end) {
+            if (n_block + 1 < full_end) return n_block + 1;
+            return masked_count() > 0 ? masked(0) : -1;
+        }
+        if (n_block >= full_end) {
+            if (n_block + 1 < end) return n_block + 1;
+            return begin < full_begin ? begin : -1;
+        }
+        return n_block + 1 < full_begin ? n_block + 1 : -1;
+    }
+};
+
 // One key block: S, softmax and P while the block's V is in flight; V to shared memory with the next K in
-// flight; then O += P V. Every warp computes every block of the CTA's range (with small tiles the
-// diagonal blocks waste only a few percent), so the tensor-core work is branch-free; only blocks that
-// cross a mask boundary (CTA-uniform `needs_mask`) pay for the element mask.
-template <class KT>
-__device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, bool has_next, bool needs_mask) {
+// flight; then O += P V. Unmasked blocks (every row of the CTA sees every key) run branch-free; MASKED
+// blocks cross the causal diagonal, a window edge or the end of the keys: warps whose rows see none of
+// the block skip it, the others mask elements.
+// MAY_MASK: the element mask is applied when needs_mask; SKIP_EMPTY_WARPS: warps whose rows see no key of
+// the block skip its tensor-core work (only in the split masked loop: it makes the GEMMs conditional).
+template <class KT, bool MAY_MASK, bool SKIP_EMPTY_WARPS>
+__device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, int next_block, bool needs_mask) {
     const int key0 = n_block * KT::kBlockN;
     load_v_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
+    const int warp_row_end = min(st.g.warp_row0 + KT::kRowsPerWarp, st.seq.seqlen_q);
+    const bool warp_active =
+        !SKIP_EMPTY_WARPS || (st.g.warp_row0 < warp_row_end &&
+                              !st.vis.tile_is_empty(st.g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN));
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
     u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
-    fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, needs_mask, st.prm.scale_log2, st.rng, st.acc,
-                            p_own, p_partner);
+    if (warp_active)
+        fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, MAY_MASK && needs_mask, st.prm.scale_log2,
+                                st.rng, st.acc, p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
     store_vt_block<KT>(st.v_tile, st.tid, st.stage);
-    if (has_next) load_kv_block<KT>(st.k_base, st.prm.k_row_stride, key0 + KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
+    if (next_block >= 0)
+        load_kv_block<KT>(st.k_base, st.prm.k_row_stride, next_block * KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
     __syncthreads();  // V visible
-    fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);
-    if (has_next) store_kv_block<KT>(st.k_tile, st.tid, st.stage);
+    if (warp_active) fwd_accumulate_pv<KT>(p_own, p_partner, st.v_tile, st.g, st.acc);
+    if (next_block >= 0) store_kv_block<KT>(st.k_tile, st.tid, st.stage);
     __syncthreads();  // next K visible; every warp is done with this V block
 }
 
@@ -549,15 +581,31 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
 
     if (n_begin < n_end) {
+        // Split loop (KT::kSplitMaskedLoop): key blocks every row of the CTA sees entirely run first, without
+        // masks or per-warp checks, then the blocks crossing a mask boundary, skipped by warps that see none
+        // of them. Single loop: every warp computes every block and only the mask is conditional (fewer
+        // registers: one inlined copy of the block step).
+        const int full_begin = KT::kSplitMaskedLoop ? min(n_end, max(n_begin, vis.first_full_block(cta_row_end, KT::kBlockN))) : n_begin;
+        const int full_end = KT::kSplitMaskedLoop ? max(full_begin, min(n_end, vis.end_full_block(m0, KT::kBlockN))) : n_begin;
+        const KeyBlockOrder order{n_begin, full_begin, full_end, n_end};
         u32x4 stage[KT::kChunksPerThread];
-        load_kv_block<KT>(k_base, prm.k_row_stride, n_begin * KT::kBlockN, seq.seqlen_k, tid, stage);
+        load_kv_block<KT>(k_base, prm.k_row_stride, order.first() * KT::kBlockN, seq.seqlen_k, tid, stage);
         store_kv_block<KT>(k_tile, tid, stage);
         __syncthreads();
         FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid};
-        for (int n_block = n_begin; n_block < n_end; ++n_block) {
-            const int key0 = n_block * KT::kBlockN;
-            const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
-            fwd_key_block<KT>(st, n_block, n_block + 1 < n_end, needs_mask);
+        if (KT::kSplitMaskedLoop) {
+            for (int n_block = full_begin; n_block < full_end; ++n_block)
+                fwd_key_block<KT, false, false>(st, n_block, order.next(n_block), false);
+            for (int i = 0; i < order.masked_count(); ++i) {
+                const int n_block = order.masked(i);
+                fwd_key_block<KT, true, true>(st, n_block, order.next(n_block), true);
+            }
+        } else {
+            for (int n_block = n_begin; n_block < n_end; ++n_block) {
+                const int key0 = n_block * KT::kBlockN;
+                const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
+                fwd_key_block<KT, true, false>(st, n_block, n_block + 1 < n_end ? n_block + 1 : -1, needs_mask);
+            }
         }
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);

@@ -21,7 +21,7 @@ __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b
 // MIN_BLOCKS_EMULATED the one on sm_80+, where m8n8k4 is an emulation subroutine whose latency only more
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
-          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false>
+          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -41,6 +41,9 @@ struct FwdKernelTraits {
     // Q in registers (head_dim / 2 per m-tile and lane, read once) or in shared memory (A fragments read
     // per use: more shared-memory traffic, fewer registers, so more resident warps).
     static constexpr bool kQInSmem = Q_IN_SMEM;
+    // Masked key blocks in a loop of their own, where warps skip the blocks their rows cannot see (less
+    // causal waste, more registers), or one loop for all blocks (see flash_fwd_kernel.cuh).
+    static constexpr bool kSplitMaskedLoop = SPLIT_MASKED_LOOP;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;

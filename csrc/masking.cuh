@@ -27,6 +27,19 @@ struct VisibleKeys {
     __device__ __forceinline__ bool tile_is_empty(int row_begin, int row_end, int key_begin, int key_end) const {
         return key_begin >= end_key(row_end) || key_end <= first_key(row_begin);
     }
+    // First key block (of block_n keys) from which on every row before row_end sees whole blocks, as far
+    // as the left window edge is concerned.
+    __device__ __forceinline__ int first_full_block(int row_end, int block_n) const {
+        if (left < 0) return 0;
+        const int first_key_of_last_row = row_end - 1 + shift - left;
+        return first_key_of_last_row <= 0 ? 0 : (first_key_of_last_row + block_n - 1) / block_n;
+    }
+    // One past the last key block that every row from row_begin on sees entirely (right edge, seqlen_k).
+    __device__ __forceinline__ int end_full_block(int row_begin, int block_n) const {
+        int keys = seqlen_k;
+        if (right >= 0) keys = min(keys, row_begin + shift + right + 1);
+        return keys <= 0 ? 0 : keys / block_n;
+    }
     // True if every row in [row_begin, row_end) sees every key in [key_begin, key_end).
     __device__ __forceinline__ bool tile_is_full(int row_begin, int row_end, int key_begin, int key_end) const {
         const bool below_right = right < 0 || key_end - 1 <= row_begin + shift + right;

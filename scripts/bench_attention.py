@@ -147,12 +147,16 @@ def run_benchmark(args) -> list[dict]:
 
 def run_sweep(args) -> list[dict]:
     T = configs.FwdTile
-    candidates = [T(*t[:6], q_in_smem=bool(t[6]) if len(t) > 6 else False) for t in args.tiles] if args.tiles else [
-        T(4, 1, 4, 32), T(2, 1, 4, 16), T(2, 1, 4, 32), T(2, 1, 8, 16), T(1, 1, 4, 32), T(1, 1, 8, 64),
-        T(1, 1, 4, 32, 1, 4), T(2, 1, 4, 32, q_in_smem=True), T(2, 1, 4, 16, q_in_smem=True),
-        T(2, 1, 8, 16, q_in_smem=True), T(1, 1, 4, 32, q_in_smem=True), T(1, 1, 8, 32, q_in_smem=True),
-        T(1, 1, 4, 64, q_in_smem=True),
-    ]
+    if args.tiles:
+        candidates = [T(*t[:6], q_in_smem=bool(t[6]) if len(t) > 6 else False,
+                        split_masked=bool(t[7]) if len(t) > 7 else False) for t in args.tiles]
+    else:
+        candidates = [
+            T(2, 1, 4, 32, q_in_smem=True), T(2, 1, 4, 16, q_in_smem=True), T(1, 1, 4, 32, q_in_smem=True),
+            T(2, 1, 4, 32, q_in_smem=True, split_masked=True), T(2, 1, 4, 16, q_in_smem=True, split_masked=True),
+            T(1, 1, 4, 32, q_in_smem=True, split_masked=True), T(2, 1, 8, 16, q_in_smem=True, split_masked=True),
+            T(2, 1, 4, 32), T(4, 1, 4, 32),
+        ]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
              for t in candidates for a in args.accum]
@@ -166,7 +170,8 @@ def run_sweep(args) -> list[dict]:
         fl = flops("fwd", batch, heads, n, n, d, causal)
         rows.append(dict(backend=f"volta-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
                          f"m{tile.block_m} n{tile.block_n} w{tile.warps} mt{tile.m_tiles} "
-                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{' qsmem' if tile.q_in_smem else ''}",
+                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{' qsmem' if tile.q_in_smem else ''}"
+                         f"{' split' if tile.split_masked else ''}",
                          head_dim=d, seqlen=n,
                          causal=causal, ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note))
     return rows
@@ -234,7 +239,7 @@ def main() -> None:
     parser.add_argument("--eager-limit-gb", type=float, default=24.0)
     parser.add_argument("--sweep", action="store_true", help="sweep the Volta forward tile shapes")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
-                        help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem]]")
+                        help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem[,split]]]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -131,6 +131,9 @@ ARRANGEMENTS = [  # (head_dim, tile): every quad-pair arrangement and block shap
     (32, configs.FwdTile(1, 1, 4, 32)), (32, configs.FwdTile(4, 2, 4, 32)),
     (64, configs.FwdTile(2, 1, 4, 32, q_in_smem=True)), (128, configs.FwdTile(2, 1, 4, 16, q_in_smem=True)),
     (128, configs.FwdTile(1, 1, 4, 32, q_in_smem=True)), (96, configs.FwdTile(1, 2, 4, 32, q_in_smem=True)),
+    (64, configs.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=True)),
+    (128, configs.FwdTile(2, 1, 4, 16, q_in_smem=True, split_masked=True)),
+    (32, configs.FwdTile(4, 1, 4, 32, split_masked=True)),
 ]
 
 
@@ -152,10 +155,12 @@ def test_every_tile_arrangement(head_dim, tile, accum, dropout):
 
 @pytest.mark.parametrize("accum", ["fp32", "fp16"])
 @pytest.mark.parametrize("window", [(32, 0), (100, 7), (-1, 20), (0, 0)])
-def test_local_window(accum, window):
+@pytest.mark.parametrize("split", [False, True])
+def test_local_window(accum, window, split):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
-    out, lse = _kernel_forward(q, k, v, window=window, accum=accum)
+    tile = configs.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=split)
+    out, lse = _kernel_forward(q, k, v, window=window, accum=accum, tile=tile)
     ref, ref_lse = naive_attention(q, k, v, window_size=window)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)
     assert not torch.isnan(out).any()

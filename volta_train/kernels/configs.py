@@ -25,6 +25,7 @@ class FwdTile:
     min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
     min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
     q_in_smem: bool = False  # Q read from shared memory per use instead of held in registers
+    split_masked: bool = False  # masked key blocks in their own loop, skipped by warps that see none of them
 
     @property
     def rows_per_warp(self) -> int:
@@ -71,7 +72,7 @@ def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: 
     return (
         f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
         f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
-        f"{flag(tile.q_in_smem)}>>"
+        f"{flag(tile.q_in_smem)}, {flag(tile.split_masked)}>>"
     )
 
 
@@ -80,7 +81,8 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
     return KernelVariant(
         name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
-        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}",
+        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
+        f"{'_split' if tile.split_masked else ''}",
         sources=("flash_fwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim),
