@@ -109,8 +109,10 @@ def test_forward_accuracy(case, accum):
     assert torch.equal(torch.isposinf(lse), empty), "lse must be +inf exactly on rows without keys"
     if (~empty).any():
         got, want = lse.double()[~empty], ref_lse[~empty]
-        lse_err = ((got - want).norm() / want.norm()).item()
-        assert lse_err <= 1e-3, f"lse relative error {lse_err:.2e}"
+        # relative to ||lse||, floored at one unit per row (an lse near 0 has no meaningful relative error)
+        lse_err = ((got - want).norm() / max(want.norm().item(), want.numel() ** 0.5)).item()
+        # FP16-ACC: the scores themselves are fp16-accumulated, so the lse carries their rounding (docs/accuracy.md)
+        assert lse_err <= (1e-3 if accum == "fp32" else 3e-3), f"lse relative error {lse_err:.2e}"
         if accum == "fp32":  # fp32 accumulation: every row within 1e-3 too (FP16-ACC scores carry fp16 rounding)
             worst = ((got - want).abs() / want.abs().clamp_min(1.0)).max().item()
             assert worst <= 1e-3, f"worst row lse error {worst:.2e}"
