@@ -526,10 +526,13 @@ template <class KT, bool MAY_MASK, bool SKIP_EMPTY_WARPS>
 __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, int next_block, bool needs_mask) {
     const int key0 = n_block * KT::kBlockN;
     load_v_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
+    // sm_80+ also skips empty warp tiles in the single loop: each emulated m8n8k4 costs ~100 instructions
+    // there. sm_70 keeps the single loop's tensor-core work branch-free (the diagonal waste is a few %).
+    const bool may_skip = SKIP_EMPTY_WARPS || (kAccumulatorMajorMma && MAY_MASK && needs_mask);
     const int warp_row_end = min(st.g.warp_row0 + KT::kRowsPerWarp, st.seq.seqlen_q);
     const bool warp_active =
-        !SKIP_EMPTY_WARPS || (st.g.warp_row0 < warp_row_end &&
-                              !st.vis.tile_is_empty(st.g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN));
+        !may_skip || (st.g.warp_row0 < warp_row_end &&
+                      !st.vis.tile_is_empty(st.g.warp_row0, warp_row_end, key0, key0 + KT::kBlockN));
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
     u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
     if (warp_active)

@@ -47,23 +47,33 @@ class FwdTile:
         return max(k_tile + vt_tile + q_tile, self.block_m * (head_dim + 8) * 2)
 
 
-# (head_dim, causal) -> tile; head dims not listed use the next larger listed one's tile.
-FWD_TILES: dict[tuple[int, bool], FwdTile] = {
-    (32, False): FwdTile(4, 1, 4, 32),
-    (32, True): FwdTile(4, 1, 4, 32),
-    (64, False): FwdTile(4, 1, 4, 32),
-    (64, True): FwdTile(4, 1, 4, 32),
-    (96, False): FwdTile(2, 1, 4, 32),
-    (96, True): FwdTile(2, 1, 4, 32),
-    (128, False): FwdTile(2, 1, 4, 16),
-    (128, True): FwdTile(2, 1, 4, 16),
+EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, not a tensor-core instruction
+
+# Forward tiles per target, head_dim -> tile (causal and full attention share a tile: the sweeps found no
+# causal-specific winner). Head dims not listed use the next larger listed one's tile.
+#
+# sm_70 (V100): from the static V100 model on the sm_70 cubins (tensor-core utilisation bound of the main
+#   loop, `must` view) and the V100 occupancy of each candidate, docs/performance.md. Q stays in registers
+#   (reading it from shared memory per use makes head_dim 128 shared-memory bound: 59% vs 84%).
+# sm_80+ (the Volta build on an H100/H200): from the measured sweep, docs/performance.md. Q lives in shared
+#   memory there: the emulated m8n8k4 wants resident warps more than shared-memory bandwidth.
+FWD_TILES_SM70: dict[int, FwdTile] = {
+    48: FwdTile(4, 1, 4, 32),   # 4x1 quad-pairs, 128x32 blocks, 4 warps: model 91%, 2 CTAs/SM (d 16-48)
+    64: FwdTile(2, 1, 4, 32),   # 2x2, 64x32, 4 warps: model 84%, 3 CTAs/SM
+    96: FwdTile(2, 1, 4, 32),   # 2x2, 64x32: model 84-87%, 2 CTAs/SM (d 80, 96)
+    128: FwdTile(2, 1, 4, 16),  # 2x2, 64x16: model 84-86%, 2 CTAs/SM (d 112, 128)
+}
+FWD_TILES_EMULATED: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 4, 32, q_in_smem=True),   # measured 14.0-16.0 TFLOP/s (d 16-64)
+    128: FwdTile(2, 1, 4, 16, q_in_smem=True),  # measured 13.5-15.3 TFLOP/s (d 80-128)
 }
 
 
-def fwd_tile(head_dim: int, causal: bool) -> FwdTile:
-    for listed in sorted({d for d, _ in FWD_TILES}):
+def fwd_tile(head_dim: int, causal: bool = False, arch: int = 70) -> FwdTile:
+    table = FWD_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else FWD_TILES_SM70
+    for listed in sorted(table):
         if head_dim <= listed:
-            return FWD_TILES[(listed, causal)]
+            return table[listed]
     raise ValueError(f"head_dim {head_dim}: the Volta forward kernel supports {SUPPORTED_HEAD_DIMS}")
 
 
@@ -91,11 +101,11 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
     )
 
 
-def shipped_fwd_variants() -> list[KernelVariant]:
-    """Every forward variant the dispatcher can launch."""
+def shipped_fwd_variants(arch: int = 70) -> list[KernelVariant]:
+    """Every forward variant the dispatcher can launch on arch."""
     variants = []
     for head_dim in SUPPORTED_HEAD_DIMS:
-        tiles = {fwd_tile(head_dim, causal) for causal in (False, True)}
+        tiles = {fwd_tile(head_dim, causal, arch) for causal in (False, True)}
         for tile in sorted(tiles, key=repr):
             for accum_f16 in (False, True):
                 for dropout in (False, True):

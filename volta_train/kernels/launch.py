@@ -80,7 +80,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    tile = tile or configs.fwd_tile(head_dim, params.causal)
+    tile = tile or configs.fwd_tile(head_dim, params.causal, _arch(q.device))
     variant = configs.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0)
     kernel = _kernel(variant, q.device)
     prm = AttentionParams()

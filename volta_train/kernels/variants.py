@@ -80,6 +80,7 @@ PROBE_VARIANT = KernelVariant(
 
 
 def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
-    """The variants to compile for arch (every variant is arch-independent for now)."""
-    normalize_arch(arch)
-    return [PROBE_VARIANT]
+    """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
+    from .configs import shipped_fwd_variants  # configs builds on this module's KernelVariant
+
+    return shipped_fwd_variants(normalize_arch(arch)) + [PROBE_VARIANT]
