@@ -10,7 +10,7 @@ import torch
 import volta_train
 from volta_train import _dispatch, _philox
 from volta_train._reference import AttentionParams, reference_backward, reference_forward
-from naive import naive_attention
+from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_reference_dropout_equals_naive_with_the_same_mask(causal, rng):
     out, lse = reference_forward(q.detach(), k.detach(), v.detach(), params)
     keep = _full_mask(seed, offset, p, batch, h, sq, sk)
     ref, _ = naive_attention(q, k, v, causal=causal, keep_mask=keep, dropout_p=p)
-    assert torch.allclose(out, ref, atol=1e-10)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
     dout = torch.randn_like(out)
     grads = reference_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, params)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
