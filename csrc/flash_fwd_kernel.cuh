@@ -554,8 +554,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
 
-    const int m_block = prm.num_m_blocks - 1 - (int)blockIdx.x;  // longest (causal) blocks first
-    const int head = blockIdx.y, batch = blockIdx.z;
+    // Grid (batch * heads, query blocks): blocks are issued x fastest, so every (batch, head) gets its last
+    // query block (the longest under a causal mask) in the first waves and the short ones fill the tail.
+    const int m_block = prm.num_m_blocks - 1 - (int)blockIdx.y;
+    const int head = (int)blockIdx.x % prm.nheads, batch = (int)blockIdx.x / prm.nheads;
     const SequenceExtent seq(prm, batch);
     const int m0 = m_block * KT::kBlockM;
     if (m0 >= seq.seqlen_q) return;

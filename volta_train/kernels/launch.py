@@ -33,7 +33,7 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 params: CallParams, block_m: int) -> tuple[int, int, int]:
-    """Pointers, strides, lengths, masks and dropout state; returns the grid (m blocks, heads, batch)."""
+    """Pointers, strides, lengths, masks and dropout state; returns the grid (batch * heads, m blocks)."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
@@ -59,7 +59,9 @@ def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
     prm.seed, prm.offset = params.seed, params.offset
     prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
     prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
-    return prm.num_m_blocks, nheads, batch
+    if prm.num_m_blocks > 65535:
+        raise ValueError(f"seqlen_q {max_seqlen_q} needs {prm.num_m_blocks} query blocks; at most 65535 fit a grid")
+    return batch * nheads, prm.num_m_blocks
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams, alibi_slopes,
