@@ -554,10 +554,12 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
 
-    // Grid (batch * heads, query blocks): blocks are issued x fastest, so every (batch, head) gets its last
-    // query block (the longest under a causal mask) in the first waves and the short ones fill the tail.
-    const int m_block = prm.num_m_blocks - 1 - (int)blockIdx.y;
-    const int head = (int)blockIdx.x % prm.nheads, batch = (int)blockIdx.x / prm.nheads;
+    // Blocks are issued x fastest. Full attention: (query blocks, batch * heads), so the CTAs running together
+    // share K and V in L2. Causal: (batch * heads, query blocks), so every (batch, head) gets its last query
+    // block (the longest) in the first waves and the short ones fill the tail.
+    const int bh = prm.m_blocks_fastest ? (int)blockIdx.y : (int)blockIdx.x;
+    const int m_block = prm.num_m_blocks - 1 - (int)(prm.m_blocks_fastest ? blockIdx.x : blockIdx.y);
+    const int head = bh % prm.nheads, batch = bh / prm.nheads;
     const SequenceExtent seq(prm, batch);
     const int m0 = m_block * KT::kBlockM;
     if (m0 >= seq.seqlen_q) return;

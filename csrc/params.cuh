@@ -26,6 +26,7 @@ struct AttentionParams {
     float scale_log2;           // softmax_scale * log2(e)
     u32 dropout_threshold;      // keep iff 16-bit uniform >= threshold
     float dropout_rescale;      // 1 / (1 - p)
+    int m_blocks_fastest;       // grid order: 1 = (query blocks, batch * heads), 0 = (batch * heads, query blocks)
 };
 
 // Where one sequence lives: its token offset in the packed tensors and its lengths.

@@ -33,7 +33,7 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 params: CallParams, block_m: int) -> tuple[int, int, int]:
-    """Pointers, strides, lengths, masks and dropout state; returns the grid (batch * heads, m blocks)."""
+    """Pointers, strides, lengths, masks and dropout state; returns the launch grid."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
@@ -59,9 +59,12 @@ def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
     prm.seed, prm.offset = params.seed, params.offset
     prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
     prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
-    if prm.num_m_blocks > 65535:
-        raise ValueError(f"seqlen_q {max_seqlen_q} needs {prm.num_m_blocks} query blocks; at most 65535 fit a grid")
-    return batch * nheads, prm.num_m_blocks
+    # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
+    prm.m_blocks_fastest = 0 if params.causal else 1
+    grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
+    if grid[1] > 65535:
+        raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= 65535")
+    return grid
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams, alibi_slopes,

@@ -30,8 +30,9 @@ class AttentionParams(ctypes.Structure):
             ("scale_log2", ctypes.c_float),
             ("dropout_threshold", ctypes.c_uint),
             ("dropout_rescale", ctypes.c_float),
+            ("m_blocks_fastest", ctypes.c_int),
         ]
     )
 
 
-assert ctypes.sizeof(AttentionParams) == 224, "AttentionParams must match csrc/params.cuh (224 bytes)"
+assert ctypes.sizeof(AttentionParams) == 232, "AttentionParams must match csrc/params.cuh (232 bytes)"
