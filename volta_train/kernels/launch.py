@@ -60,7 +60,7 @@ def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
     prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
     prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
-    prm.m_blocks_fastest = 0 if params.causal else 1
+    prm.m_blocks_fastest = 0 if (params.causal or batch * nheads > 65535) else 1
     grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
     if grid[1] > 65535:
         raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= 65535")
