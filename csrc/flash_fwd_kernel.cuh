@@ -242,20 +242,14 @@ __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body bod
     }
 }
 
-// One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
-// dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
-// p_partner[x - 1][a][nt] those received from the quad-pair in column qp_n ^ x (2x2 and 1x4).
+// S-shaped products of one warp: s = A B^T with A = the warp's rows (Q, or dO in the dQ kernel) and B = the
+// rows of a [key][head_dim] tile in shared memory (col-major B: the lane feeds key column operand_row(), 8
+// head_dim values per 16-byte load). FP16-ACC accumulates in fp16 and widens the result.
 template <class KT>
-__device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const half_bits* k_tile,
-                                                    const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
-                                                    int key0, bool needs_mask, float scale_log2,
-                                                    const DropoutRng& rng, FwdAccumulators<KT>& acc,
-                                                    u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
-                                                    u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
-    constexpr int kRowSlots = FwdAccumulators<KT>::kRowSlots;
+__device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
+                                                     const FwdWarpGeometry<KT>& g,
+                                                     float (&s)[KT::kMTiles][KT::kSTilesPerQuadPair][8]) {
     const LaneInQuadPair& lq = g.lq;
-    // ---- S = Q K^T: B fragments are K rows (col-major B), 8 head_dim values per 16-byte load.
-    float s[KT::kMTiles][KT::kSTilesPerQuadPair][8];
     if (KT::kAccumF16) {
         u32 s16[KT::kMTiles][KT::kSTilesPerQuadPair][4];
 #pragma unroll
@@ -265,7 +259,7 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
 #pragma unroll
                 for (int r = 0; r < 4; ++r) s16[a][nt][r] = 0u;
         for_each_qk_step<KT>([&](int nt, int kk) {
-            const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
+            const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a) {
                 const u32x4 qa = q.chunk(a, kk);
@@ -290,7 +284,7 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
 #pragma unroll
                 for (int i = 0; i < 8; ++i) s[a][nt][i] = 0.f;
         for_each_qk_step<KT>([&](int nt, int kk) {
-            const u32x4 b = load_shared_16B(k_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
+            const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a) {
                 const u32x4 qa = q.chunk(a, kk);
@@ -299,6 +293,24 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
             }
         });
     }
+
+}
+
+// One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
+// dropout. Returns P as f16x2 registers: p_own[a][nt] holds the keys of this lane's quad-pair column,
+// p_partner[x - 1][a][nt] those received from the quad-pair in column qp_n ^ x (2x2 and 1x4).
+template <class KT>
+__device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const half_bits* k_tile,
+                                                    const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
+                                                    int key0, bool needs_mask, float scale_log2,
+                                                    const DropoutRng& rng, FwdAccumulators<KT>& acc,
+                                                    u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                                    u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
+    constexpr int kRowSlots = FwdAccumulators<KT>::kRowSlots;
+    const LaneInQuadPair& lq = g.lq;
+    // ---- S = Q K^T
+    float s[KT::kMTiles][KT::kSTilesPerQuadPair][8];
+    rows_times_tile_rows<KT>(q, k_tile, g, s);
 
     // ---- mask: only key blocks that cross a boundary pay for it
     if (needs_mask) {

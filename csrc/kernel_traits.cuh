@@ -74,3 +74,82 @@ struct FwdKernelTraits {
     static_assert(kKeyGroups % kQuadPairCols == 0, "key groups must split evenly over the quad-pair columns");
     static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
 };
+
+// Tile shapes of the backward dK/dV kernel. A CTA owns kBlockN keys of one (batch, kv head) and walks the
+// query blocks of kBlockM queries of every query head of its group. Roles are swapped with respect to the
+// forward: warps own keys (rows of S^T = K Q^T and dP^T = V dO^T), quad-pairs are arranged
+// kQuadPairRows (along keys) x kQuadPairCols (along queries in S^T, along head_dim in dK and dV).
+// dQ = dS K is computed by all warps from dS in shared memory, each warp owning kDqRowsPerWarp queries, and
+// added into an fp32 buffer with atomics (DQ_ATOMIC; the deterministic path computes dQ in its own kernel).
+template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
+          bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1>
+struct BwdKernelTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
+    static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
+    static constexpr int kQuadPairCols = 4 / QUAD_PAIR_ROWS;
+    static constexpr int kPartners = kQuadPairCols - 1;
+    static constexpr int kPartnerSlots = kPartners > 0 ? kPartners : 1;
+    static constexpr int kMTiles = 1;
+    static constexpr int kWarps = WARPS;
+    static constexpr int kThreads = 32 * WARPS;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_EMULATED;
+#else
+    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_PER_SM;
+#endif
+    static constexpr bool kAccumF16 = ACCUM_F16;
+    static constexpr bool kDropout = DROPOUT;
+    static constexpr bool kDqAtomic = DQ_ATOMIC;
+    static constexpr bool kKvInSmem = KV_IN_SMEM;  // K, V as A operands from shared memory (else registers)
+
+    static constexpr int kRowsPerWarp = 8 * kQuadPairRows;   // keys per warp
+    static constexpr int kBlockN = kWarps * kRowsPerWarp;    // keys per CTA
+    static constexpr int kBlockM = BLOCK_M;                  // queries per iteration
+    static constexpr int kSTilesPerQuadPair = kBlockM / 8 / kQuadPairCols;
+    static constexpr int kOColsPerQuadPair = kHeadDim / kQuadPairCols;  // dK / dV columns per quad-pair
+    static constexpr int kOTilesPerQuadPair = kOColsPerQuadPair / 8;
+    static constexpr int kQRegs = kHeadDim / 2;
+
+    // dQ tile [kBlockM x head_dim]: warp w owns kDqRowsPerWarp queries, arranged like a forward output tile
+    static constexpr int kDqRowsPerWarp = kBlockM / kWarps;
+    static constexpr int kDqQuadPairRows = kDqRowsPerWarp / 8;
+    static constexpr int kDqQuadPairCols = kDqQuadPairRows > 0 ? 4 / kDqQuadPairRows : 1;
+    static constexpr int kDqColsPerQuadPair = kHeadDim / kDqQuadPairCols;
+    static constexpr int kDqTilesPerQuadPair = kDqColsPerQuadPair / 8;
+
+    // Shared memory (halves; rows padded by 16 B)
+    static constexpr int kRowStride = kHeadDim + 8;    // [row][head_dim] tiles: Q, dO, and K, V if in smem
+    static constexpr int kQtStride = kBlockM + 8;      // [head_dim][query] tiles: Q^T, dO^T
+    static constexpr int kKtStride = kBlockN + 8;      // [head_dim][key] tile: K^T
+    static constexpr int kDsStride = kBlockN + 8;      // [query][key] tile: dS
+    static constexpr int kQTileBytes = kBlockM * kRowStride * 2;
+    static constexpr int kQtTileBytes = kHeadDim * kQtStride * 2;
+    static constexpr int kKtTileBytes = kHeadDim * kKtStride * 2;
+    static constexpr int kDsTileBytes = kBlockM * kDsStride * 2;
+    static constexpr int kKvTileBytes = kKvInSmem ? kBlockN * kRowStride * 2 : 0;
+    static constexpr int kVectorBytes = kBlockM * 4;   // lse (log2 domain) or dsum of a query block
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffDo = kOffQ + kQTileBytes;
+    static constexpr int kOffQt = kOffDo + kQTileBytes;
+    static constexpr int kOffDot = kOffQt + kQtTileBytes;
+    static constexpr int kOffKt = kOffDot + kQtTileBytes;
+    static constexpr int kOffDs = kOffKt + (kDqAtomic ? kKtTileBytes : 0);
+    static constexpr int kOffK = kOffDs + (kDqAtomic ? kDsTileBytes : 0);
+    static constexpr int kOffV = kOffK + kKvTileBytes;
+    static constexpr int kOffLse = kOffV + kKvTileBytes;
+    static constexpr int kOffDsum = kOffLse + kVectorBytes;
+    static constexpr int kOStageBytes = kBlockN * kRowStride * 2;  // dK / dV staging at the end
+    static constexpr int kSmemBytes = const_max(kOffDsum + kVectorBytes, kOStageBytes);
+
+    static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kQTileChunks = kBlockM * kChunksPerRow;
+    static constexpr int kChunksPerThread = (kQTileChunks + kThreads - 1) / kThreads;
+
+    static_assert(QUAD_PAIR_ROWS == 2 || QUAD_PAIR_ROWS == 1, "backward quad-pairs are arranged 2x2 or 1x4");
+    static_assert(kBlockM % (8 * kQuadPairCols) == 0, "query block must split over the quad-pair columns");
+    static_assert(kHeadDim % (8 * kQuadPairCols) == 0, "head_dim must split over the quad-pair columns");
+    static_assert(!kDqAtomic || (kDqQuadPairRows == 1 || kDqQuadPairRows == 2 || kDqQuadPairRows == 4),
+                  "dQ rows per warp must be 8, 16 or 32");
+    static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols) == 0, "head_dim must split over dQ quad-pairs");
+    static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
+};

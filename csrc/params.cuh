@@ -29,6 +29,24 @@ struct AttentionParams {
     int m_blocks_fastest;       // grid order: 1 = (query blocks, batch * heads), 0 = (batch * heads, query blocks)
 };
 
+// The backward's extra tensors. dq_accum (fp32, zeroed by the caller, strides dq_*) receives the dK/dV
+// kernel's dQ atomics; dq (fp16, same strides) the dQ kernel's result; dsum = rowsum(dO * O), laid out like lse.
+struct BackwardParams {
+    AttentionParams fwd;
+    const half_bits* dout;
+    float* dq_accum;
+    half_bits* dq;
+    half_bits* dk;
+    half_bits* dv;
+    const float* dsum;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    float softmax_scale;
+    int num_n_blocks;  // key blocks per (batch, kv head)
+};
+
 // Where one sequence lives: its token offset in the packed tensors and its lengths.
 struct SequenceExtent {
     int batch;

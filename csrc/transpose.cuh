@@ -14,18 +14,20 @@ __device__ __forceinline__ u32 byte_permute(u32 a, u32 b, u32 selector) {
     return r;
 }
 
-// Words (w0, w1) <-> (w2, w3) across lanes i, i ^ 4; or (w0, w2) <-> (w1, w3) across lanes i, i ^ 2.
-__device__ __forceinline__ void transpose_stage_words(u32x4& w, int lane, int distance) {
+// Words (w0, w1) <-> (w2, w3) across the lanes whose row bit 2 differs (lane distance `distance`).
+__device__ __forceinline__ void transpose_stage_word_pairs(u32x4& w, int lane, int distance) {
     const bool upper = (lane & distance) != 0;
-    if (distance == 4) {
-        const u32 r0 = __shfl_xor_sync(0xffffffffu, upper ? w.x : w.z, 4);
-        const u32 r1 = __shfl_xor_sync(0xffffffffu, upper ? w.y : w.w, 4);
-        if (upper) { w.x = r0; w.y = r1; } else { w.z = r0; w.w = r1; }
-    } else {
-        const u32 r0 = __shfl_xor_sync(0xffffffffu, upper ? w.x : w.y, 2);
-        const u32 r1 = __shfl_xor_sync(0xffffffffu, upper ? w.z : w.w, 2);
-        if (upper) { w.x = r0; w.z = r1; } else { w.y = r0; w.w = r1; }
-    }
+    const u32 r0 = __shfl_xor_sync(0xffffffffu, upper ? w.x : w.z, distance);
+    const u32 r1 = __shfl_xor_sync(0xffffffffu, upper ? w.y : w.w, distance);
+    if (upper) { w.x = r0; w.y = r1; } else { w.z = r0; w.w = r1; }
+}
+
+// Words (w0, w2) <-> (w1, w3) across the lanes whose row bit 1 differs (lane distance 2).
+__device__ __forceinline__ void transpose_stage_words(u32x4& w, int lane) {
+    const bool upper = (lane & 2) != 0;
+    const u32 r0 = __shfl_xor_sync(0xffffffffu, upper ? w.x : w.y, 2);
+    const u32 r1 = __shfl_xor_sync(0xffffffffu, upper ? w.z : w.w, 2);
+    if (upper) { w.x = r0; w.z = r1; } else { w.y = r0; w.w = r1; }
 }
 
 // The two halves of every word across lanes i, i ^ 1.
@@ -47,8 +49,17 @@ __device__ __forceinline__ void transpose_stage_halves(u32x4& w, int lane) {
     }
 }
 
+// Groups of eight consecutive lanes (row = lane & 7).
 __device__ __forceinline__ void transpose_8x8_halves(u32x4& w, int lane) {
-    transpose_stage_words(w, lane, 4);
-    transpose_stage_words(w, lane, 2);
+    transpose_stage_word_pairs(w, lane, 4);
+    transpose_stage_words(w, lane);
+    transpose_stage_halves(w, lane);
+}
+
+// The eight lanes of a quad-pair (row = t + 4 * hi: lane bits 0, 1 and 4), e.g. an 8x8 tile held in the
+// A-operand layout, one row per lane.
+__device__ __forceinline__ void transpose_8x8_halves_in_quad_pair(u32x4& w, int lane) {
+    transpose_stage_word_pairs(w, lane, 16);
+    transpose_stage_words(w, lane);
     transpose_stage_halves(w, lane);
 }

@@ -67,6 +67,7 @@ def make_inputs(batch, seqlen, heads, d, sets, requires_grad):
 
 
 def volta_fn(pass_name, causal, accum, tile=None):
+    """Forward: accum is the forward accumulation; backward passes: the backward's (bwd_accum)."""
     if pass_name == "fwd" and tile is not None:
         def run(q, k, v):
             params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
@@ -74,10 +75,29 @@ def volta_fn(pass_name, causal, accum, tile=None):
         return run
 
     def run(q, k, v):
-        out = volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
-        if pass_name != "fwd":
-            out.backward(torch.ones_like(out))
-        return out
+        if pass_name == "fwd":
+            return volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
+        return volta_train.flash_attn_func(q, k, v, causal=causal, bwd_accum=accum)
+    return run
+
+
+def backward_only(forward):
+    """Times only the backward: the forward runs once per input set, its graph is kept and differentiated."""
+    graphs = {}
+
+    def run(q, k, v):
+        if id(q) not in graphs:
+            out = forward(q, k, v)
+            graphs[id(q)] = (out, torch.randn_like(out))
+        out, grad = graphs[id(q)]
+        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    return run
+
+
+def with_backward(forward):
+    def run(q, k, v):
+        out = forward(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     return run
 
 
@@ -89,11 +109,8 @@ def sdpa_fn(pass_name, causal, backend):
 
     def run(q, k, v):
         with sdpa_kernel([chosen]):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=causal)
-        if pass_name != "fwd":
-            out.backward(torch.ones_like(out))
-        return out
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal)
     return run
 
 
@@ -104,16 +121,16 @@ def eager_fn(pass_name, causal):
         if causal:
             n = s.shape[-1]
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        out = torch.softmax(s.float(), dim=-1).half() @ vt
-        if pass_name != "fwd":
-            out.backward(torch.ones_like(out))
-        return out
+        return torch.softmax(s.float(), dim=-1).half() @ vt
     return run
 
 
 def measure(fn, batch, seqlen, heads, d, pass_name, args):
     torch.cuda.empty_cache()
     inputs = make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd")
+    if pass_name == "bwd":  # build each input set's graph before the memory baseline
+        for q, k, v in inputs:
+            fn(q, k, v)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     try:
@@ -136,6 +153,8 @@ def run_benchmark(args) -> list[dict]:
             backends.append((f"volta-{accum}acc", volta_fn(args.pass_name, causal, accum)))
         for b in args.baselines:
             backends.append((b, eager_fn(args.pass_name, causal) if b == "eager" else sdpa_fn(args.pass_name, causal, b)))
+        wrap = {"fwd": lambda f: f, "bwd": backward_only, "fwdbwd": with_backward}[args.pass_name]
+        backends = [(name, wrap(fn)) for name, fn in backends]
         for name, fn in backends:
             if name == "eager" and batch * heads * n * n * 6 > args.eager_limit_gb * 2**30:
                 continue

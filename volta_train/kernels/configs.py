@@ -101,6 +101,119 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
     )
 
 
+@dataclass(frozen=True)
+class BwdTile:
+    """Template parameters of BwdKernelTraits (csrc/kernel_traits.cuh): the dK/dV kernel."""
+
+    quad_pair_rows: int  # 2: 2x2 quad-pairs (16 keys per warp); 1: 1x4 (8 keys per warp)
+    warps: int
+    block_m: int  # queries per iteration
+    kv_in_smem: bool = False  # K, V read from shared memory per use instead of held in registers
+    min_blocks_per_sm: int = 1
+    min_blocks_emulated: int = 1
+    # dQ by fp32 atomics from this kernel (else always the separate, deterministic dQ kernel: the 2x2 tiles
+    # of head dims 16/48/80/112 have no registers left for the atomic path's dQ tile)
+    dq_atomic: bool = True
+
+    @property
+    def block_n(self) -> int:
+        return self.warps * 8 * self.quad_pair_rows
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int, dq_atomic: bool) -> int:
+        """Mirrors BwdKernelTraits::kSmemBytes."""
+        row = (head_dim + 8) * 2
+        tiles = 2 * self.block_m * row + 2 * head_dim * (self.block_m + 8) * 2 + 2 * self.block_m * 4
+        if dq_atomic:
+            tiles += head_dim * (self.block_n + 8) * 2 + self.block_m * (self.block_n + 8) * 2
+        if self.kv_in_smem:
+            tiles += 2 * self.block_n * row
+        return max(tiles, self.block_n * row)
+
+
+# Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
+# 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
+# head dims take 2x2 tiles of 2 warps (32 keys per CTA).
+BWD_TILES_SM70: dict[int, BwdTile] = {
+    16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 4, 32), 48: BwdTile(2, 2, 32, dq_atomic=False),
+    64: BwdTile(1, 4, 32), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(1, 4, 32, kv_in_smem=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(1, 4, 32, kv_in_smem=True),
+}
+BWD_TILES_EMULATED: dict[int, BwdTile] = dict(BWD_TILES_SM70)
+DQ_TILES_SM70: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+
+
+def _pick(table: dict, head_dim: int):
+    for listed in sorted(table):
+        if head_dim <= listed:
+            return table[listed]
+    raise ValueError(f"head_dim {head_dim}: the Volta kernels support {SUPPORTED_HEAD_DIMS}")
+
+
+def bwd_tile(head_dim: int, arch: int = 70) -> BwdTile:
+    return _pick(BWD_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_TILES_SM70, head_dim)
+
+
+def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
+    return _pick(DQ_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DQ_TILES_SM70, head_dim)
+
+
+def _flag(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool) -> KernelVariant:
+    expression = (
+        f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
+        f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
+        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}>>"
+    )
+    return KernelVariant(
+        name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
+        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}",
+        sources=("flash_bwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=tile.smem_bytes(head_dim, dq_atomic),
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dkdv"},
+    )
+
+
+def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout).replace("flash_fwd_kernel", "flash_bwd_dq_kernel")
+    row = (head_dim + 8) * 2
+    q_tiles = 2 * tile.block_m * row if tile.q_in_smem else 0
+    smem = max(2 * tile.block_n * row + head_dim * (tile.block_n + 8) * 2 + q_tiles, tile.block_m * row)
+    return KernelVariant(
+        name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
+        f"{'_qsmem' if tile.q_in_smem else ''}",
+        sources=("flash_bwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=smem,
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dq"},
+    )
+
+
+def shipped_bwd_variants(arch: int = 70) -> list[KernelVariant]:
+    variants = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for accum_f16 in (False, True):
+            for dropout in (False, True):
+                tile = bwd_tile(head_dim, arch)
+                for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
+                    variants.append(bwd_variant(head_dim, tile, accum_f16, dropout, dq_atomic))
+                variants.append(dq_variant(head_dim, dq_tile(head_dim, arch), accum_f16, dropout))
+    return variants
+
+
 def shipped_fwd_variants(arch: int = 70) -> list[KernelVariant]:
     """Every forward variant the dispatcher can launch on arch."""
     variants = []

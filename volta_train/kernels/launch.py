@@ -9,7 +9,7 @@ import torch
 from .. import _philox
 from .._reference import AttentionParams as CallParams
 from . import configs, driver
-from .params import AttentionParams
+from .params import AttentionParams, BackwardParams
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -95,5 +95,59 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
     return out, lse
 
 
-def backward(*args, **kwargs):
-    raise NotImplementedError("the Volta backward kernel is not part of this build yet")
+def _set_strides(prm, name: str, t: torch.Tensor, varlen: bool) -> None:
+    b, r, h = _strides(t, varlen)
+    setattr(prm, f"{name}_batch_stride", b)
+    setattr(prm, f"{name}_row_stride", r)
+    setattr(prm, f"{name}_head_stride", h)
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams,
+             alibi_slopes, bwd_accum: str, deterministic: bool, tile: configs.BwdTile | None = None,
+             dq_tile: configs.FwdTile | None = None):
+    """Volta backward: (dq, dk, dv). dK/dV kernel over key blocks; dQ by its fp32 atomics, or (deterministic,
+    or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible."""
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes in the Volta backward kernel")
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    arch = _arch(q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    tile = tile or configs.bwd_tile(head_dim, arch)
+    use_atomics = tile.dq_atomic and not deterministic
+    accum_f16, dropout = bwd_accum == "fp16", params.dropout_p > 0
+    # D = rowsum(dO * O) in fp32, laid out like lse ([B, H, Nq] or [H, total_q])
+    dsum = (dout.float() * out.float()).sum(-1)
+    dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()
+
+    bp = BackwardParams()
+    fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+                tile.block_m)
+    bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
+    for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
+        _set_strides(bp, name, t, varlen)
+    bp.softmax_scale = params.softmax_scale
+    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+    nheads_kv = k.shape[-2]
+    bp.num_n_blocks = -(-max_seqlen_k // tile.block_n)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if use_atomics else None
+    dq = None if use_atomics else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq_target = dq_accum if use_atomics else dq
+    bp.dq_accum = dq_accum.data_ptr() if use_atomics else None
+    bp.dq = dq.data_ptr() if dq is not None else None
+    _set_strides(bp, "dq", dq_target, varlen)
+
+    variant = configs.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics)
+    _kernel(variant, q.device).launch((bp.num_n_blocks, batch * nheads_kv), tile.threads, variant.dynamic_smem_bytes,
+                                      [bp])
+    if use_atomics:
+        return (dq_accum * params.softmax_scale).to(q.dtype), dk, dv
+    dq_tile = dq_tile or configs.dq_tile(head_dim, arch)
+    grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+                       dq_tile.block_m)
+    dq_var = configs.dq_variant(head_dim, dq_tile, accum_f16, dropout)
+    _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
+    return dq, dk, dv

@@ -36,3 +36,20 @@ class AttentionParams(ctypes.Structure):
 
 
 assert ctypes.sizeof(AttentionParams) == 232, "AttentionParams must match csrc/params.cuh (232 bytes)"
+
+
+_BWD_STRIDES = tuple(f"{t}_{axis}_stride" for t in ("do", "dq", "dk", "dv") for axis in ("batch", "row", "head"))
+
+
+class BackwardParams(ctypes.Structure):
+    """ctypes mirror of ``BackwardParams`` in csrc/params.cuh."""
+
+    _fields_ = (
+        [("fwd", AttentionParams)]
+        + [(name, ctypes.c_void_p) for name in ("dout", "dq_accum", "dq", "dk", "dv", "dsum")]
+        + [(name, ctypes.c_longlong) for name in _BWD_STRIDES]
+        + [("softmax_scale", ctypes.c_float), ("num_n_blocks", ctypes.c_int)]
+    )
+
+
+assert ctypes.sizeof(BackwardParams) == 232 + 6 * 8 + 12 * 8 + 8, "BackwardParams must match csrc/params.cuh"

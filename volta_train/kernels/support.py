@@ -81,8 +81,6 @@ def unsupported_reason(call: CallDescription) -> str | None:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"
     if not call.positive_scale:
         return "softmax_scale <= 0: the Volta kernel needs a positive scale"
-    if call.backward:
-        return "the Volta backward kernel is not part of this build yet"
     problem = _compiler_problem(call.arch)
     if problem is not None:
         return f"no NVRTC to compile the kernel: {problem}"

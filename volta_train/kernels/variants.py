@@ -81,6 +81,7 @@ PROBE_VARIANT = KernelVariant(
 
 def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
     """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
-    from .configs import shipped_fwd_variants  # configs builds on this module's KernelVariant
+    from .configs import shipped_bwd_variants, shipped_fwd_variants  # configs builds on KernelVariant
 
-    return shipped_fwd_variants(normalize_arch(arch)) + [PROBE_VARIANT]
+    target = normalize_arch(arch)
+    return shipped_fwd_variants(target) + shipped_bwd_variants(target) + [PROBE_VARIANT]

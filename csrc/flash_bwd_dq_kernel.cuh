@@ -1,0 +1,188 @@
+// The backward's dQ kernel (query blocks in parallel, no atomics: bitwise deterministic). It serves
+// deterministic=True, next to the dK/dV kernel run without its dQ atomics.
+//
+// Per CTA: kBlockM query rows of one (batch, head), walking the key blocks like the forward:
+//   S = Q K^T, dP = dO V^T   (A = the warp's Q / dO rows, B = K / V rows from shared memory)
+//   P = exp2(S * scale * log2 e - lse * log2 e),  dS = P * (dP * Z / (1 - p) - D)
+//   dQ += dS K               (A = dS row fragments, B = K^T from shared memory)
+// and writes dQ * softmax_scale. It reuses the forward's warp geometry, operands and P V product.
+#pragma once
+#include "flash_fwd_kernel.cuh"
+#include "tile_io.cuh"
+
+// Shared memory of the dQ kernel: K [key][head_dim], V [key][head_dim], K^T [head_dim][key] (the forward's
+// V^T slot) and the Q / dO tiles when they live in shared memory.
+template <class KT>
+struct DqLayout {
+    static constexpr int kOffK = 0;
+    static constexpr int kOffKt = KT::kTileBytes;
+    static constexpr int kOffV = kOffKt + KT::kVtTileBytes;
+    static constexpr int kOffQ = kOffV + KT::kTileBytes;
+    static constexpr int kOffDo = kOffQ + KT::kQTileBytes;
+    static constexpr int kBytes = const_max(kOffDo + KT::kQTileBytes, KT::kOStageBytes);
+    static_assert(kBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
+};
+
+// The 64 dropout keep bits of an 8x8 tile in every lane of a quad-pair: lane r (row r of the tile) computes
+// its row's Philox call for the tile's 8 keys and the eight lanes exchange bytes; bit 8 * row + key.
+__device__ __forceinline__ void keep_bits_of_tile(u32 my_row_bits, int lane, u32& lo, u32& hi) {
+    const int r = (lane & 3) + 4 * (lane >> 4);
+    lo = r < 4 ? my_row_bits << (8 * r) : 0u;
+    hi = r < 4 ? 0u : my_row_bits << (8 * (r - 4));
+#pragma unroll
+    for (int distance = 1; distance <= 16; distance <<= 1) {
+        if (distance == 4 || distance == 8) continue;  // quad-pair lanes differ in lane bits 0, 1 and 4
+        lo |= __shfl_xor_sync(0xffffffffu, lo, distance);
+        hi |= __shfl_xor_sync(0xffffffffu, hi, distance);
+    }
+}
+
+__device__ __forceinline__ bool tile_bit(u32 lo, u32 hi, int row, int col) {
+    const int bit = 8 * row + col;
+    return ((bit < 32 ? lo >> bit : hi >> (bit - 32)) & 1u) != 0;
+}
+
+// dS of one key block for one warp, as f16x2 row fragments (own quad-pair column and partners').
+template <class KT>
+__device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperand<KT>& dout, const half_bits* k_tile,
+                                            const half_bits* v_tile, const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
+                                            int key0, bool needs_mask, float score_scale,
+                                            const float (&lse2)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
+                                            const float (&dsum)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
+                                            const DropoutRng& rng, float dropout_rescale,
+                                            u32 (&ds_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
+                                            u32 (&ds_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
+    const LaneInQuadPair& lq = g.lq;
+    float s[KT::kMTiles][KT::kSTilesPerQuadPair][8], dp[KT::kMTiles][KT::kSTilesPerQuadPair][8];
+    rows_times_tile_rows<KT>(q, k_tile, g, s);
+    rows_times_tile_rows<KT>(dout, v_tile, g, dp);
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+            u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+            if (KT::kDropout) {
+                const u32 mine = rng.keep_bits((u32)((key0 + g.stile_key0(nt)) >> 3),
+                                               (u32)(g.mtile_row0(a) + lq.operand_row()));
+                keep_bits_of_tile(mine, g.lane, keep_lo, keep_hi);
+            }
+            float ds[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int row_in_tile = FwdAccumulators<KT>::o_row(lq, i);
+                const int col = FwdAccumulators<KT>::o_phys_col(lq, i);
+                const int slot = FwdAccumulators<KT>::o_row_slot(i);
+                float score = s[a][nt][i];
+                if (needs_mask && !vis.visible(g.mtile_row0(a) + row_in_tile, key0 + g.stile_key0(nt) + col))
+                    score = neg_inf();
+                const float p = fast_exp2(fmaf(score, score_scale, -lse2[a][slot]));
+                float dpz = dp[a][nt][i];
+                if (KT::kDropout) dpz = tile_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
+                ds[i] = p * (dpz - dsum[a][slot]);
+            }
+            if (KT::kAccumF16) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) ds_own[a][nt][r] = pack_half2(ds[2 * r], ds[2 * r + 1]);
+            } else {
+                f32_acc_to_row_fragment(ds, lq.t, ds_own[a][nt]);
+            }
+#pragma unroll
+            for (int x = 1; x < KT::kQuadPairCols; ++x)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    ds_partner[x - 1][a][nt][r] =
+                        __shfl_xor_sync(0xffffffffu, ds_own[a][nt][r], FwdWarpGeometry<KT>::partner_lane_xor(x));
+        }
+}
+
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_dq_kernel(const BackwardParams bp) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    using L = DqLayout<KT>;
+    const AttentionParams& prm = bp.fwd;
+    const int bh = prm.m_blocks_fastest ? (int)blockIdx.y : (int)blockIdx.x;
+    const int m_block = prm.num_m_blocks - 1 - (int)(prm.m_blocks_fastest ? blockIdx.x : blockIdx.y);
+    const int head = bh % prm.nheads, batch = bh / prm.nheads;
+    const SequenceExtent seq(prm, batch);
+    const int m0 = m_block * KT::kBlockM;
+    if (m0 >= seq.seqlen_q) return;
+    const int kv_head = head / prm.heads_per_kv;
+    const VisibleKeys vis(prm, seq);
+    const int tid = threadIdx.x;
+    const FwdWarpGeometry<KT> g(tid, m0);
+    half_bits* k_tile = reinterpret_cast<half_bits*>(smem + L::kOffK);
+    half_bits* kt_tile = reinterpret_cast<half_bits*>(smem + L::kOffKt);
+    half_bits* v_tile = reinterpret_cast<half_bits*>(smem + L::kOffV);
+
+    const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
+    const half_bits* do_base = bp.dout + batch * bp.do_batch_stride + seq.q_start * bp.do_row_stride + head * bp.do_head_stride;
+    const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
+    const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
+    const float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+    const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+
+    // Q pre-scaled by scale * log2 e under FP16-ACC (as in the forward); dO with scale 1 (exact).
+    QOperand<KT> q, dout;
+    load_q<KT>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
+               reinterpret_cast<half_bits*>(smem + L::kOffQ), q);
+    load_q<KT>(do_base, bp.do_row_stride, m0, seq.seqlen_q, 1.f, g, tid, reinterpret_cast<half_bits*>(smem + L::kOffDo),
+               dout);
+    // this lane's rows: log2-domain lse and dsum
+    constexpr int kSlots = FwdAccumulators<KT>::kRowSlots;
+    float lse2[KT::kMTiles][kSlots], dsum[KT::kMTiles][kSlots];
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+        for (int r = 0; r < kSlots; ++r) {
+            const int row = g.mtile_row0(a) + (KT::kAccumF16 ? g.lq.operand_row() : (g.lq.t & 1) + 2 * r + 4 * g.lq.hi);
+            const bool valid = row < seq.seqlen_q;
+            lse2[a][r] = valid ? lse_base[row] * kLog2e : pos_inf();
+            dsum[a][r] = valid ? dsum_base[row] : 0.f;
+        }
+    FwdAccumulators<KT> acc;  // acc.o holds dQ
+    acc.init();
+    const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
+    const float score_scale = KT::kAccumF16 ? 1.f : prm.scale_log2;
+
+    const int cta_row_end = min(m0 + KT::kBlockM, seq.seqlen_q);
+    const int n_begin = vis.first_key(m0) / KT::kBlockN;
+    const int key_end = vis.end_key(cta_row_end);
+    const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int key0 = n_block * KT::kBlockN;
+        __syncthreads();  // the previous block's tiles are no longer read (and Q / dO tiles are written)
+        load_rows_and_transpose<KT, KT::kBlockN>(k_base, prm.k_row_stride, key0, seq.seqlen_k, tid, k_tile,
+                                                 KT::kSmemStride, kt_tile, KT::kVtStride);
+        load_rows_and_transpose<KT, KT::kBlockN>(v_base, prm.v_row_stride, key0, seq.seqlen_k, tid, v_tile,
+                                                 KT::kSmemStride, nullptr, 0);
+        __syncthreads();
+        const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
+        u32 ds_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
+        u32 ds_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
+        dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, lse2, dsum, rng,
+                        prm.dropout_rescale, ds_own, ds_partner);
+        fwd_accumulate_pv<KT>(ds_own, ds_partner, kt_tile, g, acc);  // dQ += dS K
+    }
+
+    // dQ * softmax_scale through shared memory, 16-byte rows
+    __syncthreads();
+    half_bits* stage = reinterpret_cast<half_bits*>(smem);
+    half_bits* dq_base = bp.dq + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                const int row = g.mtile_row0(a) - m0 + FwdAccumulators<KT>::o_row(g.lq, i);
+                const int col = g.o_col(ot, FwdAccumulators<KT>::o_phys_col(g.lq, i));
+                *reinterpret_cast<u32*>(stage + row * KT::kSmemStride + col) =
+                    pack_half2(acc.o[a][ot][i] * bp.softmax_scale, acc.o[a][ot][i + 1] * bp.softmax_scale);
+            }
+    __syncthreads();
+    for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
+        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        if (m0 + row < seq.seqlen_q)
+            store_global_16B(dq_base + (long long)(m0 + row) * bp.dq_row_stride + col, load_shared_16B(stage + row * KT::kSmemStride + col));
+    }
+}

@@ -1,0 +1,478 @@
+// FlashAttention-2 backward on Volta tensor cores: the dK/dV kernel (key blocks in parallel), with dQ added
+// into an fp32 buffer by atomics.
+//
+// A CTA keeps kBlockN keys of one (batch, kv head) and walks the query blocks of every query head of its
+// group (GQA: dK and dV sum over the group inside the CTA, no atomics). For each query block, with S
+// computed transposed so that warps own keys:
+//   S^T = K Q^T, dP^T = V dO^T            (A = the warp's K / V rows, B = Q / dO rows from shared memory)
+//   P^T = exp2(S^T * scale * log2 e - lse * log2 e)   (recomputed from the forward's fp32 log-sum-exp)
+//   dS^T = P^T * (dP^T * Z / (1 - p) - D)   (Z: the dropout keep mask, D = rowsum(dO * O))
+//   dV += (P^T * Z) dO,  dK += dS^T Q     (A = P^T / dS^T from registers, B = dO^T / Q^T from shared memory)
+//   dQ += dS K                             (dS through shared memory, B = K^T; fp32 atomics)
+// dV is scaled by 1 / (1 - p) and dK by softmax_scale at the end; dQ's scale is applied by the caller.
+// FP16-ACC: the five products accumulate in fp16 per query block (K pre-scaled by scale * log2 e), the
+// dK / dV accumulators across query blocks, the softmax statistics, dS and the dQ atomics stay fp32.
+#pragma once
+#include "kernel_traits.cuh"
+#include "masking.cuh"
+#include "philox.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kBwdAccumulatorMajorMma = true;  // see kAccumulatorMajorMma in flash_fwd_kernel.cuh
+#else
+constexpr bool kBwdAccumulatorMajorMma = false;
+#endif
+
+template <class KT>
+struct BwdWarpGeometry {
+    int lane, warp;
+    LaneInQuadPair lq;
+    int qp_m, qp_n;
+    int mtile_key0;  // first key (within the sequence) of this lane's quad-pair's 8-key tile
+
+    __device__ __forceinline__ BwdWarpGeometry(int tid, int n0)
+        : lane(tid & 31), warp(tid >> 5), lq(tid & 31),
+          qp_m(((tid & 31) >> 2 & 3) % KT::kQuadPairRows), qp_n(((tid & 31) >> 2 & 3) / KT::kQuadPairRows),
+          mtile_key0(n0 + (tid >> 5) * KT::kRowsPerWarp + 8 * (((tid & 31) >> 2 & 3) % KT::kQuadPairRows)) {}
+
+    // First query (within the query block) of S^T tile nt of quad-pair column qp_n ^ x.
+    __device__ __forceinline__ int stile_q0(int x, int nt) const { return ((qp_n ^ x) * KT::kSTilesPerQuadPair + nt) * 8; }
+    __device__ __forceinline__ static constexpr int partner_lane_xor(int x) { return 4 * KT::kQuadPairRows * x; }
+    // head_dim column of dK / dV for physical column c of output tile ot (B = Q^T / dO^T rows, col-major).
+    __device__ __forceinline__ int o_col(int ot, int c) const { return qp_n * KT::kOColsPerQuadPair + 8 * ot + c; }
+};
+
+// K or V rows of the warp as the A operand (row-major: the lane's key, head_dim as k), from registers or
+// from the CTA's tile in shared memory; 16 bytes (two k-steps) at a time.
+template <class KT>
+struct KvOperand {
+    static constexpr int kRegs = KT::kKvInSmem ? 1 : KT::kQRegs;
+    u32 regs[kRegs];
+    const half_bits* tile_row;
+
+    __device__ __forceinline__ u32x4 chunk(int kk) const {
+        if (KT::kKvInSmem) return load_shared_16B(tile_row + 8 * kk);
+        return u32x4{regs[4 * kk], regs[4 * kk + 1], regs[4 * kk + 2], regs[4 * kk + 3]};
+    }
+};
+
+// Multiplies every f16 of a 16-byte chunk by `scale` (FP16-ACC pre-scales K by softmax_scale * log2 e).
+__device__ __forceinline__ u32x4 scale_halves(u32x4 v, float scale) {
+    v.x = pack_half2(low_half_to_float(v.x) * scale, high_half_to_float(v.x) * scale);
+    v.y = pack_half2(low_half_to_float(v.y) * scale, high_half_to_float(v.y) * scale);
+    v.z = pack_half2(low_half_to_float(v.z) * scale, high_half_to_float(v.z) * scale);
+    v.w = pack_half2(low_half_to_float(v.w) * scale, high_half_to_float(v.w) * scale);
+    return v;
+}
+
+// The lane's K or V row into registers or the CTA's block into shared memory (rows past seqlen_k: zeros).
+template <class KT>
+__device__ __forceinline__ void load_kv_operand(const half_bits* base, long long row_stride, int n0, int seqlen_k,
+                                                float scale, const BwdWarpGeometry<KT>& g, int tid, half_bits* tile,
+                                                KvOperand<KT>& op) {
+    if (KT::kKvInSmem) {
+        for (int chunk = tid; chunk < KT::kBlockN * KT::kChunksPerRow; chunk += KT::kThreads) {
+            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            u32x4 v = n0 + row < seqlen_k ? load_global_16B(base + (long long)(n0 + row) * row_stride + col) : zero_u32x4();
+            store_shared_16B(tile + row * KT::kRowStride + col, scale != 1.f ? scale_halves(v, scale) : v);
+        }
+        op.tile_row = tile + (g.mtile_key0 - n0 + g.lq.operand_row()) * KT::kRowStride;
+        return;
+    }
+    const int row = g.mtile_key0 + g.lq.operand_row();
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerRow; ++c) {
+        u32x4 v = row < seqlen_k ? load_global_16B(base + (long long)row * row_stride + 8 * c) : zero_u32x4();
+        if (scale != 1.f) v = scale_halves(v, scale);
+        op.regs[(4 * c + 0) % KvOperand<KT>::kRegs] = v.x;
+        op.regs[(4 * c + 1) % KvOperand<KT>::kRegs] = v.y;
+        op.regs[(4 * c + 2) % KvOperand<KT>::kRegs] = v.z;
+        op.regs[(4 * c + 3) % KvOperand<KT>::kRegs] = v.w;
+    }
+}
+
+// Per-lane accumulators of the dK/dV kernel (fp32, f32 accumulator layout; FP16-ACC uses the row layout).
+template <class KT>
+struct BwdAccumulators {
+    float dk[KT::kOTilesPerQuadPair][8];
+    float dv[KT::kOTilesPerQuadPair][8];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dk[ot][i] = dv[ot][i] = 0.f;
+    }
+    __device__ __forceinline__ static int row(const LaneInQuadPair& lq, int i) {
+        return KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i);
+    }
+    __device__ __forceinline__ static int col(const LaneInQuadPair& lq, int i) { return KT::kAccumF16 ? i : lq.acc_col(i); }
+};
+
+// S^T (or dP^T) tiles of one warp: A = the warp's K (or V) rows, B = Q (or dO) rows of the query block
+// (col-major B: the lane feeds query column operand_row(), 8 head_dim values per 16-byte load).
+template <class KT>
+__device__ __forceinline__ void bwd_rows_times_tile(const KvOperand<KT>& a, const half_bits* b_tile,
+                                                    const BwdWarpGeometry<KT>& g, float (&s)[KT::kSTilesPerQuadPair][8]) {
+    const LaneInQuadPair& lq = g.lq;
+    if (KT::kAccumF16) {
+        u32 s16[KT::kSTilesPerQuadPair][4];
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s16[nt][r] = 0u;
+#pragma unroll
+        for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
+            const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
+            const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
+            const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kRowStride + 8 * kk);
+            const u32x4 av = a.chunk(kk);
+            mma_rc_f16(s16[nt], av.x, av.y, b.x, b.y);
+            mma_rc_f16(s16[nt], av.z, av.w, b.z, b.w);
+        }
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                s[nt][2 * r] = low_half_to_float(s16[nt][r]);
+                s[nt][2 * r + 1] = high_half_to_float(s16[nt][r]);
+            }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[nt][i] = 0.f;
+#pragma unroll
+        for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
+            const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
+            const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
+            const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kRowStride + 8 * kk);
+            const u32x4 av = a.chunk(kk);
+            mma_rc_f32(s[nt], av.x, av.y, b.x, b.y);
+            mma_rc_f32(s[nt], av.z, av.w, b.z, b.w);
+        }
+    }
+}
+
+// Element (key, query) of accumulator element i of S^T tile nt, in the layout of the accumulation mode.
+template <class KT>
+__device__ __forceinline__ int bwd_elem_key(const BwdWarpGeometry<KT>& g, int i) {
+    return g.mtile_key0 + BwdAccumulators<KT>::row(g.lq, i);
+}
+template <class KT>
+__device__ __forceinline__ int bwd_elem_query(const BwdWarpGeometry<KT>& g, int nt, int i) {
+    return g.stile_q0(0, nt) + BwdAccumulators<KT>::col(g.lq, i);
+}
+
+// Packs an S^T-shaped f32 tile into the A-operand layout (the lane's key row, eight query columns, f16x2).
+template <class KT>
+__device__ __forceinline__ void bwd_to_row_fragment(const float (&v)[8], const LaneInQuadPair& lq, u32 (&frag)[4]) {
+    if (KT::kAccumF16) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) frag[r] = pack_half2(v[2 * r], v[2 * r + 1]);
+    } else {
+        f32_acc_to_row_fragment(v, lq.t, frag);
+    }
+}
+
+// C += A B over one query block, A = f16x2 row fragments of the warp (own and partners' query columns), B =
+// a [head_dim][query] tile (col-major B). FP16-ACC accumulates the block in fp16 chunks, then into fp32.
+template <class KT>
+__device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTilesPerQuadPair][4],
+                                                     const u32 (&partner)[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4],
+                                                     const half_bits* bt_tile, const BwdWarpGeometry<KT>& g,
+                                                     float (&acc)[KT::kOTilesPerQuadPair][8]) {
+    constexpr int kTiles = KT::kOTilesPerQuadPair;
+    constexpr int kChunk = KT::kAccumF16 ? 4 : kTiles;
+    const half_bits* bt_rows = bt_tile + (g.qp_n * KT::kOColsPerQuadPair + g.lq.operand_row()) * KT::kQtStride;
+#pragma unroll
+    for (int ot0 = 0; ot0 < kTiles; ot0 += kChunk) {
+        constexpr int kCount = kChunk;
+        u32 c16[kCount][4];
+#pragma unroll
+        for (int j = 0; j < kCount; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) c16[j][r] = 0u;
+        constexpr int kSteps = KT::kQuadPairCols * KT::kSTilesPerQuadPair;
+#pragma unroll
+        for (int o = 0; o < kCount * kSteps; ++o) {
+            const int j = kBwdAccumulatorMajorMma ? o / kSteps : o % kCount;
+            const int step = kBwdAccumulatorMajorMma ? o % kSteps : o / kCount;
+            const int x = step / KT::kSTilesPerQuadPair, nt = step % KT::kSTilesPerQuadPair;
+            const int ot = ot0 + j;
+            if (ot >= kTiles) continue;
+            const u32(&a)[4] = x ? partner[x - 1][nt] : own[nt];
+            const u32x4 b = load_shared_16B(bt_rows + 8 * ot * KT::kQtStride + g.stile_q0(x, nt));
+            if (KT::kAccumF16) {
+                mma_rc_f16(c16[j], a[0], a[1], b.x, b.y);
+                mma_rc_f16(c16[j], a[2], a[3], b.z, b.w);
+            } else {
+                mma_rc_f32(acc[ot], a[0], a[1], b.x, b.y);
+                mma_rc_f32(acc[ot], a[2], a[3], b.z, b.w);
+            }
+        }
+        if (KT::kAccumF16) {
+#pragma unroll
+            for (int j = 0; j < kCount; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    if (ot0 + j < kTiles) {
+                        acc[ot0 + j][2 * r] += low_half_to_float(c16[j][r]);
+                        acc[ot0 + j][2 * r + 1] += high_half_to_float(c16[j][r]);
+                    }
+        }
+    }
+}
+
+// dQ (query block) += dS K, each warp its kDqRowsPerWarp queries, then added into dq_accum by fp32 atomics.
+// A = dS [query][key] rows (row-major A), B = K^T [head_dim][key] rows (col-major B).
+template <class KT>
+__device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const half_bits* kt_tile, int tid, int m0,
+                                              int seqlen_q, float* dq_base, long long dq_row_stride) {
+    constexpr int kQpRows = KT::kDqQuadPairRows, kQpCols = KT::kDqQuadPairCols;
+    const int lane = tid & 31, warp = tid >> 5;
+    const LaneInQuadPair lq(lane);
+    const int qp = (lane >> 2) & 3, qp_m = qp % kQpRows, qp_n = qp / kQpRows;
+    const int row0 = warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
+    const half_bits* a_row = ds_tile + (row0 + lq.operand_row()) * KT::kDsStride;
+    const half_bits* b_rows = kt_tile + (qp_n * KT::kDqColsPerQuadPair + lq.operand_row()) * KT::kKtStride;
+    float acc[KT::kDqTilesPerQuadPair][8];
+    u32 acc16[KT::kDqTilesPerQuadPair][4];
+#pragma unroll
+    for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[ot][i] = 0.f;
+            if (i < 4) acc16[ot][i] = 0u;
+        }
+    constexpr int kKeyChunks = KT::kBlockN / 8;
+#pragma unroll
+    for (int o = 0; o < KT::kDqTilesPerQuadPair * kKeyChunks; ++o) {
+        const int ot = kBwdAccumulatorMajorMma ? o / kKeyChunks : o % KT::kDqTilesPerQuadPair;
+        const int kc = kBwdAccumulatorMajorMma ? o % kKeyChunks : o / KT::kDqTilesPerQuadPair;
+        const u32x4 a = load_shared_16B(a_row + 8 * kc);
+        const u32x4 b = load_shared_16B(b_rows + 8 * ot * KT::kKtStride + 8 * kc);
+        if (KT::kAccumF16) {
+            mma_rc_f16(acc16[ot], a.x, a.y, b.x, b.y);
+            mma_rc_f16(acc16[ot], a.z, a.w, b.z, b.w);
+        } else {
+            mma_rc_f32(acc[ot], a.x, a.y, b.x, b.y);
+            mma_rc_f32(acc[ot], a.z, a.w, b.z, b.w);
+        }
+    }
+#pragma unroll
+    for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
+                                              : acc[ot][i];
+            const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
+            const int col = qp_n * KT::kDqColsPerQuadPair + 8 * ot + (KT::kAccumF16 ? i : lq.acc_col(i));
+            if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
+        }
+}
+
+// What a query-block step works on.
+template <class KT>
+struct BwdBlockState {
+    const KvOperand<KT>& k_op;
+    const KvOperand<KT>& v_op;
+    BwdAccumulators<KT>& acc;
+    const BwdWarpGeometry<KT>& g;
+    const VisibleKeys& vis;
+    const DropoutRng& rng;
+    unsigned char* smem;
+    float score_scale;  // scale * log2 e applied to S^T (1 under FP16-ACC: K is pre-scaled)
+    float dropout_rescale;
+};
+
+// One query block (queries [m0, m0 + kBlockM) of one query head): dV, dK and (DQ_ATOMIC) dQ.
+template <class KT>
+__device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, bool needs_mask, int tid,
+                                                float* dq_base, long long dq_row_stride, int seqlen_q) {
+    const BwdWarpGeometry<KT>& g = st.g;
+    const LaneInQuadPair& lq = g.lq;
+    const half_bits* q_tile = reinterpret_cast<const half_bits*>(st.smem + KT::kOffQ);
+    const half_bits* do_tile = reinterpret_cast<const half_bits*>(st.smem + KT::kOffDo);
+    const half_bits* qt_tile = reinterpret_cast<const half_bits*>(st.smem + KT::kOffQt);
+    const half_bits* dot_tile = reinterpret_cast<const half_bits*>(st.smem + KT::kOffDot);
+    const float* lse2 = reinterpret_cast<const float*>(st.smem + KT::kOffLse);
+    const float* dsum = reinterpret_cast<const float*>(st.smem + KT::kOffDsum);
+
+    float s[KT::kSTilesPerQuadPair][8], dp[KT::kSTilesPerQuadPair][8];
+    bwd_rows_times_tile<KT>(st.k_op, q_tile, g, s);
+    bwd_rows_times_tile<KT>(st.v_op, do_tile, g, dp);
+
+    u32 p_own[KT::kSTilesPerQuadPair][4], ds_own[KT::kSTilesPerQuadPair][4];
+#pragma unroll
+    for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+        // dropout: the 64 keep bits of this 8x8 tile (query column c, key j: bit 8c + j) in every lane
+        u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+        if (KT::kDropout) {
+            const int query = m0 + g.stile_q0(0, nt) + lq.operand_row();
+            const u32 mine = st.rng.keep_bits((u32)(g.mtile_key0 >> 3), (u32)query);
+            const int r = lq.operand_row();
+            keep_lo = r < 4 ? mine << (8 * r) : 0u;
+            keep_hi = r < 4 ? 0u : mine << (8 * (r - 4));
+#pragma unroll
+            for (int distance = 1; distance <= 16; distance <<= 1) {
+                if (distance == 4 || distance == 8) continue;
+                keep_lo |= __shfl_xor_sync(0xffffffffu, keep_lo, distance);
+                keep_hi |= __shfl_xor_sync(0xffffffffu, keep_hi, distance);
+            }
+        }
+        float p_kept[8], ds[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int key = bwd_elem_key<KT>(g, i), query_in_block = bwd_elem_query<KT>(g, nt, i);
+            float score = s[nt][i];
+            if (needs_mask && !st.vis.visible(m0 + query_in_block, key)) score = neg_inf();
+            const float p = fast_exp2(fmaf(score, st.score_scale, -lse2[query_in_block]));
+            float dpz = dp[nt][i];
+            bool kept = true;
+            if (KT::kDropout) {
+                const int bit = 8 * (query_in_block & 7) + (key & 7);
+                kept = ((bit < 32 ? keep_lo >> bit : keep_hi >> (bit - 32)) & 1u) != 0;
+                dpz = kept ? dpz * st.dropout_rescale : 0.f;
+            }
+            p_kept[i] = kept ? p : 0.f;
+            ds[i] = p * (dpz - dsum[query_in_block]);
+        }
+        bwd_to_row_fragment<KT>(p_kept, lq, p_own[nt]);
+        bwd_to_row_fragment<KT>(ds, lq, ds_own[nt]);
+    }
+    u32 p_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4], ds_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4];
+#pragma unroll
+    for (int x = 1; x < KT::kQuadPairCols; ++x)
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                p_partner[x - 1][nt][r] = __shfl_xor_sync(0xffffffffu, p_own[nt][r], BwdWarpGeometry<KT>::partner_lane_xor(x));
+                ds_partner[x - 1][nt][r] = __shfl_xor_sync(0xffffffffu, ds_own[nt][r], BwdWarpGeometry<KT>::partner_lane_xor(x));
+            }
+    bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
+    bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
+
+    if (KT::kDqAtomic) {
+        // dS^T rows (this lane's key, 8 queries) -> dS [query][key]: transpose each 8x8 tile in the quad-pair
+        half_bits* ds_tile = reinterpret_cast<half_bits*>(st.smem + KT::kOffDs);
+        const int key_in_block = g.mtile_key0 % KT::kBlockN;  // n0 is a multiple of kBlockN
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+            u32x4 w{ds_own[nt][0], ds_own[nt][1], ds_own[nt][2], ds_own[nt][3]};
+            transpose_8x8_halves_in_quad_pair(w, g.lane);
+            store_shared_16B(ds_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kDsStride + key_in_block, w);
+        }
+        __syncthreads();  // dS complete
+        bwd_dq_atomic<KT>(ds_tile, reinterpret_cast<const half_bits*>(st.smem + KT::kOffKt), tid, m0, seqlen_q, dq_base,
+                          dq_row_stride);
+    }
+}
+
+// Q, dO (+ transposes), log2-domain lse and dsum of one query block into shared memory.
+template <class KT>
+__device__ __forceinline__ void bwd_load_query_block(const half_bits* q_base, long long q_row_stride,
+                                                     const half_bits* do_base, long long do_row_stride,
+                                                     const float* lse_base, const float* dsum_base, int m0,
+                                                     int seqlen_q, int tid, unsigned char* smem) {
+    load_rows_and_transpose<KT, KT::kBlockM>(q_base, q_row_stride, m0, seqlen_q, tid,
+                                             reinterpret_cast<half_bits*>(smem + KT::kOffQ), KT::kRowStride,
+                                             reinterpret_cast<half_bits*>(smem + KT::kOffQt), KT::kQtStride);
+    load_rows_and_transpose<KT, KT::kBlockM>(do_base, do_row_stride, m0, seqlen_q, tid,
+                                             reinterpret_cast<half_bits*>(smem + KT::kOffDo), KT::kRowStride,
+                                             reinterpret_cast<half_bits*>(smem + KT::kOffDot), KT::kQtStride);
+    float* lse2 = reinterpret_cast<float*>(smem + KT::kOffLse);
+    float* dsum = reinterpret_cast<float*>(smem + KT::kOffDsum);
+    for (int i = tid; i < KT::kBlockM; i += KT::kThreads) {
+        const bool valid = m0 + i < seqlen_q;
+        lse2[i] = valid ? lse_base[m0 + i] * kLog2e : pos_inf();  // lse = +inf (no visible key): P = 0
+        dsum[i] = valid ? dsum_base[m0 + i] : 0.f;
+    }
+}
+
+// One of dK / dV (times `scale`) to global memory: staged in shared memory, written in 16-byte rows.
+template <class KT>
+__device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTilesPerQuadPair][8], float scale,
+                                                   const BwdWarpGeometry<KT>& g, int n0, int seqlen_k, int tid,
+                                                   unsigned char* smem, half_bits* out, long long out_stride) {
+    half_bits* stage = reinterpret_cast<half_bits*>(smem);
+    __syncthreads();  // shared memory is free (the last query block, or the previous output)
+#pragma unroll
+    for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+            const int row = g.mtile_key0 - n0 + BwdAccumulators<KT>::row(g.lq, i);
+            const int col = g.o_col(ot, BwdAccumulators<KT>::col(g.lq, i));
+            *reinterpret_cast<u32*>(stage + row * KT::kRowStride + col) = pack_half2(src[ot][i] * scale, src[ot][i + 1] * scale);
+        }
+    __syncthreads();
+    for (int chunk = tid; chunk < KT::kBlockN * KT::kChunksPerRow; chunk += KT::kThreads) {
+        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        if (n0 + row < seqlen_k)
+            store_global_16B(out + (long long)(n0 + row) * out_stride + col, load_shared_16B(stage + row * KT::kRowStride + col));
+    }
+}
+
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_dkdv_kernel(const BackwardParams bp) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const AttentionParams& prm = bp.fwd;
+    const int n_block = (int)blockIdx.x;
+    const int kv_head = (int)blockIdx.y % (prm.nheads / prm.heads_per_kv);
+    const int batch = (int)blockIdx.y / (prm.nheads / prm.heads_per_kv);
+    const SequenceExtent seq(prm, batch);
+    const int n0 = n_block * KT::kBlockN;
+    if (n0 >= seq.seqlen_k) return;
+    const int tid = threadIdx.x;
+    const VisibleKeys vis(prm, seq);
+    const BwdWarpGeometry<KT> g(tid, n0);
+
+    const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
+    const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
+    const float score_scale = KT::kAccumF16 ? 1.f : prm.scale_log2;
+    KvOperand<KT> k_op, v_op;
+    load_kv_operand<KT>(k_base, prm.k_row_stride, n0, seq.seqlen_k, KT::kAccumF16 ? prm.scale_log2 : 1.f, g, tid,
+                        reinterpret_cast<half_bits*>(smem + KT::kOffK), k_op);
+    load_kv_operand<KT>(v_base, prm.v_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
+                        reinterpret_cast<half_bits*>(smem + KT::kOffV), v_op);
+    if (KT::kDqAtomic) {  // K^T for dQ = dS K (unscaled)
+        load_rows_and_transpose<KT, KT::kBlockN>(k_base, prm.k_row_stride, n0, seq.seqlen_k, tid, nullptr, 0,
+                                                 reinterpret_cast<half_bits*>(smem + KT::kOffKt), KT::kKtStride);
+    }
+    BwdAccumulators<KT> acc;
+    acc.init();
+
+    // Query rows that see any key of [n0, n1): i >= j - shift - right and i <= j - shift + left.
+    const int n1 = min(n0 + KT::kBlockN, seq.seqlen_k);
+    const int q_begin = vis.right < 0 ? 0 : max(0, n0 - vis.shift - vis.right);
+    const int q_end = vis.left < 0 ? seq.seqlen_q : min(seq.seqlen_q, n1 - 1 - vis.shift + vis.left + 1);
+    for (int h = 0; h < prm.heads_per_kv; ++h) {
+        const int head = kv_head * prm.heads_per_kv + h;
+        const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
+        const half_bits* do_base = bp.dout + batch * bp.do_batch_stride + seq.q_start * bp.do_row_stride + head * bp.do_head_stride;
+        const float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+        const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+        float* dq_base = bp.dq_accum + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
+        const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
+        BwdBlockState<KT> st{k_op, v_op, acc, g, vis, rng, smem, score_scale, prm.dropout_rescale};
+        for (int m_block = q_begin / KT::kBlockM; m_block * KT::kBlockM < q_end; ++m_block) {
+            const int m0 = m_block * KT::kBlockM;
+            __syncthreads();  // the previous block's tiles (and dS) are no longer read
+            bwd_load_query_block<KT>(q_base, prm.q_row_stride, do_base, bp.do_row_stride, lse_base, dsum_base, m0,
+                                     seq.seqlen_q, tid, smem);
+            __syncthreads();
+            const bool needs_mask = !vis.tile_is_full(m0, min(m0 + KT::kBlockM, seq.seqlen_q), n0, n0 + KT::kBlockN);
+            bwd_query_block<KT>(st, m0, needs_mask, tid, dq_base, bp.dq_row_stride, seq.seqlen_q);
+        }
+    }
+
+    // dK * softmax_scale and dV * 1 / (1 - p), staged in shared memory, written in 16-byte rows
+    half_bits* dk_base = bp.dk + batch * bp.dk_batch_stride + seq.k_start * bp.dk_row_stride + kv_head * bp.dk_head_stride;
+    half_bits* dv_base = bp.dv + batch * bp.dv_batch_stride + seq.k_start * bp.dv_row_stride + kv_head * bp.dv_head_stride;
+    bwd_write_key_rows<KT>(acc.dk, bp.softmax_scale, g, n0, seq.seqlen_k, tid, smem, dk_base, bp.dk_row_stride);
+    bwd_write_key_rows<KT>(acc.dv, KT::kDropout ? prm.dropout_rescale : 1.f, g, n0, seq.seqlen_k, tid, smem, dv_base,
+                           bp.dv_row_stride);
+}

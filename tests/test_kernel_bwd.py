@@ -1,0 +1,224 @@
+"""The Volta backward kernels on a GPU: dQ, dK, dV against float64 autograd, next to PyTorch's fp16 eager
+attention backward on the same inputs; dropout against the reference backend; determinism; autograd paths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import volta_train
+from volta_train import _reference
+from volta_train._reference import AttentionParams
+from volta_train.kernels import configs, launch
+from naive import naive_attention, visible_mask
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def kernel_backend(monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 7:
+        pytest.skip("needs a CUDA GPU of sm_70 or newer")
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(batch, sq, sk, h, hk, d, gen):
+    q = torch.randn(batch, sq, h, d, generator=gen, device="cuda").half()
+    k = torch.randn(batch, sk, hk, d, generator=gen, device="cuda").half()
+    v = torch.randn(batch, sk, hk, d, generator=gen, device="cuda").half()
+    return q, k, v
+
+
+def _eager_fp16_grads(q, k, v, dout, causal, window=(-1, -1)):
+    """PyTorch fp16 eager attention (fp32 softmax, as HF's eager path) and its autograd gradients."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * q.shape[-1] ** -0.5
+    mask = visible_mask(q.shape[1], k.shape[1], causal, window, device="cuda")
+    p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0).half()
+    out = torch.einsum("bhij,bjhd->bihd", p, vv)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _reference_grads(q, k, v, dout, causal, window=(-1, -1)):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = naive_attention(q, k, v, causal=causal, window_size=window)
+    return torch.autograd.grad(out, (q, k, v), dout.double())
+
+
+def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
+                  offset=0, tile=None):
+    params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
+                             window_right=window[1], dropout_p=dropout_p, seed=seed, offset=offset)
+    out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, "fp32")
+    return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, bwd_accum,
+                           deterministic, tile=tile)
+
+
+CASES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
+    (2, 128, 128, 4, 4, 64, False),
+    (2, 257, 257, 4, 2, 64, True),
+    (1, 333, 1000, 6, 3, 128, False),
+    (2, 1000, 333, 4, 1, 128, True),
+    (1, 1, 513, 4, 4, 32, True),
+    (2, 77, 91, 2, 2, 96, False),
+    (1, 300, 300, 2, 1, 80, True),
+    (1, 130, 129, 4, 2, 16, False),
+    (1, 201, 190, 2, 2, 48, True),
+    (1, 150, 150, 2, 2, 112, False),
+    (1, 2048, 2048, 8, 2, 64, True),
+    (1, 4096, 4096, 2, 2, 128, False),
+    (1, 16384, 16384, 1, 1, 64, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}".format(*c[:6], "causal" if c[6] else "full"))
+@pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
+def test_gradients_within_twice_pytorch_fp16_error(case, bwd_accum):
+    batch, sq, sk, h, hk, d, causal = case
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(batch, sq, sk, h, hk, d, gen)
+    dout = torch.randn(batch, sq, h, d, generator=gen, device="cuda").half()
+    dq, dk, dv = _kernel_grads(q, k, v, dout, causal, bwd_accum)
+    for name, g in zip("qkv", (dq, dk, dv)):
+        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+    ref = _reference_grads(q, k, v, dout, causal)
+    eager = _eager_fp16_grads(q, k, v, dout, causal)
+    for name, g, r, e in zip("qkv", (dq, dk, dv), ref, eager):
+        err, torch_err = _rel(g, r), _rel(e, r)
+        assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+
+
+@pytest.mark.parametrize("window", [(32, 0), (64, 16)])
+def test_window_gradients(window):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
+    dout = torch.randn_like(q)
+    grads = _kernel_grads(q, k, v, dout, False, "fp32", window=window)
+    ref = _reference_grads(q, k, v, dout, False, window)
+    eager = _eager_fp16_grads(q, k, v, dout, False, window)
+    for g, r, e in zip(grads, ref, eager):
+        assert _rel(g, r) <= 2 * _rel(e, r) + 1e-5
+
+
+@pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_dropout_gradients_equal_reference_backend(bwd_accum, causal, head_dim):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 257, 300, 4, 2, head_dim, gen)
+    dout = torch.randn(2, 257, 4, head_dim, generator=gen, device="cuda").half()
+    seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
+    grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, dropout_p=p, seed=seed, offset=offset)
+    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    out, lse = _reference.reference_forward(qd, kd, vd, params)
+    ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
+    tolerance = 5e-3 if bwd_accum == "fp32" else 1e-2
+    for name, g, r in zip("qkv", grads, ref):
+        assert _rel(g, r) < tolerance, f"d{name} {_rel(g, r):.2e}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_gives_identical_bits_and_matches_atomics(head_dim):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 1000, 1000, 4, 2, head_dim, gen)
+    dout = torch.randn_like(q)
+    first = _kernel_grads(q, k, v, dout, True, "fp32", deterministic=True)
+    second = _kernel_grads(q, k, v, dout, True, "fp32", deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    atomic = _kernel_grads(q, k, v, dout, True, "fp32", deterministic=False)
+    for a, b in zip(first, atomic):
+        assert _rel(a, b) < 2e-3
+
+
+def test_varlen_gradients_match_dense_per_sequence():
+    lengths = [0, 1, 17, 128, 129, 300, 5]
+    h, hk, d = 4, 2, 64
+    total = sum(lengths)
+    q = torch.randn(total, h, d, device="cuda").half().requires_grad_()
+    k = torch.randn(total, hk, d, device="cuda").half().requires_grad_()
+    v = torch.randn(total, hk, d, device="cuda").half().requires_grad_()
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        s = slice(cu[b].item(), cu[b + 1].item())
+        qs, ks, vs = (t[None, s].detach().requires_grad_() for t in (q, k, v))
+        o = volta_train.flash_attn_func(qs, ks, vs, causal=True)
+        ref = torch.autograd.grad(o, (qs, ks, vs), dout[None, s])
+        for g, r in zip(grads, ref):
+            assert _rel(g[s], r[0]) < 2e-3
+
+
+def test_autograd_through_public_api_uses_kernel(monkeypatch):
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "auto")
+    from volta_train import kernels
+
+    calls = []
+    original = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 200, 200, 4, 2, 64, gen))
+    out = volta_train.flash_attn_func(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert calls and all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(x).view(b, n, 3, self.heads, c // self.heads)
+        out = volta_train.flash_attn_qkvpacked_func(qkv, causal=True)
+        return self.proj(out.reshape(b, n, c))
+
+
+@pytest.mark.parametrize("mode", ["compile", "checkpoint"])
+def test_small_model_under_compile_and_checkpointing(mode, monkeypatch):
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "auto")
+    torch.manual_seed(0)
+    model = TinyAttention().cuda().half()
+    x = torch.randn(2, 300, 256, device="cuda").half().requires_grad_()
+    ref_out = model(x)
+    ref_grads = torch.autograd.grad(ref_out.float().square().mean(), [x] + list(model.parameters()))
+    if mode == "compile":
+        run = torch.compile(model)
+        out = run(x)
+    else:
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    grads = torch.autograd.grad(out.float().square().mean(), [x] + list(model.parameters()))
+    assert torch.allclose(out, ref_out, atol=2e-3)
+    for g, r in zip(grads, ref_grads):
+        assert _rel(g, r) < 1e-2
+
+
+@pytest.mark.parametrize("tile", [configs.BwdTile(1, 4, 32), configs.BwdTile(1, 8, 64), configs.BwdTile(2, 4, 32),
+                                  configs.BwdTile(1, 4, 32, kv_in_smem=True)], ids=repr)
+def test_every_backward_tile(tile):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 333, 301, 4, 2, 64, gen)
+    dout = torch.randn_like(q)
+    grads = _kernel_grads(q, k, v, dout, True, "fp32", tile=tile)
+    ref = _reference_grads(q, k, v, dout, True)
+    eager = _eager_fp16_grads(q, k, v, dout, True)
+    for g, r, e in zip(grads, ref, eager):
+        assert _rel(g, r) <= 2 * _rel(e, r) + 1e-5
