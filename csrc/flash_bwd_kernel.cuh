@@ -10,8 +10,9 @@
 //   dV += (P^T * Z) dO,  dK += dS^T Q     (A = P^T / dS^T from registers, B = dO^T / Q^T from shared memory)
 //   dQ += dS K                             (dS through shared memory, B = K^T; fp32 atomics)
 // dV is scaled by 1 / (1 - p) and dK by softmax_scale at the end; dQ's scale is applied by the caller.
-// FP16-ACC: the five products accumulate in fp16 per query block (K pre-scaled by scale * log2 e), the
-// dK / dV accumulators across query blocks, the softmax statistics, dS and the dQ atomics stay fp32.
+// FP16-ACC: dV, dK and dQ accumulate in fp16 within a query block (then into fp32 accumulators / fp32
+// atomics). S^T and dP^T always accumulate in fp32: P = exp(S - lse) amplifies S's rounding and dP - D
+// cancels, and fp16 there doubles dQ's error (docs/accuracy.md); the softmax statistics and dS stay fp32.
 #pragma once
 #include "kernel_traits.cuh"
 #include "masking.cuh"
@@ -111,70 +112,32 @@ struct BwdAccumulators {
     __device__ __forceinline__ static int col(const LaneInQuadPair& lq, int i) { return KT::kAccumF16 ? i : lq.acc_col(i); }
 };
 
-// S^T (or dP^T) tiles of one warp: A = the warp's K (or V) rows, B = Q (or dO) rows of the query block
+// S^T (or dP^T) tiles of one warp, fp32: A = the warp's K (or V) rows, B = Q (or dO) rows of the query block
 // (col-major B: the lane feeds query column operand_row(), 8 head_dim values per 16-byte load).
 template <class KT>
 __device__ __forceinline__ void bwd_rows_times_tile(const KvOperand<KT>& a, const half_bits* b_tile,
                                                     const BwdWarpGeometry<KT>& g, float (&s)[KT::kSTilesPerQuadPair][8]) {
-    const LaneInQuadPair& lq = g.lq;
-    if (KT::kAccumF16) {
-        u32 s16[KT::kSTilesPerQuadPair][4];
 #pragma unroll
-        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+    for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) s16[nt][r] = 0u;
+        for (int i = 0; i < 8; ++i) s[nt][i] = 0.f;
 #pragma unroll
-        for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
-            const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
-            const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
-            const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kRowStride + 8 * kk);
-            const u32x4 av = a.chunk(kk);
-            mma_rc_f16(s16[nt], av.x, av.y, b.x, b.y);
-            mma_rc_f16(s16[nt], av.z, av.w, b.z, b.w);
-        }
-#pragma unroll
-        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                s[nt][2 * r] = low_half_to_float(s16[nt][r]);
-                s[nt][2 * r + 1] = high_half_to_float(s16[nt][r]);
-            }
-    } else {
-#pragma unroll
-        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[nt][i] = 0.f;
-#pragma unroll
-        for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
-            const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
-            const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
-            const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kRowStride + 8 * kk);
-            const u32x4 av = a.chunk(kk);
-            mma_rc_f32(s[nt], av.x, av.y, b.x, b.y);
-            mma_rc_f32(s[nt], av.z, av.w, b.z, b.w);
-        }
+    for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
+        const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
+        const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
+        const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + g.lq.operand_row()) * KT::kRowStride + 8 * kk);
+        const u32x4 av = a.chunk(kk);
+        mma_rc_f32(s[nt], av.x, av.y, b.x, b.y);
+        mma_rc_f32(s[nt], av.z, av.w, b.z, b.w);
     }
 }
 
-// Element (key, query) of accumulator element i of S^T tile nt, in the layout of the accumulation mode.
+// Key and query (within the block) of element i of S^T tile nt (fp32 accumulator layout).
 template <class KT>
-__device__ __forceinline__ int bwd_elem_key(const BwdWarpGeometry<KT>& g, int i) {
-    return g.mtile_key0 + BwdAccumulators<KT>::row(g.lq, i);
-}
+__device__ __forceinline__ int bwd_elem_key(const BwdWarpGeometry<KT>& g, int i) { return g.mtile_key0 + g.lq.acc_row(i); }
 template <class KT>
 __device__ __forceinline__ int bwd_elem_query(const BwdWarpGeometry<KT>& g, int nt, int i) {
-    return g.stile_q0(0, nt) + BwdAccumulators<KT>::col(g.lq, i);
-}
-
-// Packs an S^T-shaped f32 tile into the A-operand layout (the lane's key row, eight query columns, f16x2).
-template <class KT>
-__device__ __forceinline__ void bwd_to_row_fragment(const float (&v)[8], const LaneInQuadPair& lq, u32 (&frag)[4]) {
-    if (KT::kAccumF16) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) frag[r] = pack_half2(v[2 * r], v[2 * r + 1]);
-    } else {
-        f32_acc_to_row_fragment(v, lq.t, frag);
-    }
+    return g.stile_q0(0, nt) + g.lq.acc_col(i);
 }
 
 // C += A B over one query block, A = f16x2 row fragments of the warp (own and partners' query columns), B =
@@ -284,7 +247,7 @@ struct BwdBlockState {
     const VisibleKeys& vis;
     const DropoutRng& rng;
     unsigned char* smem;
-    float score_scale;  // scale * log2 e applied to S^T (1 under FP16-ACC: K is pre-scaled)
+    float score_scale;  // scale * log2 e applied to S^T
     float dropout_rescale;
 };
 
@@ -340,8 +303,8 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             p_kept[i] = kept ? p : 0.f;
             ds[i] = p * (dpz - dsum[query_in_block]);
         }
-        bwd_to_row_fragment<KT>(p_kept, lq, p_own[nt]);
-        bwd_to_row_fragment<KT>(ds, lq, ds_own[nt]);
+        f32_acc_to_row_fragment(p_kept, lq.t, p_own[nt]);
+        f32_acc_to_row_fragment(ds, lq.t, ds_own[nt]);
     }
     u32 p_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4], ds_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4];
 #pragma unroll
@@ -432,9 +395,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
 
     const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
     const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
-    const float score_scale = KT::kAccumF16 ? 1.f : prm.scale_log2;
+    const float score_scale = prm.scale_log2;
     KvOperand<KT> k_op, v_op;
-    load_kv_operand<KT>(k_base, prm.k_row_stride, n0, seq.seqlen_k, KT::kAccumF16 ? prm.scale_log2 : 1.f, g, tid,
+    load_kv_operand<KT>(k_base, prm.k_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
                         reinterpret_cast<half_bits*>(smem + KT::kOffK), k_op);
     load_kv_operand<KT>(v_base, prm.v_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
                         reinterpret_cast<half_bits*>(smem + KT::kOffV), v_op);

@@ -148,6 +148,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dq_tile = dq_tile or configs.dq_tile(head_dim, arch)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
                        dq_tile.block_m)
-    dq_var = configs.dq_variant(head_dim, dq_tile, accum_f16, dropout)
+    dq_var = configs.dq_variant(head_dim, dq_tile, False, dropout)
     _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
     return dq, dk, dv
