@@ -164,6 +164,38 @@ def run_benchmark(args) -> list[dict]:
     return rows
 
 
+def run_bwd_sweep(args) -> list[dict]:
+    B = configs.BwdTile
+    candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
+                  B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
+    rows = []
+    cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
+             for t in candidates for a in args.accum]
+    for d, n, causal, tile, accum in tqdm(cases, desc="bwd sweep"):
+        heads, batch = args.hidden // d, max(1, args.tokens // n)
+        try:
+            configs.bwd_variant(d, tile, accum == "fp16", False, True).compile(torch.cuda.get_device_capability()[0] * 10)
+        except Exception:  # no such shape for this head_dim (static_assert) or out of shared memory
+            continue
+        params = AttentionParams(softmax_scale=d**-0.5, causal=causal)
+
+        def bwd(q, k, v, _cache={}):
+            key = id(q)
+            if key not in _cache:
+                out, lse = launch.forward(q, k, v, None, None, n, n, params, None, "fp32")
+                _cache[key] = (out, lse, torch.randn_like(out))
+            out, lse, dout = _cache[key]
+            return launch.backward(dout, q, k, v, out, lse, None, None, n, n, params, None, accum, False, tile=tile)
+
+        ms, peak, note = measure(bwd, batch, n, heads, d, "fwd", args)
+        rows.append(dict(backend=f"volta-bwd-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
+                         f"n{tile.block_n} m{tile.block_m} w{tile.warps}{' kvsmem' if tile.kv_in_smem else ''}",
+                         head_dim=d, seqlen=n, causal=causal, ms=ms,
+                         tflops=(flops("bwd", batch, heads, n, n, d, causal) / ms / 1e9) if ms else None,
+                         peak_mib=peak, note=note))
+    return rows
+
+
 def run_sweep(args) -> list[dict]:
     T = configs.FwdTile
     if args.tiles:
@@ -256,7 +288,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--input-sets", type=int, default=3)
     parser.add_argument("--eager-limit-gb", type=float, default=24.0)
-    parser.add_argument("--sweep", action="store_true", help="sweep the Volta forward tile shapes")
+    parser.add_argument("--sweep", action="store_true", help="sweep the Volta tile shapes (--pass fwd or bwd)")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                         help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem[,split]]]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -265,7 +297,10 @@ def main() -> None:
         sys.exit("bench_attention.py needs a CUDA GPU")
     os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run_sweep(args) if args.sweep else run_benchmark(args)
+    if args.sweep:
+        rows = run_bwd_sweep(args) if args.pass_name == "bwd" else run_sweep(args)
+    else:
+        rows = run_benchmark(args)
     stem = f"{'sweep' if args.sweep else 'bench'}_{args.pass_name}"
     table = markdown(rows, args)
     (args.out / f"{stem}.md").write_text(table + "\n")

@@ -138,12 +138,12 @@ class BwdTile:
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
 # head dims take 2x2 tiles of 2 warps (32 keys per CTA).
 BWD_TILES_SM70: dict[int, BwdTile] = {
-    16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 4, 32), 48: BwdTile(2, 2, 32, dq_atomic=False),
-    64: BwdTile(1, 4, 32), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
+    64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(1, 4, 32, kv_in_smem=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     128: BwdTile(1, 4, 32, kv_in_smem=True),
 }
-BWD_TILES_EMULATED: dict[int, BwdTile] = dict(BWD_TILES_SM70)
+BWD_TILES_EMULATED: dict[int, BwdTile] = {**BWD_TILES_SM70, 32: BwdTile(1, 4, 32), 64: BwdTile(1, 4, 32)}
 DQ_TILES_SM70: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
 DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
 
