@@ -136,15 +136,26 @@ class BwdTile:
 
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
-# head dims take 2x2 tiles of 2 warps (32 keys per CTA).
+# head dims take 2x2 tiles of 2 warps (32 keys per CTA) and the dQ kernel.
+# sm_70: from the V100 model (docs/performance.md): d 32/64 on 1x4, 8 warps, 64x64 blocks (75.5%, spill-free);
+#   d 96/128 keep K and V in shared memory (51-55%: with K/V in registers every >= 65% shape spills).
 BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
     64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(1, 4, 32, kv_in_smem=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     128: BwdTile(1, 4, 32, kv_in_smem=True),
 }
-BWD_TILES_EMULATED: dict[int, BwdTile] = {**BWD_TILES_SM70, 32: BwdTile(1, 4, 32), 64: BwdTile(1, 4, 32)}
-DQ_TILES_SM70: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+# sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
+# emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
+BWD_TILES_EMULATED: dict[int, BwdTile] = {
+    **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True), 64: BwdTile(1, 4, 32, kv_in_smem=True),
+    128: BwdTile(2, 4, 32, kv_in_smem=True),
+}
+BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
+    **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True),
+    128: BwdTile(1, 4, 32, kv_in_smem=True),
+}
+DQ_TILES_SM70: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32), 128: FwdTile(1, 1, 8, 32)}  # model 87%, spill-free
 DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
 
 
@@ -155,8 +166,10 @@ def _pick(table: dict, head_dim: int):
     raise ValueError(f"head_dim {head_dim}: the Volta kernels support {SUPPORTED_HEAD_DIMS}")
 
 
-def bwd_tile(head_dim: int, arch: int = 70) -> BwdTile:
-    return _pick(BWD_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_TILES_SM70, head_dim)
+def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
+    if arch < EMULATED_MMA_ARCH:
+        return _pick(BWD_TILES_SM70, head_dim)
+    return _pick(BWD_TILES_EMULATED_FP16 if accum_f16 else BWD_TILES_EMULATED, head_dim)
 
 
 def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
@@ -207,9 +220,9 @@ def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> 
 def shipped_bwd_variants(arch: int = 70) -> list[KernelVariant]:
     variants = []
     for head_dim in SUPPORTED_HEAD_DIMS:
-        tile = bwd_tile(head_dim, arch)
         for dropout in (False, True):
             for accum_f16 in (False, True):
+                tile = bwd_tile(head_dim, arch, accum_f16)
                 for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
                     variants.append(bwd_variant(head_dim, tile, accum_f16, dropout, dq_atomic))
             variants.append(dq_variant(head_dim, dq_tile(head_dim, arch), False, dropout))
