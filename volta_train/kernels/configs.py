@@ -155,7 +155,10 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True),
     128: BwdTile(1, 4, 32, kv_in_smem=True),
 }
-DQ_TILES_SM70: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32), 128: FwdTile(1, 1, 8, 32)}  # model 87%, spill-free
+DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
+    64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
+    112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32),
+}
 DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
 
 
