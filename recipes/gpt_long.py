@@ -1,12 +1,15 @@
-"""Train a GPT (GPT-2 architecture, random init) on long sequences, attention through volta_train.
+"""Train a GPT (GPT-2 or Llama-style) on long sequences, attention through volta_train.
 
     accelerate launch recipes/gpt_long.py            # GPU: GPT-2 small, 4096 tokens, fp16; CPU: a tiny model
     python recipes/gpt_long.py --config configs/gpt_long/v100_gpt2_small_4k.yaml --steps 200
+    accelerate launch --config_file configs/accelerate/zero2.yaml recipes/gpt_long.py --config ...   # ZeRO-2
+    python recipes/gpt_long.py --arch llama --n-kv-head 1    # Llama-style (RoPE, RMSNorm, SwiGLU, GQA)
     python recipes/gpt_long.py --no-patch            # stock PyTorch SDPA attention, to compare
 
 Every option is a flag and a YAML key (see --help); flags override --config. Options left
 "auto" are chosen for the device the run lands on (volta_train/training/gpt.py: AUTO).
-The corpus is generated or read locally, tokenised to bytes once and cached; nothing is downloaded.
+Runs resume from out_dir's last checkpoint by default (--resume never to start over).
+The corpus is generated or read locally, tokenised once and cached; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -25,154 +28,176 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from accelerate import Accelerator, PartialState  # noqa: E402
-from accelerate.utils import GradientAccumulationPlugin, set_seed  # noqa: E402
-from torch.utils.data import DataLoader, Subset  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import volta_train  # noqa: E402
-from volta_train.training import checkpoint, config, data, gpt, logs, metrics, optim  # noqa: E402
+from volta_train.training import attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim  # noqa: E402
+from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
 
 log = logging.getLogger("gpt_long")
 
 
-@torch.no_grad()
-def evaluate(model, loader, accelerator) -> float:
-    """Mean loss over the (small, fixed) validation loader, averaged over processes."""
-    model.eval()
-    losses = [model(**batch).loss.float() for batch in loader]
-    model.train()
-    return accelerator.reduce(torch.stack(losses).mean(), "mean").item()
+def _fail(message: str):
+    sys.exit(f"gpt_long.py: error: {message}")
+
+
+def make_optimizer(setup, model, cfg):
+    """AdamW with weight-decay groups; a DeepSpeed JSON with its own "optimizer" gets accelerate's placeholder."""
+    betas = (cfg.beta1, cfg.beta2)
+    if setup.deepspeed and "optimizer" in setup.accelerator.state.deepspeed_plugin.deepspeed_config:
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(optim.param_groups(model, cfg.weight_decay), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return optim.build_adamw(model, cfg.lr, cfg.weight_decay, betas)
+
+
+def resolve_packing(cfg, model) -> tuple[bool, str]:
+    """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
+    if cfg.packing == "stream":
+        return False, "packing stream: documents attend across EOS (GPT-2 style)"
+    ok, why = attention.packed_documents_supported(model)
+    impl = model.config._attn_implementation
+    if ok:
+        return True, f"packing documents: position ids restart at each document; {impl} keeps documents apart"
+    if cfg.packing == "documents":
+        _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
+              "--packing stream, or --no-patch")
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
 def main(argv=None) -> dict:
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
-    state = PartialState(cpu=cfg.cpu)
     try:
+        state = distributed.init_state(cfg.cpu, cfg.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
     except config.ConfigError as e:
-        sys.exit(f"gpt_long.py: error: {e}")
-    accelerator = Accelerator(
-        cpu=cfg.cpu,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-    )
+        _fail(str(e))
     out_dir = Path(cfg.out_dir)
-    logs.setup_logging(accelerator.is_main_process, out_dir / "train.log")
+    logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    if cfg.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        log.warning("mixed_precision fp16 on CPU: accelerate has no fp16 autocast there, the run is fp32 (try bf16)")
     set_seed(cfg.seed)
     log.info("config: %s", json.dumps(config.to_dict(cfg)))
-    log.info(
-        "device: %s x %d process(es), mixed precision %s, %d torch threads",
-        accelerator.device, accelerator.num_processes, accelerator.mixed_precision, torch.get_num_threads(),
-    )
 
-    # data: bytes -> cached token stream -> fixed-length sequences
-    tokenizer = data.ByteTokenizer()
+    # data: text -> cached token stream -> fixed-length sequences
     try:
-        with accelerator.local_main_process_first():
+        tokenizer = data.load_tokenizer(gpt.default_tokenizer(cfg))
+        with state.local_main_process_first():
             tokens = data.load_tokens(cfg.data, cfg.cache_dir, tokenizer, synthetic_bytes=int(cfg.synthetic_mb * 1e6))
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.val_fraction, cfg.seq_len)
     except (OSError, ValueError) as e:
-        sys.exit(f"gpt_long.py: error: {e}")
-    train_set = data.PackedDataset(train_tokens, cfg.seq_len)
-    if len(train_set) < cfg.batch_size * accelerator.num_processes:
-        sys.exit(f"gpt_long.py: error: {len(train_set)} training sequences: fewer than one batch on every process")
-    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True,
-                              pin_memory=accelerator.device.type == "cuda")
-    val_set = data.PackedDataset(val_tokens, cfg.seq_len)
-    n_val = min(len(val_set), cfg.eval_batches * cfg.batch_size * accelerator.num_processes)
-    val_loader = DataLoader(Subset(val_set, range(n_val)), cfg.batch_size) if n_val else None
+        _fail(str(e))
 
-    # model: GPT-2 architecture from a config, then volta_train's attention
-    model = gpt.build_model(cfg, tokenizer)
-    if cfg.patch:
-        try:
-            patch = volta_train.patch
-        except ImportError as e:
-            sys.exit(f"gpt_long.py: error: volta_train.patch is unavailable ({e}); run with --no-patch")
-        patch(model)
-    n_params, attention = sum(p.numel() for p in model.parameters()), model.config._attn_implementation
+    # model, then its attention: volta_train's (patch) or stock SDPA
+    try:
+        model = gpt.build_model(cfg, tokenizer)
+        if cfg.patch:
+            attention.apply_patch(model)
+    except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
+        _fail(str(e))
+    shape = gpt.describe(model)
+    impl = model.config._attn_implementation
+    documents, packing_note = resolve_packing(cfg, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
     log.info(
-        "model: GPT-2 %s (n_layer %d, n_head %d, n_embd %d), %.2fM parameters, seq_len %d, attention %s",
-        cfg.model, cfg.n_layer, cfg.n_head, cfg.n_embd, n_params / 1e6, cfg.seq_len, attention,
+        "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",
+        shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["hidden"], n_params / 1e6,
+        cfg.seq_len, impl, ", gradient checkpointing" if cfg.gradient_checkpointing else "",
     )
-    optimizer = optim.build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if val_loader is not None:
-        val_loader = accelerator.prepare(val_loader)
+    log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
+             packing_note)
+    eos = tokenizer.eos_token_id
+    train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+    val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
+    try:
+        setup = distributed.build_accelerator(
+            cpu=cfg.cpu, mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
+            grad_clip=cfg.grad_clip, deepspeed_spec=cfg.deepspeed, loss_scale_init=cfg.loss_scale_init,
+            loss_scale_window=cfg.loss_scale_window,
+        )
+    except config.ConfigError as e:
+        _fail(str(e))
+    accelerator = setup.accelerator
+    log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
+             setup.precision, torch.get_num_threads())
+    optimizer = make_optimizer(setup, model, cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    try:
+        probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, world, rank, seed=cfg.seed)
+    except ValueError as e:
+        _fail(f"{e}: give more data or a shorter seq_len")
+    pin = accelerator.device.type == "cuda"
+
+    def batches(start: int):
+        sampler = data.ShardedBatchSampler(len(train_set), cfg.batch_size, world, rank, seed=cfg.seed, start=start)
+        return data.micro_batches(train_set, sampler, num_workers=cfg.num_workers, pin_memory=pin)
+
+    val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, world, rank)
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        losses = []
+        for idx in val_batches:
+            batch = torch.utils.data.default_collate([val_set[i] for i in idx])
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            losses.append(model(**batch).loss.float())
+        model.train()
+        return {"loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     log.info(
-        "training: %d steps x %s tokens (batch %d x accum %d x %d process(es) x seq %d), lr %.1e, warmup %d",
-        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, accelerator.num_processes,
-        cfg.seq_len, cfg.lr, cfg.warmup_steps,
+        "training: %d steps x %s tokens (batch %d x accum %d x %d process(es) x seq %d), lr %.1e, warmup %d, "
+        "%d sequences per epoch",
+        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, world, cfg.seq_len, cfg.lr,
+        cfg.warmup_steps, probe.batches_per_epoch * cfg.batch_size * world,
     )
-    batches = data.forever(train_loader)
-    meter = metrics.Throughput(accelerator.device)
-    bar = logs.progress_bar(cfg.steps, accelerator.is_main_process and cfg.progress)
-    loss_sum, n_micro, skipped = torch.zeros((), device=accelerator.device), 0, 0
-    train_loss = val_loss = math.nan
-    model.train()
-    for step in range(cfg.steps):
-        lr = optim.lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-        optim.set_lr(optimizer, lr)
-        for _ in range(cfg.grad_accum):
-            with accelerator.accumulate(model):  # syncs gradients (DDP) on the last micro-batch only
-                loss = model(**next(batches)).loss
-                accelerator.backward(loss)  # divides by grad_accum; fp16: scales the loss
-            loss_sum += loss.detach().float()
-            n_micro += 1
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-        optimizer.step()  # fp16: skipped when the gradients overflowed, and the loss scale drops
-        optimizer.zero_grad(set_to_none=True)
-        skipped += int(accelerator.optimizer_step_was_skipped)
-        meter.add(tokens_per_step)
-        bar.update()
-        done = step + 1
-        if done % cfg.log_interval == 0 or done == cfg.steps:
-            train_loss = accelerator.reduce(loss_sum, "mean").item() / n_micro
-            loss_sum.zero_()
-            n_micro = 0
-            mem, _ = metrics.peak_memory(accelerator.device)
-            extra = "" if accelerator.scaler is None else f" | loss scale {accelerator.scaler.get_scale():.0f}"
-            norm = float("nan") if grad_norm is None else float(grad_norm)
-            log.info(
-                "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | peak mem %s%s",
-                done, cfg.steps, train_loss, lr, norm, f"{meter.lap():,.0f}", metrics.format_bytes(mem), extra,
-            )
-            bar.set_postfix(loss=f"{train_loss:.3f}")
-        if val_loader is not None and cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
-            log.info("eval step %d | val loss %.4f", done, evaluate(model, val_loader, accelerator))
-    bar.close()
-    seconds = meter.elapsed()
-    if val_loader is not None:
-        val_loss = evaluate(model, val_loader, accelerator)
-        log.info("eval step %d | val loss %.4f", cfg.steps, val_loss)
+    loop = LoopConfig(
+        steps=cfg.steps, grad_accum=cfg.grad_accum, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip, log_interval=cfg.log_interval,
+        eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
+        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
+        out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
+    )
+    run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream"}
+    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=flops,
+                      evaluate=evaluate if val_batches else None, run_info=run_info,
+                      tokenizer=getattr(tokenizer, "tokenizer", None))
+    try:
+        result = trainer.run()
+    except (FileNotFoundError, RuntimeError) as e:
+        if "checkpoint" in str(e) or "resume" in str(e):
+            _fail(str(e))
+        raise
 
-    mem, mem_kind = metrics.peak_memory(accelerator.device)
+    val_loss = result.pop("eval_loss", math.nan)
     summary = {
-        "steps": cfg.steps, "tokens": meter.tokens, "seconds": round(seconds, 2),
-        "tokens_per_second": round(meter.tokens / seconds, 1), "train_loss": train_loss, "val_loss": val_loss,
-        "skipped_steps": skipped, "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
-        "attention": attention, "parameters": n_params,
-        "checkpoint": str(out_dir / "final") if cfg.save else None,
+        **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
+        "packing": "documents" if documents else "stream", "precision": setup.precision,
+        "zero_stage": setup.zero_stage, "processes": world,
+        "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
-    if cfg.save:
-        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary)
+    if summary["checkpoint"]:
+        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
+                              tokenizer=getattr(tokenizer, "tokenizer", None))
     if accelerator.is_main_process:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
         "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
-        " | attention %s | checkpoint %s",
-        cfg.steps, f"{meter.tokens:,}", seconds, f"{summary['tokens_per_second']:,.0f}", train_loss, val_loss,
-        metrics.format_bytes(mem), mem_kind, f" | {skipped} fp16 steps skipped" if skipped else "",
-        summary["attention"], summary["checkpoint"],
+        " | attention %s | checkpoint %s%s",
+        summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
+        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
+        impl, summary["checkpoint"], f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "",
     )
     accelerator.end_training()
     return summary

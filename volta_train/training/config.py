@@ -1,13 +1,19 @@
-"""Training configuration: one dataclass, filled from defaults, then a YAML file, then the command line.
+"""Training configuration: dataclasses filled from defaults, then a YAML file, then the command line.
 
 Every field of a config dataclass is both a YAML key (``seq_len: 4096``) and a
-flag (``--seq-len 4096``); booleans get ``--x``/``--no-x``. A field left at
-``None`` means "auto": :func:`resolve_auto` fills it from a per-device table
-(small and fast on CPU, long sequences and fp16 on a GPU), so that
-``python recipes/gpt_long.py`` does something sensible everywhere.
+flag (``--seq-len 4096``); booleans get ``--x``/``--no-x``. A field whose type
+is itself a dataclass is a *section*: a YAML mapping (``optimizer: {lr: 3e-4}``)
+whose keys are flags with the section's name in front (``--optimizer.lr 3e-4``).
+Error messages name keys with dots (``optimizer.lr``), the way they are written
+on the command line.
 
-YAML files are read with ``yaml.safe_load``; an unknown key or a value of the
-wrong type is a :class:`ConfigError` naming the key and the file.
+A field left at ``None`` means "auto": :func:`resolve_auto` fills it from a
+per-device table (small and fast on CPU, long sequences and fp16 on a GPU), so
+that ``python recipes/gpt_long.py`` does something sensible everywhere.
+
+YAML files are read with ``yaml.safe_load`` (no Python objects can be built from
+a file); an unknown key or a value of the wrong type is a :class:`ConfigError`
+naming the key and the file.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from pathlib import Path
@@ -29,10 +36,20 @@ class ConfigError(ValueError):
 
 def field(default, help: str, choices=None):
     """A dataclass field carrying its command-line help (and optional choices)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(
+            default_factory=lambda: type(value)(value), metadata={"help": help, "choices": choices}
+        )
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-def _base_type(tp) -> type:
+def section(cls, help: str = ""):
+    """A dataclass field holding a nested section (a YAML mapping, flags ``--name.key``)."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help, "section": True})
+
+
+def _base_type(tp) -> Any:
     """int for ``int`` and ``int | None``; the one non-None member of a union."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         members = [t for t in typing.get_args(tp) if t is not type(None)]
@@ -41,7 +58,7 @@ def _base_type(tp) -> type:
     return tp
 
 
-def _fields(cls) -> dict[str, tuple[dataclasses.Field, type, bool]]:
+def _fields(cls) -> dict[str, tuple[dataclasses.Field, Any, bool]]:
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
@@ -51,14 +68,50 @@ def _fields(cls) -> dict[str, tuple[dataclasses.Field, type, bool]]:
     return out
 
 
-def coerce(name: str, value: Any, tp: type, nullable: bool, where: str = "") -> Any:
+def _is_section(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def leaf_fields(cls, prefix: str = "") -> dict[str, tuple[dataclasses.Field, Any, bool]]:
+    """Every option of ``cls`` by dotted name (``optimizer.lr``); sections are walked, not listed."""
+    out = {}
+    for name, (f, tp, nullable) in _fields(cls).items():
+        if _is_section(tp):
+            out.update(leaf_fields(tp, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = (f, tp, nullable)
+    return out
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{origin.__name__}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(name: str, value: Any, tp, nullable: bool, where: str = "") -> Any:
     """Check (and mildly convert) one value: ints stay ints, ``3e-4`` strings become floats, etc."""
     prefix = f"{where}: " if where else ""
     if value is None:
         if nullable:
             return None
         raise ConfigError(f"{prefix}{name} cannot be null")
-    if tp is bool:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        items = value if isinstance(value, list) else [value]
+        return [coerce(f"{name}[{i}]", v, item_tp, False, where) for i, v in enumerate(items)]
+    if origin is dict or tp is dict:
+        if isinstance(value, str):  # from the command line: JSON
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{prefix}{name} must be a mapping (JSON on the command line): {e}") from None
+        if isinstance(value, dict):
+            return {str(k): v for k, v in value.items()}
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
@@ -76,58 +129,115 @@ def coerce(name: str, value: Any, tp: type, nullable: bool, where: str = "") -> 
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     hint = " (quote it: YAML reads yes/no/on/off as booleans)" if tp is str and isinstance(value, bool) else ""
-    raise ConfigError(f"{prefix}{name} must be {tp.__name__}, got {value!r} ({type(value).__name__}){hint}")
+    raise ConfigError(f"{prefix}{name} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}){hint}")
+
+
+def _check_choice(name: str, f: dataclasses.Field, value: Any, where: str) -> None:
+    choices = f.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(f"{prefix}{name} is {value!r}; accepted: {', '.join(map(str, choices))}")
+
+
+def _unknown(where: str, key: str, known: list[str], prefix: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {prefix + key!r}{hint}; known keys{' in ' + prefix[:-1] if prefix else ''}: "
+                       f"{', '.join(known)}")
+
+
+def _flatten(raw: dict, cls, where: str, prefix: str = "") -> dict[str, Any]:
+    fields = _fields(cls)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if "." in name:  # a dotted key at any level: optimizer.lr: 3e-4
+            head, rest = name.split(".", 1)
+            value, name = {rest: value}, head
+        if name not in fields:
+            raise _unknown(where, name, list(fields), prefix)
+        f, tp, nullable = fields[name]
+        if _is_section(tp):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{where}: {prefix + name} is a section: expected a mapping of option: value, got {value!r}"
+                )
+            out.update(_flatten(value, tp, where, f"{prefix}{name}."))
+            continue
+        value = coerce(prefix + name, value, tp, nullable, where)
+        _check_choice(prefix + name, f, value, where)
+        out[prefix + name] = value
+    return out
 
 
 def load_yaml(path: str | Path, cls) -> dict[str, Any]:
-    """The YAML file's keys, checked against ``cls``'s fields (dashes allowed for underscores)."""
+    """The YAML file's options by dotted name, checked against ``cls`` (dashes allowed for underscores)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a directory") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value, got {type(raw).__name__}")
-    known = _fields(cls)
-    out = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: {', '.join(known)}")
-        f, tp, nullable = known[name]
-        value = coerce(name, value, tp, nullable, str(path))
-        choices = f.metadata.get("choices")
-        if choices and value is not None and value not in choices:
-            raise ConfigError(f"{path}: {name} is {value!r}; accepted: {', '.join(map(str, choices))}")
-        out[name] = value
-    return out
+    return _flatten(raw, cls, str(path))
+
+
+def from_flat(cls, values: dict[str, Any], prefix: str = ""):
+    """Build ``cls`` (and its sections) from dotted names; missing options keep their defaults."""
+    kwargs = {}
+    for name, (f, tp, _) in _fields(cls).items():
+        if _is_section(tp):
+            kwargs[name] = from_flat(tp, values, f"{prefix}{name}.")
+        elif prefix + name in values:
+            kwargs[name] = values[prefix + name]
+    return cls(**kwargs)
 
 
 def build_parser(cls, description: str) -> argparse.ArgumentParser:
-    """--config plus one flag per field; flags not given on the command line stay out of the namespace."""
+    """--config plus one flag per option; flags not given on the command line stay out of the namespace."""
     parser = argparse.ArgumentParser(
         description=description, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="YAML", help="YAML file of options; command-line flags override it")
-    for name, (f, tp, _) in _fields(cls).items():
+    groups: dict[str, Any] = {}
+    for name, (f, tp, _) in leaf_fields(cls).items():
+        head = name.rsplit(".", 1)[0] if "." in name else ""
+        if head and head not in groups:
+            groups[head] = parser.add_argument_group(f"{head} (YAML section {head!r})")
+        target = groups.get(head, parser)
         flag = "--" + name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.default is not None:
-            help_text = f"{help_text} (default: {f.default})"
-        elif "auto:" not in help_text:
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if default is not None:
+            help_text = f"{help_text} (default: {default})"
+        elif "auto" not in help_text:
             help_text = f"{help_text} (default: auto)"
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            # --x / --no-x; in a section --model.patch / --model.no-patch
+            head_flag, _, leaf = flag.rpartition(".")
+            negative = f"{head_flag}.no-{leaf}" if head_flag else "--no-" + flag[2:]
+            target.add_argument(flag, dest=name, action="store_const", const=True,
+                                help=f"{help_text}; {negative} turns it off")
+            target.add_argument(negative, dest=name, action="store_const", const=False, help=argparse.SUPPRESS)
+        elif typing.get_origin(tp) is list:
+            (item_tp,) = typing.get_args(tp)
+            target.add_argument(flag, dest=name, type=item_tp, nargs="+", metavar=name.rsplit(".", 1)[-1].upper(),
+                                help=help_text)
         else:
-            metavar = name.upper() if not f.metadata.get("choices") else None
-            parser.add_argument(flag, type=tp, choices=f.metadata.get("choices"), metavar=metavar, help=help_text)
+            choices = f.metadata.get("choices")
+            arg_type = str if (tp is dict or typing.get_origin(tp) is dict) else tp
+            metavar = None if choices else name.rsplit(".", 1)[-1].upper()
+            target.add_argument(flag, dest=name, type=arg_type, choices=choices, metavar=metavar, help=help_text)
     return parser
 
 
@@ -137,11 +247,14 @@ def parse_config(cls, argv=None, description: str = ""):
     args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     config_path = args.pop("config", None)
+    leaves = leaf_fields(cls)
     try:
         if config_path:
             values.update(load_yaml(config_path, cls))
-        values.update(args)
-        return cls(**values)
+        for name, value in args.items():
+            _, tp, nullable = leaves[name]
+            values[name] = coerce(name, value, tp, nullable, "command line")
+        return from_flat(cls, values)
     except ConfigError as e:
         parser.error(str(e))
 

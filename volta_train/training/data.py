@@ -1,13 +1,23 @@
-"""Text in, fixed-length token sequences out: a byte tokenizer, a token cache and packing.
+"""Text in, fixed-length token sequences out: tokenizers, a token cache, packing and a resumable sampler.
 
 * :class:`ByteTokenizer`: the 256 byte values plus one end-of-document token.
   Nothing to download or train; any UTF-8 text round-trips.
+* :class:`HFTokenizer`: a HuggingFace tokenizer saved in a local directory
+  (``tokenizer.json`` & co.), for models that come with their own vocabulary.
 * :func:`load_tokens`: tokenises a corpus once (documents joined by EOS) into
-  a uint16 ``.npy`` under a cache directory, keyed by what the tokens depend on,
+  a ``.npy`` under a cache directory, keyed by what the tokens depend on,
   and memory-maps it on every later run.
 * :class:`PackedDataset`: cuts a token stream into back-to-back sequences of
-  ``seq_len`` tokens (documents packed across sequence boundaries, GPT-2 style:
-  tokens attend across the EOS between documents).
+  ``seq_len`` tokens. ``documents=False``: GPT-2 style, tokens attend across the
+  EOS between documents. ``documents=True``: each item also carries
+  ``position_ids`` that restart at 0 at every document start (and at the start of
+  the window), and the first token of each document is not a target, so no
+  token attends to or is predicted from another document; transformers turns
+  such ``position_ids`` into a block-diagonal causal mask (sdpa/eager) or the
+  varlen path (flash-style implementations such as volta_train).
+* :class:`ShardedBatchSampler`: the order of micro-batches as a pure function of
+  (seed, micro-batch index, rank), so a resumed run reads exactly the batches
+  the interrupted one would have read.
 
 A corpus is ``"synthetic"`` (see :mod:`volta_train.training.corpus`), a
 ``.txt`` file (one document), a ``.jsonl`` file (one document per line, in its
@@ -36,11 +46,19 @@ _TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0-255, and ``eos_token_id`` = 256 between documents."""
+    """UTF-8 bytes as token ids 0-255, ``eos_token_id`` = 256 between documents, and three ids for fine-tuning.
+
+    ``pad_token_id`` (257) fills padded batches (always masked out), ``cls_token_id`` (258) and
+    ``sep_token_id`` (259) frame the input of a sequence classifier. Models get a vocabulary of
+    ``padded_vocab(vocab_size)`` = 320 rows; ids the tokenizer never produces are never seen.
+    """
 
     name = "bytes+eos"
     eos_token_id = 256
-    vocab_size = 257
+    pad_token_id = 257
+    cls_token_id = 258
+    sep_token_id = 259
+    vocab_size = 260
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -54,9 +72,52 @@ class ByteTokenizer:
                 doc = bytearray()
             elif 0 <= i < 256:
                 doc.append(i)
-            # ids >= 257 (padding of the model's vocabulary) decode to nothing
+            # special ids other than EOS, and ids >= 260 (padding of the model's vocabulary), decode to nothing
         out.append(doc.decode("utf-8", errors="replace"))
         return "<|eos|>".join(out)
+
+
+class HFTokenizer:
+    """A HuggingFace tokenizer from a local directory (nothing is downloaded), with the ByteTokenizer interface.
+
+    ``eos_token_id`` is the tokenizer's EOS, else its SEP (BERT-style vocabularies); ``pad_token_id``
+    its PAD, else the EOS. ``name`` hashes the tokenizer files, so that token caches follow the vocabulary.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = self.tokenizer
+        h = hashlib.sha256()
+        for f in sorted(path.iterdir()):
+            if f.is_file() and ("token" in f.name or f.suffix in (".txt", ".model") or f.name == "merges.txt"):
+                h.update(f.name.encode() + b"|" + f.read_bytes())
+        self.name = f"hf-{h.hexdigest()[:12]}"
+        self.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"tokenizer {path} has neither an EOS nor a SEP token to separate documents")
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id
+        self.cls_token_id = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        self.sep_token_id = tok.sep_token_id if tok.sep_token_id is not None else self.eos_token_id
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65535 else np.uint16)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str | None):
+    """``"bytes"`` (or None): :class:`ByteTokenizer`; otherwise a local HuggingFace tokenizer directory."""
+    if spec in (None, "", "bytes"):
+        return ByteTokenizer()
+    return HFTokenizer(spec)
 
 
 def _source_files(path: Path) -> list[Path]:
@@ -84,7 +145,7 @@ def _file_documents(files: list[Path]):
             yield f.read_text(encoding="utf-8")
 
 
-def corpus_key(source: str, tokenizer: ByteTokenizer, synthetic_bytes: int = 0, seed: int = 0) -> tuple[str, str]:
+def corpus_key(source: str, tokenizer, synthetic_bytes: int = 0, seed: int = 0) -> tuple[str, str]:
     """(a short human-readable name, a hash of everything the tokens depend on)."""
     h = hashlib.sha256(f"{tokenizer.name}|{tokenizer.eos_token_id}".encode())
     if source == SYNTHETIC:
@@ -99,12 +160,13 @@ def corpus_key(source: str, tokenizer: ByteTokenizer, synthetic_bytes: int = 0, 
 def load_tokens(
     source: str,
     cache_dir: str | os.PathLike,
-    tokenizer: ByteTokenizer,
+    tokenizer,
     synthetic_bytes: int = 0,
     seed: int = 0,
 ) -> np.ndarray:
-    """The corpus as one uint16 token stream (each document followed by EOS), memory-mapped from the cache.
+    """The corpus as one token stream (each document followed by EOS), memory-mapped from the cache.
 
+    uint16 for vocabularies up to 65,536 ids, uint32 above.
     The first call for a given corpus tokenises it and writes ``<cache_dir>/<name>-<hash>.npy``
     atomically, so processes sharing a cache directory never read a half-written file.
     """
@@ -115,11 +177,12 @@ def load_tokens(
             docs = synthetic_documents(synthetic_bytes, seed)
         else:
             docs = _file_documents(_source_files(Path(source)))
-        eos = np.array([tokenizer.eos_token_id], dtype=np.uint16)
+        dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+        eos = np.array([tokenizer.eos_token_id], dtype=dtype)
         pieces = []
         for doc in docs:
-            pieces += [tokenizer.encode(doc), eos]
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint16)
+            pieces += [tokenizer.encode(doc).astype(dtype, copy=False), eos]
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -144,16 +207,38 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple
     return tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
 
 
+def document_positions(window: np.ndarray, eos_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(position_ids, starts) of a window of a packed stream: positions restart at 0 at the window start and
+    after every EOS; ``starts`` is True where a document begins (index 0 included)."""
+    n = window.shape[0]
+    starts = np.zeros(n, dtype=bool)
+    starts[0] = True
+    starts[1:] = window[:-1] == eos_token_id
+    idx = np.arange(n, dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(starts, idx, 0))
+    return idx - last_start, starts
+
+
 class PackedDataset(Dataset):
     """Back-to-back ``seq_len``-token windows of a token stream (the remainder is dropped).
 
     Items are ``{"input_ids", "labels"}`` int64 tensors; labels equal the inputs
     because HuggingFace causal-LM models shift them internally.
+
+    With ``documents=True`` items also hold ``position_ids`` restarting at 0 at the window
+    start and after each EOS, and ``labels`` are -100 at each document's first token (the
+    previous document's EOS does not learn to predict it): training then never
+    crosses a document boundary, provided the attention honours ``position_ids``
+    (see :func:`volta_train.training.attention.packed_documents_supported`).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, documents: bool = False, eos_token_id: int | None = None):
+        if documents and eos_token_id is None:
+            raise ValueError("documents=True needs the eos_token_id that separates documents")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.documents = documents
+        self.eos_token_id = eos_token_id
 
     def __len__(self) -> int:
         return self.tokens.size // self.seq_len
@@ -161,9 +246,78 @@ class PackedDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        window = self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
+        window = np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len])
         ids = torch.from_numpy(window.astype(np.int64))
-        return {"input_ids": ids, "labels": ids}
+        if not self.documents:
+            return {"input_ids": ids, "labels": ids}
+        positions, starts = document_positions(window, self.eos_token_id)
+        labels = ids.clone()
+        starts[0] = False  # the window's first token is never a target anyway
+        labels[torch.from_numpy(starts)] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.from_numpy(positions)}
+
+
+class ShardedBatchSampler:
+    """Micro-batches of dataset indices for one process, as a pure function of the micro-batch number.
+
+    Micro-batch ``m`` of epoch ``e = m // batches_per_epoch`` is slice ``rank`` of the ``m``-th group of
+    ``batch_size * num_replicas`` indices of the permutation drawn from ``seed + e`` (or of
+    ``range(n)`` with ``shuffle=False``); the last incomplete group of an epoch is dropped. Iterating
+    starts at micro-batch ``start`` and never ends: a resumed run passes the number of micro-batches
+    already consumed and reads exactly what the interrupted run would have read next.
+    """
+
+    def __init__(self, n_items: int, batch_size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, start: int = 0):
+        self.n_items, self.batch_size, self.num_replicas, self.rank = n_items, batch_size, num_replicas, rank
+        self.seed, self.shuffle, self.start = seed, shuffle, start
+        self.batches_per_epoch = n_items // (batch_size * num_replicas)
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{n_items} sequences: fewer than one batch of {batch_size} on each of {num_replicas} process(es)"
+            )
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                self._perm = torch.randperm(self.n_items, generator=gen)
+            else:
+                self._perm = torch.arange(self.n_items)
+            self._epoch = epoch
+        return self._perm
+
+    def batch(self, m: int) -> list[int]:
+        epoch, k = divmod(m, self.batches_per_epoch)
+        group = self.batch_size * self.num_replicas
+        first = k * group + self.rank * self.batch_size
+        return self._permutation(epoch)[first : first + self.batch_size].tolist()
+
+    def __iter__(self):
+        m = self.start
+        while True:
+            yield self.batch(m)
+            m += 1
+
+
+def micro_batches(dataset, sampler: ShardedBatchSampler, collate_fn=None, num_workers: int = 0,
+                  pin_memory: bool = False):
+    """An endless iterator of collated micro-batches (CPU tensors) in ``sampler``'s order."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
+                        pin_memory=pin_memory, persistent_workers=False)
+    return iter(loader)
+
+
+def eval_indices(n_items: int, batch_size: int, n_batches: int, num_replicas: int = 1, rank: int = 0) -> list[list[int]]:
+    """The fixed validation micro-batches of one process: the first ``n_batches * batch_size * num_replicas``
+    items, split between processes (fewer batches when the set is smaller)."""
+    per_group = batch_size * num_replicas
+    groups = min(n_batches, n_items // per_group)
+    return [list(range(g * per_group + rank * batch_size, g * per_group + (rank + 1) * batch_size))
+            for g in range(groups)]
 
 
 def forever(loader):

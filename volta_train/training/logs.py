@@ -46,3 +46,89 @@ def setup_logging(is_main: bool, log_file: str | Path | None = None) -> logging.
 def progress_bar(total: int, enabled: bool, desc: str = "train"):
     """A tqdm bar when ``enabled`` and stderr is a terminal (log files get the log lines only)."""
     return tqdm(total=total, desc=desc, disable=None if enabled else True, dynamic_ncols=True, file=sys.stderr)
+
+
+class MetricsWriter:
+    """Per-step numbers as CSV (``train.csv``, ``eval.csv``) and TensorBoard scalars, on the main process.
+
+    ``start_step`` is the step a run starts from: 0 starts the files afresh; a resumed run keeps
+    the rows up to its checkpoint's step and drops any that the interrupted run wrote after it
+    (TensorBoard likewise purges events past ``start_step``), so the files hold one trajectory.
+    Columns come from the first row written to a file; later rows may leave some empty.
+    """
+
+    def __init__(self, out_dir: str | Path, enabled: bool, start_step: int = 0, tensorboard: bool = True):
+        self.enabled = enabled
+        self.out_dir = Path(out_dir)
+        self.columns: dict[str, list[str]] = {}
+        self.tb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("train", "eval"):
+            self._trim(self.out_dir / f"{name}.csv", start_step, name)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # tensorboard not installed
+                logging.getLogger(__name__).warning("TensorBoard logging off: %s (pip install tensorboard)", e)
+            else:
+                self.tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
+
+    def _trim(self, path: Path, start_step: int, name: str) -> None:
+        import csv
+
+        if not path.exists():
+            return
+        if start_step == 0:
+            path.unlink()
+            return
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        if not rows:
+            path.unlink()
+            return
+        header, body = rows[0], rows[1:]
+        keep = [r for r in body if r and r[0].isdigit() and int(r[0]) <= start_step]
+        tmp = path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(keep)
+        tmp.replace(path)
+        self.columns[name] = header
+
+    def write(self, name: str, step: int, values: dict[str, float | int | None]) -> None:
+        """One row of ``<name>.csv`` (``step`` first) and ``<name>/<key>`` scalars in TensorBoard."""
+        if not self.enabled:
+            return
+        import csv
+
+        path = self.out_dir / f"{name}.csv"
+        if name not in self.columns:
+            self.columns[name] = ["step", *values]
+            with path.open("w", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerow(self.columns[name])
+        row = [step] + ["" if values.get(c) is None else repr(values[c]) if isinstance(values[c], float) else values[c]
+                        for c in self.columns[name][1:]]
+        with path.open("a", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerow(row)
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and value == value:  # not None, not NaN
+                    self.tb.add_scalar(f"{name}/{key}", value, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    """Rows of a CSV written by :class:`MetricsWriter`, as dicts of strings."""
+    import csv
+
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))

@@ -59,3 +59,71 @@ class Throughput:
 
     def overall(self) -> float:
         return self.tokens / max(self.elapsed(), 1e-9)
+
+
+# Dense fp16 tensor-core peaks (TFLOP/s per device) that MFU is counted against. The V100's 125 is the
+# SXM2 figure NVIDIA quotes for its m8n8k4 tensor cores; what the kernels are designed against.
+PEAK_TFLOPS = (("V100", 125.0), ("A100", 312.0), ("H100", 989.0), ("H200", 989.0), ("A10G", 125.0), ("L4", 121.0))
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The fp16 tensor-core peak of the device, from its name (None on CPU or an unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_TFLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Weights that take part in a matrix product per token: Linear and GPT-2's Conv1D weights, the LM head
+    included even when it is tied to the input embedding (the lookup itself is free)."""
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+            total += weight.numel() if weight.numel() else getattr(weight, "ds_numel", 0)  # ZeRO-3: ds_numel
+    return total
+
+
+class FlopCounter:
+    """Model FLOPs of a training step (forward + backward, no recomputation: MFU, not hardware FLOPs).
+
+    Per token, ``6 * matmul parameters``; attention scores and their product with V add, per layer
+    and per sequence of length n (the part of a row a token attends to), ``6 * n^2 * d_attn`` under a
+    causal mask (half of the 12 * n^2 * d of full attention) and ``12 * n^2 * d_attn`` without.
+    Sequences are read from the batch: ``position_ids`` that restart (packed documents), else
+    ``attention_mask`` (padding), else whole rows.
+    """
+
+    def __init__(self, matmul_params: int, n_layer: int, d_attn: int, causal: bool = True):
+        self.matmul_params, self.n_layer, self.d_attn = matmul_params, n_layer, d_attn
+        self.attn_coeff = (6 if causal else 12) * n_layer * d_attn
+
+    def __call__(self, batch: dict) -> tuple[int, float]:
+        """(tokens, FLOPs) of one micro-batch of CPU tensors."""
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        positions = batch.get("position_ids")
+        if positions is not None:
+            starts = positions == 0
+            lengths = []
+            for row in starts:
+                idx = torch.nonzero(row).flatten().tolist() + [row.numel()]
+                if idx[0] != 0:
+                    idx = [0] + idx
+                lengths += [b - a for a, b in zip(idx, idx[1:])]
+            sq = sum(n * n for n in lengths)
+            tokens = ids.numel()
+        elif mask is not None:
+            per_row = mask.sum(dim=-1)
+            tokens = int(per_row.sum())
+            sq = int((per_row.double() ** 2).sum())
+        else:
+            tokens = ids.numel()
+            sq = ids.shape[0] * ids.shape[-1] ** 2
+        return tokens, 6.0 * self.matmul_params * tokens + float(self.attn_coeff) * sq

@@ -1,4 +1,9 @@
-"""AdamW with GPT-style weight-decay groups, and a linear-warmup cosine learning-rate schedule."""
+"""Optimizers with GPT-style weight-decay groups, and learning-rate schedules as pure functions of the step.
+
+The schedule is a function of the optimizer step, set on the optimizer before each step
+(:func:`set_lr`), rather than a stateful scheduler object: a resumed run needs nothing but
+the step number, and under DeepSpeed there is no scheduler state to carry.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,24 @@ import math
 
 import torch
 
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "sgd")
 
-def lr_at(step: int, steps: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine down to ``lr * min_lr_ratio``."""
+
+def lr_at(step: int, steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then ``schedule`` down to
+    ``lr * min_lr_ratio`` (cosine or linear) or flat at ``lr`` (constant)."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
     decay_steps = max(1, steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     min_lr = lr * min_lr_ratio
+    if schedule == "linear":
+        return lr - progress * (lr - min_lr)
+    if schedule != "cosine":
+        raise ValueError(f"schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
@@ -22,13 +37,27 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8):
-    """AdamW decaying matrices (weights, embeddings) but not biases or LayerNorm parameters."""
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (weights, embeddings), not biases or norm parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [
+    return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8):
+    """AdamW decaying matrices (weights, embeddings) but not biases or LayerNorm parameters."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+
+
+def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas=(0.9, 0.999),
+                    eps: float = 1e-8, momentum: float = 0.9):
+    """``adamw`` (PyTorch's, decoupled weight decay) or ``sgd`` (with momentum), with :func:`param_groups`."""
+    if name == "adamw":
+        return build_adamw(model, lr, weight_decay, betas, eps)
+    if name == "sgd":
+        return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum)
+    raise ValueError(f"optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,274 @@
+"""The training loop both recipes share: accumulation, fp16, clipping, logs, evaluation, checkpoints, resume.
+
+The recipe builds the model, optimizer, data and Accelerator (:mod:`.distributed`);
+:class:`Trainer` runs the optimizer steps::
+
+    trainer = Trainer(setup, model, optimizer, loop, batches=..., evaluate=..., flops=...)
+    summary = trainer.run()
+
+Per optimizer step: the learning rate from the schedule, ``grad_accum`` micro-batches
+under ``accelerator.accumulate`` (gradients synchronised on the last one; DeepSpeed
+steps inside ``backward`` there), clipping (its norm is logged), the optimizer step
+(skipped by the loss scaler when fp16 gradients overflowed, and counted). Every
+``log_interval`` steps a log line and a row of ``train.csv``/TensorBoard: loss (mean
+over micro-batches and processes), lr, gradient norm, tokens/s (all processes),
+peak memory (largest process), loss scale, model TFLOP/s per device and MFU
+against the device's peak (V100: 125 TFLOP/s).
+
+Resume: ``loop.resume`` ``"auto"`` continues from the newest complete checkpoint in
+``out_dir/checkpoints`` if there is one. The data order is a function of the number of
+micro-batches consumed (``batches(start)``), the learning rate one of the step, and the
+generator states are restored last, so a resumed run repeats the interrupted run's
+trajectory. ``SIGTERM`` (what schedulers send before killing a job) and
+``time_limit_min`` stop the run at the next step boundary with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, logs, metrics, optim
+from .distributed import Setup, loss_scale
+
+logger = logging.getLogger("volta_train.trainer")
+
+
+@dataclass
+class LoopConfig:
+    steps: int
+    grad_accum: int
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float = 0.1
+    schedule: str = "cosine"
+    grad_clip: float = 1.0
+    log_interval: int = 10
+    eval_interval: int = 0
+    checkpoint_interval: int = 0
+    keep_checkpoints: int = 2
+    resume: str = "auto"
+    time_limit_min: float = 0.0
+    out_dir: str = "out"
+    progress: bool = True
+    tensorboard: bool = True
+    peak_tflops: float | None = None
+
+
+class Trainer:
+    """Runs :class:`LoopConfig`'s steps on a prepared model and optimizer (see the module doc)."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        model,
+        optimizer,
+        loop: LoopConfig,
+        batches: Callable[[int], Iterator[dict]],
+        flops: Callable[[dict], tuple[int, float]],
+        evaluate: Callable[[], dict[str, float]] | None = None,
+        run_info: dict | None = None,
+        tokenizer=None,
+    ):
+        self.setup, self.accelerator = setup, setup.accelerator
+        self.model, self.optimizer, self.loop = model, optimizer, loop
+        self.batches, self.flops, self.evaluate = batches, flops, evaluate
+        self.run_info = run_info or {}
+        self.tokenizer = tokenizer  # saved inside checkpoints when it is a HuggingFace tokenizer
+        self.out_dir = Path(loop.out_dir)
+        self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
+        self._stop_reason: str | None = None
+        device = self.accelerator.device
+        self.peak = loop.peak_tflops if loop.peak_tflops else metrics.peak_tflops(device)
+
+    # ---------------------------------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        spec = self.loop.resume
+        if spec in ("never", "", None):
+            return None
+        if spec == "auto":
+            return checkpoint.find_latest(self.checkpoint_root)
+        path = Path(spec)
+        if path.is_dir() and not (path / checkpoint.COMPLETE).exists():
+            latest = checkpoint.find_latest(path)  # an out_dir/checkpoints directory: its newest checkpoint
+            latest = latest or checkpoint.find_latest(path / checkpoint.CHECKPOINTS)
+            if latest is not None:
+                return latest
+        if not (path / checkpoint.COMPLETE).is_file():
+            raise FileNotFoundError(f"resume {spec!r}: not a complete checkpoint directory")
+        return path
+
+    def _on_sigterm(self, signum, frame):  # noqa: ARG002
+        self._stop_reason = "SIGTERM"
+        logger.warning("SIGTERM: stopping after this step with a checkpoint")
+
+    def _should_stop(self, started: float) -> str | None:
+        """The stop reason all processes agree on (one all-reduce per step when several processes run)."""
+        reason = self._stop_reason
+        if reason is None and self.loop.time_limit_min and time.perf_counter() - started > self.loop.time_limit_min * 60:
+            reason = f"time limit ({self.loop.time_limit_min:g} min)"
+        if self.accelerator.num_processes == 1:
+            return reason
+        flag = torch.tensor([1.0 if reason else 0.0], device=self.accelerator.device)
+        flag = self.accelerator.reduce(flag, "max")
+        return (reason or "another process stopped") if flag.item() > 0 else None
+
+    def _save(self, step: int, totals: dict) -> None:
+        state = {**totals, "micro_batches": step * self.loop.grad_accum, **self.run_info}
+        checkpoint.save_checkpoint(self.accelerator, self.model, self.optimizer, self.checkpoint_root, step, state,
+                                   self.loop.keep_checkpoints, tokenizer=self.tokenizer)
+
+    # ---------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        acc, loop = self.accelerator, self.loop
+        device = acc.device
+        start_step, totals, resumed_from, rng = 0, {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}, None, None
+        path = self._resume_path()
+        if path is not None:
+            state = checkpoint.load_checkpoint(acc, self.model, self.optimizer, path)
+            start_step, rng, resumed_from = int(state["step"]), state.pop("rng"), str(path)
+            totals = {k: state.get(k, v) for k, v in totals.items()}
+            if state.get("world_size") != acc.num_processes:
+                logger.warning("%s was written by %s process(es), this run has %d: the data order differs from the "
+                               "interrupted run's", path, state.get("world_size"), acc.num_processes)
+            for key, value in self.run_info.items():
+                if key in state and state[key] != value:
+                    logger.warning("resuming with %s = %r; the checkpoint was written with %r", key, value, state[key])
+            logger.info("resumed from %s at step %d/%d (%s tokens so far)", path, start_step, loop.steps,
+                        f"{totals['tokens']:,}")
+
+        summary_base = {"resumed_from": resumed_from, "start_step": start_step}
+        if start_step >= loop.steps:
+            logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
+            return {**summary_base, "steps": loop.steps, "tokens": 0, "seconds": 0.0, "tokens_per_second": 0.0,
+                    "train_loss": math.nan, "skipped_steps": totals["skipped_steps"], "completed": True,
+                    "stopped": None}
+
+        writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        batches = self.batches(start_step * loop.grad_accum)
+        if rng is not None:
+            checkpoint.set_rng_state(rng)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        bar = logs.progress_bar(loop.steps, acc.is_main_process and loop.progress)
+        bar.update(start_step)
+
+        loss_sum = torch.zeros((), device=device)
+        counts = torch.zeros(2, dtype=torch.float64, device=device)  # tokens, FLOPs since the last log line
+        n_micro, skipped, session_tokens = 0, 0, 0
+        train_loss = math.nan
+        grad_norm = None
+        clip = loop.grad_clip if loop.grad_clip > 0 else float("inf")
+        started = last = time.perf_counter()
+        stopped, done = None, start_step
+        self.model.train()
+        try:
+            for step in range(start_step, loop.steps):
+                lr = optim.lr_at(step, loop.steps, loop.lr, loop.warmup_steps, loop.min_lr_ratio, loop.schedule)
+                optim.set_lr(self.optimizer, lr)
+                for _ in range(loop.grad_accum):
+                    batch = next(batches)
+                    n_tokens, n_flops = self.flops(batch)
+                    counts[0] += n_tokens
+                    counts[1] += n_flops
+                    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                    with acc.accumulate(self.model):  # syncs gradients (DDP) on the last micro-batch only
+                        loss = self.model(**batch).loss
+                        acc.backward(loss)  # divides by grad_accum; fp16: scales the loss; DeepSpeed: steps
+                    loss_sum += loss.detach().float()
+                    n_micro += 1
+                if not self.setup.deepspeed:
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), clip)
+                self.optimizer.step()  # fp16: skipped when the gradients overflowed, and the loss scale drops
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.setup.deepspeed:
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), clip)  # DeepSpeed's norm of this step
+                skipped += int(acc.optimizer_step_was_skipped)
+                bar.update()
+                done = step + 1
+
+                if done % loop.log_interval == 0 or done == loop.steps:
+                    train_loss = acc.reduce(loss_sum, "mean").item() / n_micro
+                    totals_now = acc.reduce(counts, "sum").tolist()
+                    now = time.perf_counter()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                        now = time.perf_counter()
+                    dt = max(now - last, 1e-9)
+                    last = now
+                    mem = acc.reduce(torch.tensor([metrics.peak_memory(device)[0]], device=device), "max").item()
+                    tok_s = totals_now[0] / dt
+                    tflops = totals_now[1] / dt / acc.num_processes / 1e12
+                    mfu = tflops / self.peak if self.peak else None
+                    scale = loss_scale(self.setup, self.model)
+                    norm = float(grad_norm) if grad_norm is not None else math.nan
+                    session_tokens += int(totals_now[0])
+                    totals["tokens"] += int(totals_now[0])
+                    totals["flops"] += totals_now[1]
+                    loss_sum.zero_()
+                    counts.zero_()
+                    n_micro = 0
+                    extra = f" | loss scale {scale:g}" if scale is not None else ""
+                    extra += f" | {tflops:.2f} TFLOP/s" + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else "")
+                    logger.info(
+                        "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | peak mem %s%s",
+                        done, loop.steps, train_loss, lr, norm, f"{tok_s:,.0f}", metrics.format_bytes(mem), extra,
+                    )
+                    writer.write("train", done, {
+                        "loss": train_loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s, "tflops": tflops,
+                        "mfu": mfu, "peak_mem_bytes": mem, "loss_scale": scale,
+                        "skipped_steps": totals["skipped_steps"] + skipped, "tokens": totals["tokens"],
+                    })
+                    bar.set_postfix(loss=f"{train_loss:.3f}")
+
+                if self.evaluate is not None and loop.eval_interval and done % loop.eval_interval == 0 \
+                        and done < loop.steps:
+                    self._eval(done, writer)
+
+                stopped = self._should_stop(started)
+                at_interval = bool(loop.checkpoint_interval) and done % loop.checkpoint_interval == 0
+                if at_interval or stopped or (done == loop.steps and loop.checkpoint_interval):
+                    saving = time.perf_counter()
+                    self._save(done, {**totals, "seconds": totals["seconds"] + saving - started,
+                                      "skipped_steps": totals["skipped_steps"] + skipped})
+                    last += time.perf_counter() - saving  # saving is not training time for tok/s
+                if stopped:
+                    logger.warning("stopping at step %d/%d: %s", done, loop.steps, stopped)
+                    break
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            bar.close()
+
+        seconds = time.perf_counter() - started
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+        final_eval = {}
+        if self.evaluate is not None and not stopped:
+            final_eval = self._eval(done, writer)
+        writer.close()
+        mem, mem_kind = metrics.peak_memory(device)
+        return {
+            **summary_base,
+            "steps": done, "planned_steps": loop.steps, "tokens": session_tokens, "seconds": round(seconds, 2),
+            "tokens_per_second": round(session_tokens / max(seconds, 1e-9), 1), "train_loss": train_loss,
+            "skipped_steps": totals["skipped_steps"] + skipped, "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+            "total_tokens": totals["tokens"], "model_tflops_per_device": round(
+                totals["flops"] / max(seconds + totals["seconds"], 1e-9) / acc.num_processes / 1e12, 3),
+            "completed": done == loop.steps, "stopped": stopped, **{f"eval_{k}": v for k, v in final_eval.items()},
+        }
+
+    def _eval(self, step: int, writer) -> dict[str, float]:
+        values = self.evaluate()
+        logger.info("eval step %d | %s", step, " | ".join(f"{('val ' + k) if k == 'loss' else k} {v:.4f}"
+                                                          for k, v in values.items()))
+        writer.write("eval", step, values)
+        return values
