@@ -64,8 +64,10 @@ FWD_TILES_SM70: dict[int, FwdTile] = {
     128: FwdTile(2, 1, 4, 16),  # 2x2, 64x16: model 84-86%, 2 CTAs/SM (d 112, 128)
 }
 FWD_TILES_EMULATED: dict[int, FwdTile] = {
-    64: FwdTile(2, 1, 4, 32, q_in_smem=True),   # measured 14.0-16.0 TFLOP/s (d 16-64)
-    128: FwdTile(2, 1, 4, 16, q_in_smem=True),  # measured 13.5-15.3 TFLOP/s (d 80-128)
+    # measured 14.4-15.6 TFLOP/s (d 16-64); the register cap of 4 CTAs per SM spills 20 B on sm_90 and is
+    # still 0.5-1 TFLOP/s faster than 3 CTAs without spills (docs/bench/fwd_sweep_occupancy.md)
+    64: FwdTile(2, 1, 4, 32, min_blocks_emulated=4, q_in_smem=True),
+    128: FwdTile(2, 1, 4, 16, q_in_smem=True),  # measured 13.6-15.3 TFLOP/s (d 80-128)
 }
 
 
