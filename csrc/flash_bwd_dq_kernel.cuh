@@ -46,7 +46,7 @@ __device__ __forceinline__ bool tile_bit(u32 lo, u32 hi, int row, int col) {
 template <class KT>
 __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperand<KT>& dout, const half_bits* k_tile,
                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
-                                            int key0, bool needs_mask, float score_scale,
+                                            int key0, bool needs_mask, float score_scale, float alibi_log2,
                                             const float (&lse2)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
                                             const float (&dsum)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
                                             const DropoutRng& rng, float dropout_rescale,
@@ -73,9 +73,11 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
                 const int col = FwdAccumulators<KT>::o_phys_col(lq, i);
                 const int slot = FwdAccumulators<KT>::o_row_slot(i);
                 float score = s[a][nt][i];
-                if (needs_mask && !vis.visible(g.mtile_row0(a) + row_in_tile, key0 + g.stile_key0(nt) + col))
-                    score = neg_inf();
-                const float p = fast_exp2(fmaf(score, score_scale, -lse2[a][slot]));
+                float bias = 0.f;  // ALiBi, log2 domain
+                const int row = g.mtile_row0(a) + row_in_tile, key = key0 + g.stile_key0(nt) + col;
+                if (needs_mask && !vis.visible(row, key)) score = neg_inf();
+                else if (alibi_log2 != 0.f) bias = alibi_log2 * vis.diagonal_distance(row, key);
+                const float p = fast_exp2(fmaf(score, score_scale, -lse2[a][slot] - bias));
                 float dpz = dp[a][nt][i];
                 if (KT::kDropout) dpz = tile_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
                 ds[i] = p * (dpz - dsum[a][slot]);
@@ -159,7 +161,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
         u32 ds_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
         u32 ds_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
-        dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, lse2, dsum, rng,
+        dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, alibi_slope_log2(prm, batch, head),
+                        lse2, dsum, rng,
                         prm.dropout_rescale, ds_own, ds_partner);
         fwd_accumulate_pv<KT>(ds_own, ds_partner, kt_tile, g, acc);  // dQ += dS K
     }

@@ -249,6 +249,7 @@ struct BwdBlockState {
     unsigned char* smem;
     float score_scale;  // scale * log2 e applied to S^T
     float dropout_rescale;
+    float alibi_log2;   // ALiBi slope of this head times log2 e (0: none)
 };
 
 // One query block (queries [m0, m0 + kBlockM) of one query head): dV, dK and (DQ_ATOMIC) dQ.
@@ -291,8 +292,10 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
         for (int i = 0; i < 8; ++i) {
             const int key = bwd_elem_key<KT>(g, i), query_in_block = bwd_elem_query<KT>(g, nt, i);
             float score = s[nt][i];
+            float bias = 0.f;  // ALiBi, log2 domain
             if (needs_mask && !st.vis.visible(m0 + query_in_block, key)) score = neg_inf();
-            const float p = fast_exp2(fmaf(score, st.score_scale, -lse2[query_in_block]));
+            else if (st.alibi_log2 != 0.f) bias = st.alibi_log2 * st.vis.diagonal_distance(m0 + query_in_block, key);
+            const float p = fast_exp2(fmaf(score, st.score_scale, -lse2[query_in_block] - bias));
             float dpz = dp[nt][i];
             bool kept = true;
             if (KT::kDropout) {
@@ -420,7 +423,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
         float* dq_base = bp.dq_accum + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
         const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
-        BwdBlockState<KT> st{k_op, v_op, acc, g, vis, rng, smem, score_scale, prm.dropout_rescale};
+        BwdBlockState<KT> st{k_op, v_op, acc, g, vis, rng, smem, score_scale, prm.dropout_rescale,
+                             alibi_slope_log2(prm, batch, head)};
         for (int m_block = q_begin / KT::kBlockM; m_block * KT::kBlockM < q_end; ++m_block) {
             const int m0 = m_block * KT::kBlockM;
             __syncthreads();  // the previous block's tiles (and dS) are no longer read

@@ -302,7 +302,7 @@ __device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, cons
 template <class KT>
 __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const half_bits* k_tile,
                                                     const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
-                                                    int key0, bool needs_mask, float scale_log2,
+                                                    int key0, bool needs_mask, float scale_log2, float alibi_log2,
                                                     const DropoutRng& rng, FwdAccumulators<KT>& acc,
                                                     u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                                     u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
@@ -312,8 +312,12 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
     float s[KT::kMTiles][KT::kSTilesPerQuadPair][8];
     rows_times_tile_rows<KT>(q, k_tile, g, s);
 
-    // ---- mask: only key blocks that cross a boundary pay for it
-    if (needs_mask) {
+    // ---- mask and ALiBi bias: only key blocks that cross a boundary (or calls with ALiBi) pay for it.
+    // FP32-ACC scores are not yet scaled: the bias is divided by the scale so that it comes out as
+    // -slope * log2(e) * |i + shift - j| in the exponent (scale > 0, so max commutes with it).
+    const float score_scale = KT::kAccumF16 ? 1.f : scale_log2;
+    if (needs_mask || alibi_log2 != 0.f) {
+        const float bias_per_step = alibi_log2 / score_scale;
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -322,12 +326,12 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
                 for (int i = 0; i < 8; ++i) {
                     const int row = g.mtile_row0(a) + FwdAccumulators<KT>::o_row(lq, i);
                     const int key = key0 + g.stile_key0(nt) + FwdAccumulators<KT>::o_phys_col(lq, i);
-                    if (!vis.visible(row, key)) s[a][nt][i] = neg_inf();
+                    if (needs_mask && !vis.visible(row, key)) s[a][nt][i] = neg_inf();
+                    else s[a][nt][i] -= bias_per_step * vis.diagonal_distance(row, key);
                 }
     }
 
-    // ---- online softmax; FP32-ACC scores still need softmax_scale (scale > 0, so max commutes with it)
-    const float score_scale = KT::kAccumF16 ? 1.f : scale_log2;
+    // ---- online softmax
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a) {
         float tile_max[kRowSlots];
@@ -501,6 +505,7 @@ struct FwdBlockState {
     const AttentionParams& prm;
     const SequenceExtent& seq;
     int tid;
+    float alibi_log2;
 };
 
 
@@ -548,7 +553,7 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
     u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
     if (warp_active)
-        fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, MAY_MASK && needs_mask, st.prm.scale_log2,
+        fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, MAY_MASK && needs_mask, st.prm.scale_log2, st.alibi_log2,
                                 st.rng, st.acc, p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
     store_vt_block<KT>(st.v_tile, st.tid, st.stage);
@@ -611,7 +616,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
         load_kv_block<KT>(k_base, prm.k_row_stride, order.first() * KT::kBlockN, seq.seqlen_k, tid, stage);
         store_kv_block<KT>(k_tile, tid, stage);
         __syncthreads();
-        FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid};
+        FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid,
+                             alibi_slope_log2(prm, batch, head)};
         if (KT::kSplitMaskedLoop) {
             for (int n_block = full_begin; n_block < full_end; ++n_block)
                 fwd_key_block<KT, false, false>(st, n_block, order.next(n_block), false);

@@ -11,6 +11,9 @@ struct VisibleKeys {
     __device__ __forceinline__ VisibleKeys(const AttentionParams& p, const SequenceExtent& seq)
         : seqlen_k(seq.seqlen_k), shift(seq.seqlen_k - seq.seqlen_q), left(p.window_left), right(p.window_right) {}
 
+    // |i + shift - j|: the distance ALiBi penalises.
+    __device__ __forceinline__ float diagonal_distance(int row, int key) const { return (float)abs(row + shift - key); }
+
     __device__ __forceinline__ bool visible(int row, int key) const {
         return key < seqlen_k && (right < 0 || key <= row + shift + right) && (left < 0 || key >= row + shift - left);
     }

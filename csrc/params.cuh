@@ -12,6 +12,8 @@ struct AttentionParams {
     float* lse;                 // [B, H, Nq] (dense) or [H, total_q] (varlen), fp32
     const int* cu_seqlens_q;    // null: dense batch
     const int* cu_seqlens_k;
+    const float* alibi_slopes;  // null: no ALiBi; else fp32 [H] or [B, H] (alibi_batch_stride 0 or H)
+    long long alibi_batch_stride;
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;
@@ -46,6 +48,11 @@ struct BackwardParams {
     float softmax_scale;
     int num_n_blocks;  // key blocks per (batch, kv head)
 };
+
+// ALiBi slope of (batch, head) times log2(e): the bias -slope * |i + sk - sq - j| in the log2 domain. 0 = none.
+__device__ __forceinline__ float alibi_slope_log2(const AttentionParams& p, int batch, int head) {
+    return p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e : 0.f;
+}
 
 // Where one sequence lives: its token offset in the packed tensors and its lengths.
 struct SequenceExtent {

@@ -222,3 +222,20 @@ def test_every_backward_tile(tile):
     eager = _eager_fp16_grads(q, k, v, dout, True)
     for g, r, e in zip(grads, ref, eager):
         assert _rel(g, r) <= 2 * _rel(e, r) + 1e-5
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_gradients(deterministic, causal):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 257, 300, 4, 2, 64, gen)
+    dout = torch.randn(2, 257, 4, 64, generator=gen, device="cuda").half()
+    slopes = torch.rand(2, 4, generator=gen, device="cuda") * 0.5
+    params = AttentionParams(softmax_scale=64**-0.5, causal=causal)
+    out, lse = launch.forward(q, k, v, None, None, 257, 300, params, slopes, "fp32")
+    grads = launch.backward(dout, q, k, v, out, lse, None, None, 257, 300, params, slopes, "fp32", deterministic)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = naive_attention(qd, kd, vd, causal=causal, alibi_slopes=slopes)
+    ref = torch.autograd.grad(ref_out, (qd, kd, vd), dout.double())
+    for name, g, r in zip("qkv", grads, ref):
+        assert _rel(g, r) < 3e-3, f"d{name} {_rel(g, r):.2e}"

@@ -280,3 +280,36 @@ def test_varlen_forward_matches_dense_per_sequence():
         s = slice(cu[b].item(), cu[b + 1].item())
         ref = volta_train.flash_attn_func(q[None, s], k[None, s], v[None, s], causal=True)[0]
         assert torch.equal(out[s], ref)
+
+
+@pytest.mark.parametrize("accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_forward(accum, causal, per_batch):
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
+    shape = (2, 4) if per_batch else (4,)
+    slopes = torch.rand(shape, generator=gen, device="cuda") * 0.5
+    params = AttentionParams(softmax_scale=64**-0.5, causal=causal)
+    out, lse = launch.forward(q, k, v, None, None, 300, 357, params, slopes, accum)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, alibi_slopes=slopes)
+    rows = ~torch.isinf(ref_lse).transpose(1, 2)
+    assert not torch.isnan(out).any()
+    torch_err = _rel(_torch_fp16_attention_bias(q, k, v, causal, slopes), ref, rows)
+    bound = 1.5 * torch_err + 1e-5 if accum == "fp32" else 1e-2
+    assert _rel(out, ref, rows) <= bound
+
+
+def _torch_fp16_attention_bias(q, k, v, causal, slopes):
+    """PyTorch fp16 SDPA with the ALiBi bias and the bottom-right mask as a float mask."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    group = h // k.shape[2]
+    i = torch.arange(sq, device="cuda").view(-1, 1)
+    j = torch.arange(sk, device="cuda").view(1, -1)
+    dist = (i + sk - sq - j).abs().float()
+    s = slopes.view(1, h, 1, 1) if slopes.dim() == 1 else slopes.view(b, h, 1, 1)
+    bias = -s * dist
+    bias = bias.masked_fill(~visible_mask(sq, sk, causal, device="cuda"), float("-inf")).half()
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)))
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias.expand(b, h, sq, sk), scale=d**-0.5).transpose(1, 2)

@@ -32,7 +32,7 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 
 def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                params: CallParams, block_m: int) -> tuple[int, int, int]:
+                params: CallParams, block_m: int, alibi_slopes: torch.Tensor | None = None) -> tuple[int, int]:
     """Pointers, strides, lengths, masks and dropout state; returns the launch grid."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -51,6 +51,11 @@ def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
         prm.cu_seqlens_q = prm.cu_seqlens_k = None
         prm.lse_batch_stride, prm.lse_head_stride = lse.stride(0), lse.stride(1)
     prm.seqlen_q, prm.seqlen_k = max_seqlen_q, max_seqlen_k
+    if alibi_slopes is not None:  # [H] or [B, H] fp32, contiguous (made so by the caller)
+        prm.alibi_slopes = alibi_slopes.data_ptr()
+        prm.alibi_batch_stride = nheads if alibi_slopes.dim() == 2 else 0
+    else:
+        prm.alibi_slopes, prm.alibi_batch_stride = None, 0
     prm.nheads, prm.heads_per_kv = nheads, nheads // nheads_kv
     prm.num_m_blocks = max(1, -(-max_seqlen_q // block_m))
     prm.window_left = params.window_left
@@ -74,8 +79,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
 
     ``tile`` overrides the tile table (sweeps); ``out``/``lse`` let tests hand in poisoned buffers.
     """
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes in the Volta forward kernel")
+    alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     if out is None:
@@ -90,7 +94,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
     kernel = _kernel(variant, q.device)
     prm = AttentionParams()
     grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
-                       tile.block_m)
+                       tile.block_m, alibi_slopes)
     kernel.launch(grid, tile.threads, variant.dynamic_smem_bytes, [prm])
     return out, lse
 
@@ -107,8 +111,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
              dq_tile: configs.FwdTile | None = None):
     """Volta backward: (dq, dk, dv). dK/dV kernel over key blocks; dQ by its fp32 atomics, or (deterministic,
     or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible."""
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes in the Volta backward kernel")
+    alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     arch = _arch(q.device)
@@ -125,7 +128,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
     bp = BackwardParams()
     fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
-                tile.block_m)
+                tile.block_m, alibi_slopes)
     bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
     for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
         _set_strides(bp, name, t, varlen)
@@ -147,7 +150,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return (dq_accum * params.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or configs.dq_tile(head_dim, arch)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
-                       dq_tile.block_m)
+                       dq_tile.block_m, alibi_slopes)
     dq_var = configs.dq_variant(head_dim, dq_tile, False, dropout)
     _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
     return dq, dk, dv

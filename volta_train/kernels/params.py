@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ctypes
 
-_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
 _STRIDES = (
+    "alibi_batch_stride",
     "q_batch_stride", "q_row_stride", "q_head_stride",
     "k_batch_stride", "k_row_stride", "k_head_stride",
     "v_batch_stride", "v_row_stride", "v_head_stride",
@@ -35,7 +36,7 @@ class AttentionParams(ctypes.Structure):
     )
 
 
-assert ctypes.sizeof(AttentionParams) == 232, "AttentionParams must match csrc/params.cuh (232 bytes)"
+assert ctypes.sizeof(AttentionParams) == 248, "AttentionParams must match csrc/params.cuh (248 bytes)"
 
 
 _BWD_STRIDES = tuple(f"{t}_{axis}_stride" for t in ("do", "dq", "dk", "dv") for axis in ("batch", "row", "head"))
@@ -52,4 +53,4 @@ class BackwardParams(ctypes.Structure):
     )
 
 
-assert ctypes.sizeof(BackwardParams) == 232 + 6 * 8 + 12 * 8 + 8, "BackwardParams must match csrc/params.cuh"
+assert ctypes.sizeof(BackwardParams) == 248 + 6 * 8 + 12 * 8 + 8, "BackwardParams must match csrc/params.cuh"

@@ -75,8 +75,6 @@ def unsupported_reason(call: CallDescription) -> str | None:
             f"head_dim {call.head_dim}: the Volta kernel supports {', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
             "(head_dim 256 needs more registers per thread than a V100 has)"
         )
-    if call.alibi:
-        return "alibi_slopes are not in the Volta kernel yet"
     if not call.aligned:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"
     if not call.positive_scale:
