@@ -196,6 +196,39 @@ def run_bwd_sweep(args) -> list[dict]:
     return rows
 
 
+def run_varlen(args) -> list[dict]:
+    """Packed (varlen) against padded attention, forward + backward, lengths uniform in [1, max]."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    cases = [(d, m, c) for d in args.head_dims for m in args.varlen_max for c in args.causal]
+    for d, max_len, causal in tqdm(cases, desc="varlen"):
+        heads = args.hidden // d
+        batch = max(2, args.tokens // max_len)
+        lengths = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).cuda()
+        ideal = sum(n * n for n in lengths) / (batch * max_len * max_len)
+
+        def packed_inputs():
+            return [tuple(torch.randn(total, heads, d, device="cuda", dtype=torch.float16).requires_grad_()
+                          for _ in range(3)) for _ in range(args.input_sets)]
+
+        def padded_inputs():
+            return make_inputs(batch, max_len, heads, d, args.input_sets, True)
+
+        varlen_fn = with_backward(lambda q, k, v: volta_train.flash_attn_varlen_func(
+            q, k, v, cu, cu, max_len, max_len, causal=causal))
+        padded_fn = with_backward(lambda q, k, v: volta_train.flash_attn_func(q, k, v, causal=causal))
+        results = {}
+        for name, fn, make in (("varlen", varlen_fn, packed_inputs), ("padded", padded_fn, padded_inputs)):
+            torch.cuda.empty_cache()
+            results[name] = time_ms(fn, make(), args.warmup, args.repeats)
+        rows.append(dict(backend="volta fwd+bwd", head_dim=d, seqlen=max_len, causal=causal, batch=batch,
+                         tokens=total, ms=results["varlen"], padded_ms=results["padded"],
+                         speedup=results["padded"] / results["varlen"], ideal_speedup=1.0 / ideal))
+    return rows
+
+
 def run_sweep(args) -> list[dict]:
     T = configs.FwdTile
     if args.tiles:
@@ -291,12 +324,30 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep the Volta tile shapes (--pass fwd or bwd)")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                         help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem[,split]]]")
+    parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
+                        help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.varlen_max:
+        rows = run_varlen(args)
+        stem = "bench_varlen"
+        lines = [f"varlen vs padded, forward + backward; lengths uniform in [1, max]; batch = max(2, {args.tokens} / max);"
+                 f" heads = {args.hidden}/head_dim; ideal speedup = batch * max^2 / sum(len^2); "
+                 f"device: {torch.cuda.get_device_name()}", "",
+                 "| head_dim | max seqlen | causal | batch | tokens | varlen ms | padded ms | speedup | ideal |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['batch']} | {r['tokens']} | {r['ms']:.2f} | "
+                  f"{r['padded_ms']:.2f} | {r['speedup']:.2f} | {r['ideal_speedup']:.2f} |" for r in rows]
+        (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+        plot([dict(r, tflops=r["speedup"], backend="speedup over padded") for r in rows], args.out / f"{stem}.png",
+             f"varlen speedup over padded on {torch.cuda.get_device_name()}")
+        print("\n".join(lines))
+        return
     if args.sweep:
         rows = run_bwd_sweep(args) if args.pass_name == "bwd" else run_sweep(args)
     else:
