@@ -244,7 +244,7 @@ def main(argv=None) -> dict:
     vocab = VOCAB
     if args.smoke:
         args.models, args.seq_lens, args.steps, args.warmup, args.tokens_per_step = "nano", "64,128", 1, 1, 256
-        args.cpu, args.search_cap, args.search_granularity, vocab = True, 256, 64, 320
+        args.cpu, args.search_cap, args.search_granularity, vocab = True, 128, 64, 320
         if args.memory_gb is None:
             args.memory_gb = 0.0  # no cap on CPU; the search still runs, up to search_cap
     args.models = args.models.split(",")

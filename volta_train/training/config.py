@@ -11,9 +11,9 @@ A field left at ``None`` means "auto": :func:`resolve_auto` fills it from a
 per-device table (small and fast on CPU, long sequences and fp16 on a GPU), so
 that ``python recipes/gpt_long.py`` does something sensible everywhere.
 
-YAML files are read with ``yaml.safe_load`` (no Python objects can be built from
-a file); an unknown key or a value of the wrong type is a :class:`ConfigError`
-naming the key and the file.
+YAML files are read with a ``yaml.SafeLoader`` (no Python objects can be built
+from a file) that also refuses duplicate keys; an unknown key or a value of the
+wrong type is a :class:`ConfigError` naming the key and the file.
 """
 
 from __future__ import annotations
@@ -32,6 +32,20 @@ import yaml
 
 class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type or inconsistent values."""
+
+
+class _UniqueKeySafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def field(default, help: str, choices=None):
@@ -176,7 +190,7 @@ def load_yaml(path: str | Path, cls) -> dict[str, Any]:
     """The YAML file's options by dotted name, checked against ``cls`` (dashes allowed for underscores)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeySafeLoader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except IsADirectoryError:

@@ -71,6 +71,8 @@ def init_state(cpu: bool, deepspeed_spec: str | None):
 
     use_ds = bool(deepspeed_spec) or deepspeed_from_env()
     if not use_ds:
+        if not cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+            cpu = True  # several processes launched on a machine without a GPU (accelerate launch --multi_gpu): gloo
         return PartialState(cpu=cpu)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")

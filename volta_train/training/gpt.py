@@ -121,9 +121,7 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
     table = dict(AUTO[kind])
     if cfg.mixed_precision is None:
         # a precision chosen through `accelerate config` wins over the device default
-        env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-        if env != "no":
-            table["mixed_precision"] = env
+        table["mixed_precision"] = auto_precision(table["mixed_precision"], kind)
     external = cfg.model_path or cfg.model_config
     if external:
         given = [k for k in ("model", *SHAPE_FIELDS) if getattr(cfg, k) is not None]
@@ -153,6 +151,16 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
         cfg = dataclasses.replace(cfg, synthetic_mb=float(min(mb, MAX_SYNTHETIC_MB)))
     check(cfg)
     return cfg
+
+
+def auto_precision(default: str, kind: str) -> str:
+    """``mixed_precision`` "auto": a precision chosen through ``accelerate config`` (ACCELERATE_MIXED_PRECISION) wins
+    over the device default, except fp16 on CPU (a GPU config launched on a CPU machine): that stays fp32, since
+    CPU fp16 is an emulation for tests, asked for explicitly."""
+    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if env == "no" or (env == "fp16" and kind == "cpu"):
+        return default
+    return env
 
 
 def _swiglu_width(n_embd: int) -> int:
