@@ -175,6 +175,26 @@ def test_sigkill_resume_repeats_the_loss_trajectory(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_stops_with_a_checkpoint(tmp_path):
+    """SIGTERM (a scheduler's notice): the run finishes its step, checkpoints, writes its summary and exits 0."""
+    cmd = _recipe_cmd(tmp_path, "--model", "nano", "--seq-len", "64", "--steps", "500", "--log-interval", "1",
+                      "--checkpoint-interval", "0")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=_env())
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if re.search(r"step 3/500 \|", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stderr.readlines()
+    assert proc.wait(timeout=120) == 0, "".join(lines[-30:])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["stopped"] == "SIGTERM" and 3 <= summary["steps"] < 500 and not summary["completed"]
+    assert summary["checkpoint"] is None  # no final model for an unfinished run
+    assert checkpoint.find_latest(tmp_path / "out" / "checkpoints").name == f"step-{summary['steps']:08d}"
+
+
+@pytest.mark.slow
 def test_two_processes_ddp_config_on_cpu(tmp_path):
     """configs/accelerate/ddp.yaml with ACCELERATE_USE_CPU=1: two gloo processes, Llama-style, packed documents."""
     extra = ["--arch", "llama", "--n-kv-head", "1", "--grad-accum", "2", "--batch-size", "4"]
