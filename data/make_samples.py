@@ -29,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from volta_train.training.corpus import _ADJECTIVES, _NAMES, _OBJECTS, _PLACES, _WORDS, synthetic_documents  # noqa: E402
+from volta_train.training.corpus import (  # noqa: E402
+    _ADJECTIVES, _NAMES, _OBJECTS, _PLACES, _WORDS, synthetic_documents,
+)
 
 SAMPLES = ROOT / "data" / "samples"
 MODELS = ROOT / "configs" / "finetune" / "models"

@@ -196,7 +196,8 @@ def main(argv=None) -> dict:
             total = accelerator.reduce(sums, "sum").tolist()
             mean = total[0] / max(total[1], 1e-9)
             if causal:
-                return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "token_accuracy": total[2] / max(total[1], 1e-9)}
+                accuracy = total[2] / max(total[1], 1e-9)
+                return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "token_accuracy": accuracy}
             return {"loss": mean, "accuracy": total[2] / max(total[1], 1e-9)}
 
     loop = LoopConfig(
@@ -218,6 +219,14 @@ def main(argv=None) -> dict:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
         raise
+
+    if result["start_step"] >= result["planned_steps"]:
+        log.info("%s already holds the finished run (step %d); its summary.json stays. "
+                 "--checkpoint.resume never starts over",
+                 out_dir, result["start_step"])
+        accelerator.end_training()
+        previous = out_dir / "summary.json"
+        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
 
     summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
                "zero_stage": setup.zero_stage, "processes": world, "labels": names or None,

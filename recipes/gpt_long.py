@@ -32,7 +32,9 @@ from accelerate.utils import set_seed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from volta_train.training import attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim  # noqa: E402
+from volta_train.training import (  # noqa: E402
+    attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim,
+)
 from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
 
 log = logging.getLogger("gpt_long")
@@ -177,6 +179,13 @@ def main(argv=None) -> dict:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
         raise
+
+    if result["start_step"] >= result["planned_steps"]:
+        log.info("%s already holds the finished run (step %d); its summary.json stays. --resume never starts over",
+                 out_dir, result["start_step"])
+        accelerator.end_training()
+        previous = out_dir / "summary.json"
+        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
 
     val_loss = result.pop("eval_loss", math.nan)
     summary = {

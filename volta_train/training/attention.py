@@ -36,7 +36,9 @@ def apply_patch(model, flag: str = "--no-patch") -> str:
     try:
         patch(model)
     except (hf.UnsupportedModelError, hf.TransformersVersionError, ValueError) as e:
-        raise AttentionSetupError(f"volta_train.patch refused this model: {e} (run with {flag} for stock attention)") from e
+        raise AttentionSetupError(
+            f"volta_train.patch refused this model: {e} (run with {flag} for stock attention)"
+        ) from e
     return model.config._attn_implementation
 
 

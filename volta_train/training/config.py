@@ -156,8 +156,8 @@ def _check_choice(name: str, f: dataclasses.Field, value: Any, where: str) -> No
 def _unknown(where: str, key: str, known: list[str], prefix: str) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
-    return ConfigError(f"{where}: unknown key {prefix + key!r}{hint}; known keys{' in ' + prefix[:-1] if prefix else ''}: "
-                       f"{', '.join(known)}")
+    scope = f" in {prefix[:-1]}" if prefix else ""
+    return ConfigError(f"{where}: unknown key {prefix + key!r}{hint}; known keys{scope}: {', '.join(known)}")
 
 
 def _flatten(raw: dict, cls, where: str, prefix: str = "") -> dict[str, Any]:

@@ -311,7 +311,8 @@ def micro_batches(dataset, sampler: ShardedBatchSampler, collate_fn=None, num_wo
     return iter(loader)
 
 
-def eval_indices(n_items: int, batch_size: int, n_batches: int, num_replicas: int = 1, rank: int = 0) -> list[list[int]]:
+def eval_indices(n_items: int, batch_size: int, n_batches: int, num_replicas: int = 1,
+                 rank: int = 0) -> list[list[int]]:
     """The fixed validation micro-batches of one process: the first ``n_batches * batch_size * num_replicas``
     items, split between processes (fewer batches when the set is smaller)."""
     per_group = batch_size * num_replicas

@@ -108,8 +108,8 @@ def _fill(ds: dict, key: str, value, what: str) -> None:
     if current == "auto":
         ds[key] = value
     elif current != value:
-        raise ConfigError(f"the DeepSpeed config has {key}: {current!r} but the recipe's {what} is {value!r}: make them "
-                          f"agree, or write \"auto\" in the JSON")
+        raise ConfigError(f"the DeepSpeed config has {key}: {current!r} but the recipe's {what} is {value!r}: "
+                          "make them agree, or write \"auto\" in the JSON")
 
 
 def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, field, section
-from .data import ByteTokenizer, load_tokenizer
+from .data import ByteTokenizer
 from .gpt import padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
 
@@ -370,7 +370,8 @@ def _cache_key(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> s
 
 def load_examples(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> dict[str, np.ndarray]:
     """:func:`tokenize` of the records ``spec`` names, cached as an .npz (atomic write, read without pickle)."""
-    path = Path(cfg.data.cache_dir) / f"finetune-{Path(spec).stem or 'data'}-{_cache_key(spec, cfg, tokenizer, names)}.npz"
+    key = _cache_key(spec, cfg, tokenizer, names)
+    path = Path(cfg.data.cache_dir) / f"finetune-{Path(spec).stem or 'data'}-{key}.npz"
     if not path.exists():
         arrays = tokenize(read_records(spec), cfg, tokenizer, names)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,7 +112,8 @@ class Trainer:
     def _should_stop(self, started: float) -> str | None:
         """The stop reason all processes agree on (one all-reduce per step when several processes run)."""
         reason = self._stop_reason
-        if reason is None and self.loop.time_limit_min and time.perf_counter() - started > self.loop.time_limit_min * 60:
+        limit = self.loop.time_limit_min * 60
+        if reason is None and limit and time.perf_counter() - started > limit:
             reason = f"time limit ({self.loop.time_limit_min:g} min)"
         if self.accelerator.num_processes == 1:
             return reason
@@ -129,7 +130,8 @@ class Trainer:
     def run(self) -> dict:
         acc, loop = self.accelerator, self.loop
         device = acc.device
-        start_step, totals, resumed_from, rng = 0, {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}, None, None
+        totals = {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}
+        start_step, resumed_from, rng = 0, None, None
         path = self._resume_path()
         if path is not None:
             state = checkpoint.load_checkpoint(acc, self.model, self.optimizer, path)
@@ -147,9 +149,11 @@ class Trainer:
         summary_base = {"resumed_from": resumed_from, "start_step": start_step}
         if start_step >= loop.steps:
             logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
-            return {**summary_base, "steps": loop.steps, "tokens": 0, "seconds": 0.0, "tokens_per_second": 0.0,
-                    "train_loss": math.nan, "skipped_steps": totals["skipped_steps"], "completed": True,
-                    "stopped": None}
+            mem, mem_kind = metrics.peak_memory(device)
+            return {**summary_base, "steps": start_step, "planned_steps": loop.steps, "tokens": 0, "seconds": 0.0,
+                    "tokens_per_second": 0.0, "train_loss": math.nan, "skipped_steps": totals["skipped_steps"],
+                    "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "total_tokens": totals["tokens"],
+                    "model_tflops_per_device": 0.0, "completed": True, "stopped": None}
 
         writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
