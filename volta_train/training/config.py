@@ -48,14 +48,16 @@ class _UniqueKeySafeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def field(default, help: str, choices=None):
-    """A dataclass field carrying its command-line help (and optional choices)."""
+def field(default, help: str, choices=None, unset: bool = False):
+    """A dataclass field carrying its command-line help (and optional choices).
+
+    A ``None`` default means "auto" (filled in later) unless ``unset=True`` (the option is simply absent).
+    """
+    metadata = {"help": help, "choices": choices, "unset": unset}
     if isinstance(default, (list, dict)):
         value = default
-        return dataclasses.field(
-            default_factory=lambda: type(value)(value), metadata={"help": help, "choices": choices}
-        )
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def section(cls, help: str = ""):
@@ -234,6 +236,8 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         if default is not None:
             help_text = f"{help_text} (default: {default})"
+        elif f.metadata.get("unset"):
+            help_text = f"{help_text} (default: unset)"
         elif "auto" not in help_text:
             help_text = f"{help_text} (default: auto)"
         if tp is bool:

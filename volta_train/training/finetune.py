@@ -49,9 +49,10 @@ DEFAULT_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{inp
 
 @dataclass
 class ModelSection:
-    path: str | None = field(None, "local pretrained model directory (config + safetensors weights)")
+    path: str | None = field(None, "local pretrained model directory (config + safetensors weights)",
+                              unset=True)
     config: str | None = field(None, "config.json (or a directory holding one) of a model to build with random "
-                                     "weights (when there is no path)")
+                                     "weights (when there is no path)", unset=True)
     tokenizer: str | None = field(None, "'bytes', or a local tokenizer directory (auto: the model directory's "
                                         "tokenizer if it has one, else bytes)")
     patch: bool = field(True, "attention through volta_train.patch(model); false: stock PyTorch SDPA")
@@ -62,15 +63,17 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    train: str | None = field(None, "training data: a .jsonl file, a directory of them, or a glob")
-    eval: str | None = field(None, "evaluation data, same forms (none: eval_fraction of train, or no evaluation)")
+    train: str | None = field(None, "training data: a .jsonl file, a directory of them, or a glob", unset=True)
+    eval: str | None = field(None, "evaluation data, same forms (none: eval_fraction of train, or no evaluation)",
+                             unset=True)
     eval_fraction: float = field(0.0, "share of the training records held out for evaluation when eval is unset")
     format: str | None = field(None, "text, instruction or classification (auto: from the task)", choices=list(FORMATS))
     max_length: int = field(512, "tokens per sequence (longer examples are truncated)")
     packing: bool = field(False, "causal LM: pack examples into max_length rows, position ids restarting per "
                                  "example (no attention across examples); false: one padded example per row")
     text_field: str = field("text", "text / classification: the field holding the text")
-    text_pair_field: str | None = field(None, "classification: the field holding a second text (pairs)")
+    text_pair_field: str | None = field(None, "classification: the field holding a second text (pairs)",
+                                        unset=True)
     label_field: str = field("label", "classification: the field holding the label (a name or an int)")
     labels: list[str] = field([], "classification: label names in id order (auto: the sorted labels of train)")
     instruction_field: str = field("instruction", "instruction: the field holding the instruction")
@@ -95,7 +98,7 @@ class TrainSection:
                                  choices=["auto", "no", "fp16", "bf16"])
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (GradScaler)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
-    deepspeed: str | None = field(None, "DeepSpeed JSON, or zero1/zero2/zero3/zero3_offload")
+    deepspeed: str | None = field(None, "DeepSpeed JSON, or zero1/zero2/zero3/zero3_offload", unset=True)
     seed: int = field(1337, "random seed (head init, data order, dropout)")
     cpu: bool = field(False, "train on CPU even if a GPU is present")
     cpu_threads: int | None = field(None, "torch threads on CPU (auto: available cores / local processes)")

@@ -58,9 +58,9 @@ class GPTTrainConfig:
     intermediate_size: int | None = field(None, "llama: MLP width (auto: 8/3 n_embd rounded up to 64)")
     rope_theta: float = field(10000.0, "llama: RoPE base")
     model_config: str | None = field(None, "config.json (or a directory holding one) of a model to build with "
-                                           "random weights, instead of a preset")
+                                           "random weights, instead of a preset", unset=True)
     model_path: str | None = field(None, "local pretrained model directory (config + safetensors weights) to "
-                                         "continue training, e.g. a previous run's final/")
+                                         "continue training, e.g. a previous run's final/", unset=True)
     tokenizer: str | None = field(None, "'bytes', or a local tokenizer directory (auto: model_path's tokenizer "
                                         "if it has one, else bytes)")
     seq_len: int | None = field(None, "tokens per training sequence (GPT-2 built here: also n_positions)")
@@ -94,7 +94,8 @@ class GPTTrainConfig:
                                             "takes its JSON's initial_scale_power)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
     deepspeed: str | None = field(None, "DeepSpeed JSON (ZeRO), or zero1/zero2/zero3/zero3_offload for "
-                                        "configs/deepspeed/<name>.json; also set by an accelerate config")
+                                        "configs/deepspeed/<name>.json; also set by an accelerate config",
+                                  unset=True)
     # run
     out_dir: str = field("out/gpt_long", "checkpoints, logs and config go here")
     log_interval: int | None = field(None, "optimizer steps between log lines")
