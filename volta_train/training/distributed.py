@@ -114,8 +114,12 @@ def _fill(ds: dict, key: str, value, what: str) -> None:
 
 def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,
                       deepspeed_spec: str | None, loss_scale_init: float = 65536.0,
-                      loss_scale_window: int = 1000) -> Setup:
-    """The Accelerator for a recipe (call :func:`init_state` first); DeepSpeed's config is completed here."""
+                      loss_scale_window: int = 1000, parallelism_config=None) -> Setup:
+    """The Accelerator for a recipe (call :func:`init_state` first); DeepSpeed's config is completed here.
+
+    ``parallelism_config``: Accelerate's ``ParallelismConfig`` for DeepSpeed-Ulysses sequence parallelism
+    (:func:`volta_train.integrations.ulysses.parallelism_config`); DeepSpeed only.
+    """
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin, GradScalerKwargs
 
@@ -129,6 +133,9 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
         ds.setdefault("gradient_accumulation_steps", "auto")
         plugin = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
     use_ds = plugin is not None or deepspeed_from_env()
+    if parallelism_config is not None and not use_ds:
+        raise ConfigError("sequence parallelism runs under DeepSpeed only: set deepspeed (e.g. zero3) or launch with "
+                          "a DeepSpeed accelerate config")
     kwargs = [] if use_ds else [GradScalerKwargs(init_scale=loss_scale_init, growth_interval=loss_scale_window)]
     accelerator = Accelerator(
         cpu=cpu and not use_ds,
@@ -136,6 +143,7 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
         deepspeed_plugin=plugin,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False),
         kwargs_handlers=kwargs,
+        parallelism_config=parallelism_config,
     )
     if use_ds:
         ds_plugin = accelerator.state.deepspeed_plugin
