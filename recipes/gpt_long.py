@@ -5,6 +5,8 @@
     accelerate launch --config_file configs/accelerate/zero2.yaml recipes/gpt_long.py --config ...   # ZeRO-2
     python recipes/gpt_long.py --arch llama --n-kv-head 1    # Llama-style (RoPE, RMSNorm, SwiGLU, GQA)
     python recipes/gpt_long.py --no-patch            # stock PyTorch SDPA attention, to compare
+    accelerate launch --num_processes 4 recipes/gpt_long.py --config configs/gpt_long/v100_gpt2_medium_sp4_zero3.yaml
+                                                     # DeepSpeed-Ulysses: 4 GPUs share each sequence
 
 Every option is a flag and a YAML key (see --help); flags override --config. Options left
 "auto" are chosen for the device the run lands on (volta_train/training/gpt.py: AUTO).
@@ -32,8 +34,9 @@ from accelerate.utils import set_seed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from volta_train.integrations import ulysses  # noqa: E402
 from volta_train.training import (  # noqa: E402
-    attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim,
+    attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
 )
 from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
 
@@ -54,12 +57,28 @@ def make_optimizer(setup, model, cfg):
     return optim.build_adamw(model, cfg.lr, cfg.weight_decay, betas)
 
 
+def attention_module(model):
+    """The first attention module of a causal LM (what transformers passes to the attention function)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "is_causal") and hasattr(module, "config") \
+                and "attention" in type(module).__name__.lower():
+            return module
+    raise ValueError(f"{type(model).__name__} has no attention module with is_causal and config")
+
+
 def resolve_packing(cfg, model) -> tuple[bool, str]:
     """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
     if cfg.packing == "stream":
         return False, "packing stream: documents attend across EOS (GPT-2 style)"
     ok, why = attention.packed_documents_supported(model)
     impl = model.config._attn_implementation
+    if ok and cfg.sequence_parallel_size > 1:
+        # under Ulysses the core attention gets no mask and the whole sequence's position ids: check that route
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ok, why = ulysses.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS[impl], attention_module(model))
+        if not ok:
+            why = f"under sequence parallelism: {why}"
     if ok:
         return True, f"packing documents: position ids restart at each document; {impl} keeps documents apart"
     if cfg.packing == "documents":
@@ -74,6 +93,7 @@ def main(argv=None) -> dict:
     try:
         state = distributed.init_state(cfg.cpu, cfg.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.out_dir)
@@ -94,10 +114,19 @@ def main(argv=None) -> dict:
         _fail(str(e))
 
     # model, then its attention: volta_train's (patch) or stock SDPA
+    sp = cfg.sequence_parallel_size
     try:
         model = gpt.build_model(cfg, tokenizer)
         if cfg.patch:
             attention.apply_patch(model)
+        heads, kv_heads = ulysses.heads_of(model.config)
+        names = ("n_head", "n_kv_head") if not (cfg.model_path or cfg.model_config) else (
+            "the model config's num_attention_heads", "num_key_value_heads")
+        ulysses.check_degree(sp, heads, kv_heads, state.num_processes, heads_name=names[0], kv_name=names[1])
+        if sp > 1 and cfg.attn_pdrop > 0:
+            log.warning("attn_pdrop %g with sequence_parallel_size %d: each process draws dropout masks for its own "
+                        "heads from the same generator state, so heads on different processes share mask patterns",
+                        cfg.attn_pdrop, sp)
     except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
     shape = gpt.describe(model)
@@ -117,31 +146,55 @@ def main(argv=None) -> dict:
     val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
 
     try:
+        parallelism = ulysses.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
         setup = distributed.build_accelerator(
             cpu=cfg.cpu, mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
             grad_clip=cfg.grad_clip, deepspeed_spec=cfg.deepspeed, loss_scale_init=cfg.loss_scale_init,
-            loss_scale_window=cfg.loss_scale_window,
+            loss_scale_window=cfg.loss_scale_window, parallelism_config=parallelism,
         )
-    except config.ConfigError as e:
+        grad_factor = ulysses.gradient_factor(setup.accelerator.state.deepspeed_plugin.deepspeed_config, sp) \
+            if sp > 1 else 1.0
+    except (config.ConfigError, ulysses.SequenceParallelError) as e:
         _fail(str(e))
     accelerator = setup.accelerator
     log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
              setup.precision, torch.get_num_threads())
     optimizer = make_optimizer(setup, model, cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with ulysses.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     rank, world = accelerator.process_index, accelerator.num_processes
+    layout = sequence_parallel.layout(rank, world, sp)
+    uattn = None
+    if layout.enabled:
+        uattn = ulysses.install(impl)
+        log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
+                 f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
+    replicas, replica = layout.dp, layout.dp_rank  # processes of a sequence-parallel group read the same batches
     try:
-        probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, world, rank, seed=cfg.seed)
+        probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed)
     except ValueError as e:
         _fail(f"{e}: give more data or a shorter seq_len")
     pin = accelerator.device.type == "cuda"
+    shards: list[sequence_parallel.ShardedBatches] = []
 
     def batches(start: int):
-        sampler = data.ShardedBatchSampler(len(train_set), cfg.batch_size, world, rank, seed=cfg.seed, start=start)
-        return data.micro_batches(train_set, sampler, num_workers=cfg.num_workers, pin_memory=pin)
+        sampler = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed,
+                                           start=start)
+        loader = data.micro_batches(train_set, sampler, num_workers=cfg.num_workers, pin_memory=pin)
+        if not layout.enabled:
+            return loader
+        shards[:] = [sequence_parallel.ShardedBatches(loader, layout, flops)]
+        return shards[0]
 
-    val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, world, rank)
+    def count(batch: dict) -> tuple[int, float]:
+        return shards[0].counts(batch) if layout.enabled else flops(batch)
+
+    def sharded_loss(engine, batch: dict) -> torch.Tensor:
+        ulysses.ensure_installed(impl, uattn)
+        return sequence_parallel.sharded_loss(engine, batch, layout.group, grad_factor)
+
+    val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, replicas, replica)
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
@@ -149,17 +202,20 @@ def main(argv=None) -> dict:
         losses = []
         for idx in val_batches:
             batch = torch.utils.data.default_collate([val_set[i] for i in idx])
+            if layout.enabled:
+                batch = sequence_parallel.shard_batch(batch, layout.sp, layout.sp_rank)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            losses.append(model(**batch).loss.float())
+            loss = sharded_loss(model, batch) if layout.enabled else model(**batch).loss
+            losses.append(loss.float())
         model.train()
         return {"loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
     log.info(
-        "training: %d steps x %s tokens (batch %d x accum %d x %d process(es) x seq %d), lr %.1e, warmup %d, "
+        "training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
         "%d sequences per epoch",
-        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, world, cfg.seq_len, cfg.lr,
-        cfg.warmup_steps, probe.batches_per_epoch * cfg.batch_size * world,
+        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
+        cfg.warmup_steps, probe.batches_per_epoch * cfg.batch_size * replicas,
     )
     loop = LoopConfig(
         steps=cfg.steps, grad_accum=cfg.grad_accum, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
@@ -169,10 +225,12 @@ def main(argv=None) -> dict:
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
     )
     run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream"}
-    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=flops,
+                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
+                "sequence_parallel_size": sp}
+    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=count,
                       evaluate=evaluate if val_batches else None, run_info=run_info,
-                      tokenizer=getattr(tokenizer, "tokenizer", None))
+                      tokenizer=getattr(tokenizer, "tokenizer", None),
+                      loss_fn=sharded_loss if layout.enabled else None)
     try:
         result = trainer.run()
     except (FileNotFoundError, RuntimeError) as e:
@@ -191,7 +249,8 @@ def main(argv=None) -> dict:
     summary = {
         **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
         "packing": "documents" if documents else "stream", "precision": setup.precision,
-        "zero_stage": setup.zero_stage, "processes": world,
+        "zero_stage": setup.zero_stage, "processes": world, "sequence_parallel_size": sp,
+        "data_parallel_size": replicas,
         "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
     if summary["checkpoint"]:

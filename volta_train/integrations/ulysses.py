@@ -106,13 +106,15 @@ def check_degree(sp: int, heads: int, kv_heads: int | None = None, processes: in
     elif not (kv_heads % sp == 0 or sp % kv_heads == 0):
         problems.append(f"the {kv_heads} key/value heads ({kv_name}) are neither a multiple nor a divisor of it")
     if processes is not None and processes % sp:
-        problems.append(f"it does not divide the {processes} processes (the data-parallel degree is processes / "
-                        f"{option})")
+        problems.append(f"it does not divide the number of processes ({processes}; processes / {option} is the "
+                        "data-parallel degree)")
     if problems:
-        accepted = ", ".join(map(str, accepted_degrees(heads, kv_heads, processes)))
-        raise SequenceParallelError(
-            f"{option} is {sp}, but {' and '.join(problems)}; accepted {option} values here: {accepted}"
-        )
+        by_heads = accepted_degrees(heads, kv_heads)
+        accepted = f"Accepted {option} values for these heads: {', '.join(map(str, by_heads))}"
+        if processes is not None:
+            fitting = [d for d in by_heads if processes % d == 0]
+            accepted += f"; with {processes} process(es): {', '.join(map(str, fitting))}"
+        raise SequenceParallelError(f"{option} is {sp}, but {'; and '.join(problems)}. {accepted}")
 
 
 def padded_length(seq_len: int, sp: int) -> int:

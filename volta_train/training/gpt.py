@@ -96,6 +96,9 @@ class GPTTrainConfig:
     deepspeed: str | None = field(None, "DeepSpeed JSON (ZeRO), or zero1/zero2/zero3/zero3_offload for "
                                         "configs/deepspeed/<name>.json; also set by an accelerate config",
                                   unset=True)
+    sequence_parallel_size: int = field(1, "DeepSpeed-Ulysses sequence parallelism: processes that share each "
+                                           "sequence (1: off); needs deepspeed, must divide n_head (and the number "
+                                           "of processes); sequences are padded to a multiple of it")
     # run
     out_dir: str = field("out/gpt_long", "checkpoints, logs and config go here")
     log_interval: int | None = field(None, "optimizer steps between log lines")
@@ -145,8 +148,10 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
         local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
         cfg = dataclasses.replace(cfg, cpu_threads=max(1, cores // max(1, local)))
     if cfg.synthetic_mb is None:
-        # enough bytes that the run sees no sequence twice, rounded up to a power of two (stable cache keys)
-        tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len * num_processes
+        # enough bytes that the run sees no sequence twice, rounded up to a power of two (stable cache keys);
+        # the processes of a sequence-parallel group read the same sequences
+        replicas = max(1, num_processes // max(1, cfg.sequence_parallel_size))
+        tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len * replicas
         tokens = tokens / (1.0 - cfg.val_fraction) * 1.02
         mb = 2 ** max(0, math.ceil(math.log2(max(tokens / 1e6, 1.0))))
         cfg = dataclasses.replace(cfg, synthetic_mb=float(min(mb, MAX_SYNTHETIC_MB)))
@@ -168,7 +173,7 @@ def _swiglu_width(n_embd: int) -> int:
     return (8 * n_embd // 3 + 63) // 64 * 64
 
 
-def check(cfg: GPTTrainConfig) -> None:
+def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
     positive = ("seq_len", "steps", "batch_size", "grad_accum", "log_interval")
     if not (cfg.model_path or cfg.model_config):
         positive += ("n_layer", "n_head", "n_embd")
@@ -196,6 +201,7 @@ def check(cfg: GPTTrainConfig) -> None:
                  "checkpoint_interval", "time_limit_min", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    check_sequence_parallel(cfg, processes)
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     if cfg.lr <= 0:
@@ -208,6 +214,30 @@ def check(cfg: GPTTrainConfig) -> None:
         path = getattr(cfg, name)
         if path is not None and not Path(path).exists():
             raise ConfigError(f"{name} {path!r} does not exist")
+
+
+def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -> None:
+    """sequence_parallel_size against the preset's heads (a model from model_config/model_path is checked once
+    built), the number of processes when known, and DeepSpeed."""
+    from ..integrations import ulysses
+    from .distributed import deepspeed_from_env
+
+    sp = cfg.sequence_parallel_size
+    needs_deepspeed = sp > 1 and not (cfg.deepspeed or deepspeed_from_env())
+    deepspeed_note = (f"sequence_parallel_size {sp} runs under DeepSpeed-Ulysses: set deepspeed (zero3, a JSON file, "
+                      "or an accelerate config with distributed_type DEEPSPEED)")
+    try:
+        if not (cfg.model_path or cfg.model_config):
+            kv = cfg.n_kv_head if cfg.arch == "llama" else cfg.n_head
+            ulysses.check_degree(sp, cfg.n_head, kv, processes)
+        elif sp > 1:
+            ulysses.check_degree(sp, sp, sp, processes)  # the degree and the processes here; heads once built
+        else:
+            ulysses.check_degree(sp, 1, 1)
+    except ulysses.SequenceParallelError as e:
+        raise ConfigError(f"{e}{'. Also, ' + deepspeed_note if needs_deepspeed else ''}") from None
+    if needs_deepspeed:
+        raise ConfigError(deepspeed_note)
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:

@@ -76,12 +76,15 @@ class Trainer:
         evaluate: Callable[[], dict[str, float]] | None = None,
         run_info: dict | None = None,
         tokenizer=None,
+        loss_fn: Callable[[object, dict], torch.Tensor] | None = None,
     ):
         self.setup, self.accelerator = setup, setup.accelerator
         self.model, self.optimizer, self.loop = model, optimizer, loop
         self.batches, self.flops, self.evaluate = batches, flops, evaluate
         self.run_info = run_info or {}
         self.tokenizer = tokenizer  # saved inside checkpoints when it is a HuggingFace tokenizer
+        # loss of one micro-batch on the device (default: the model's own); sequence parallelism passes its own
+        self.loss_fn = loss_fn or (lambda model, batch: model(**batch).loss)
         self.out_dir = Path(loop.out_dir)
         self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
         self._stop_reason: str | None = None
@@ -185,7 +188,7 @@ class Trainer:
                     counts[1] += n_flops
                     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
                     with acc.accumulate(self.model):  # syncs gradients (DDP) on the last micro-batch only
-                        loss = self.model(**batch).loss
+                        loss = self.loss_fn(self.model, batch)
                         acc.backward(loss)  # divides by grad_accum; fp16: scales the loss; DeepSpeed: steps
                     loss_sum += loss.detach().float()
                     n_micro += 1
