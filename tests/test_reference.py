@@ -207,3 +207,58 @@ def test_torch_compile_through_the_custom_op(rng):
     ref_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
     for g, r in zip(grads, ref_grads):
         assert torch.allclose(g, r, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_with_views_after_the_op_and_permuted_inputs(backend, rng):
+    """Ops traced after the attention address its outputs with the strides the fake promised."""
+    base = torch.randn(2, 3, 29, 24, generator=rng, dtype=torch.float32)  # [b, h, n, d] as HF holds q/k/v
+    q, k, v = [(base * (i + 1)).requires_grad_(True) for i in range(3)]
+
+    def f(q, k, v):
+        out = volta_train.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return out.view(2, 29, 3 * 24)  # needs the contiguous output the fake promises
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    weight = torch.randn(2, 29, 72, generator=rng)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref = f(q, k, v)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    assert out.is_contiguous()
+    assert torch.allclose(out, ref, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-5)
+
+
+def test_varlen_under_torch_compile_checks_cu_seqlens_on_the_device(rng):
+    lengths = [5, 17, 1]
+    cu = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
+    q, k, v = (torch.randn(23, 2, 16, generator=rng) for _ in range(3))
+
+    def f(q, k, v, cu):
+        return volta_train.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # fullgraph: no host read of cu
+    assert torch.allclose(compiled(q, k, v, cu), f(q, k, v, cu), atol=1e-6)
+    other = torch.tensor([0, 5, 20, 23], dtype=torch.int32)  # other valid lengths: 5, 15, 3
+    too_long = torch.tensor([0, 1, 22, 23], dtype=torch.int32)  # 21 tokens > max_seqlen 17
+    assert torch.allclose(compiled(q, k, v, other), f(q, k, v, other), atol=1e-6)
+    with pytest.raises(RuntimeError, match="max_seqlen_q"):
+        compiled(q, k, v, too_long)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        compiled(q, k, v, torch.tensor([0, 9, 5, 23], dtype=torch.int32))
+
+
+def test_autocast_casts_mixed_inputs_and_returns_gradients_in_their_dtypes(rng):
+    q, k, v = _inputs((2, 21, 21, 4, 2, 32), torch.float32, rng, requires_grad=True)
+    v16 = v.detach().to(torch.bfloat16).requires_grad_(True)  # like Llama: fp32 q/k from RoPE, low-precision v
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = volta_train.flash_attn_func(q, k, v16, causal=True)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.float32 and v16.grad.dtype == torch.bfloat16
+    ref, _ = naive_attention(q.detach().bfloat16(), k.detach().bfloat16(), v16.detach(), causal=True)
+    assert _rel(out, ref) < 1e-2
+    plain = volta_train.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
+    assert plain.dtype == torch.float32  # outside autocast nothing is cast

@@ -127,14 +127,21 @@ def attention_forward(
     _log_choice(choice, "forward", q.is_cuda)
     params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset)
     if choice.backend == "kernel":
-        return kernels.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes, accum)
-    if cu_seqlens_q is not None:
-        return reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes)
-    return reference.reference_forward(q, k, v, params, alibi_slopes)
+        out, lse = kernels.forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes, accum
+        )
+    elif cu_seqlens_q is not None:
+        out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes)
+    else:
+        out, lse = reference.reference_forward(q, k, v, params, alibi_slopes)
+    # Contiguous whatever the backend computed in: the fake below promises exactly these strides, and
+    # torch.compile plans the views that follow from the fake.
+    return out.contiguous(), lse.contiguous()
 
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+    # Contiguous, as the real op returns them (new_empty does not copy q's strides).
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -175,20 +182,24 @@ def attention_backward(
     _log_choice(choice, "backward", q.is_cuda)
     params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset)
     if choice.backend == "kernel":
-        return kernels.backward(
+        grads = kernels.backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
             alibi_slopes, bwd_accum, deterministic,
         )
-    if cu_seqlens_q is not None:
-        return reference.reference_varlen_backward(
+    elif cu_seqlens_q is not None:
+        grads = reference.reference_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes
         )
-    return reference.reference_backward(dout, q, k, v, out, lse, params, alibi_slopes)
+    else:
+        grads = reference.reference_backward(dout, q, k, v, out, lse, params, alibi_slopes)
+    dq, dk, dv = grads
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous like the real op (empty_like would copy q's possibly permuted strides).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _FORWARD_ARGS = (

@@ -89,6 +89,16 @@ def check_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check_head_dims(q, k, v, head_axis=2)
 
 
+def _assert_cu_seqlens_on_device(name: str, cu: torch.Tensor, total: int, max_seqlen, max_name: str) -> None:
+    seq_lengths = cu[1:] - cu[:-1]
+    torch._assert_async(cu[0] == 0, f"{name} must start at 0")
+    torch._assert_async((seq_lengths >= 0).all(), f"{name} must be non-decreasing")
+    torch._assert_async(cu[-1] == total, f"{name} must end at the packed tensor's token count ({total})")
+    torch._assert_async(
+        (seq_lengths <= max_seqlen).all(), f"{max_name} ({max_seqlen}) must be >= every sequence length in {name}"
+    )
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require_tensor(name, t)
@@ -113,6 +123,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}: they must be on the same device")
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph a host read (.tolist()) would break the graph and sync every call:
+            # the same checks run on the device and raise when the result is read.
+            _assert_cu_seqlens_on_device(name, cu, total, max_seqlen, max_name)
+            lengths[name] = cu.numel()
+            continue
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")

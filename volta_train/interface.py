@@ -14,6 +14,8 @@ Differences from flash-attn, all explicit:
   ``bwd_accum`` the backward's; both are keyword-only and ignored by the
   reference backend, which always accumulates in fp32 (fp64 for fp64 inputs).
 * ``softcap`` is keyword-only and must be 0.0 (not implemented).
+* Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
+  raises on fp32 inputs instead).
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ import torch
 from . import _dispatch, _validation
 
 Window = tuple[int, int]
+
+
+def _autocast_inputs(q, k, v):
+    """q/k/v in autocast's dtype when autocast is on for their device, as SDPA would get them.
+
+    Under ``torch.autocast`` q/k/v can arrive in mixed dtypes (Llama's rotary embedding returns fp32
+    q/k next to an fp16 v); the Volta kernel takes fp16. The casts are differentiable, so gradients
+    come back in each input's own dtype. Outside autocast nothing is cast.
+    """
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
 
 
 def _prepare(q, dropout_p, softmax_scale, accum, bwd_accum):
@@ -66,6 +82,7 @@ def flash_attn_func(
     you pass ``dropout_p > 0``: its Philox seed and offset come from PyTorch's
     generator, so ``torch.manual_seed`` reproduces it.
     """
+    q, k, v = _autocast_inputs(q, k, v)
     _validation.check_dense(q, k, v)
     left, right = _validation.check_options(
         q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
@@ -106,6 +123,7 @@ def flash_attn_varlen_func(
     The other arguments mean what they mean in :func:`flash_attn_func`; the
     dropout mask of sequence ``b`` is the dense mask of batch entry ``b``.
     """
+    q, k, v = _autocast_inputs(q, k, v)
     _validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     batch = cu_seqlens_q.numel() - 1
     left, right = _validation.check_options(

@@ -853,19 +853,6 @@ def _packed_attention(
     return out.view(batch, seqlen_q, *out.shape[1:])
 
 
-def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q/k/v in autocast's dtype when autocast is on (as sdpa and transformers' flash_attention_2 get them).
-
-    volta_train's op is not on autocast's lists, and under autocast q/k/v can arrive in mixed dtypes (Llama's
-    rotary embedding returns fp32 q/k next to an fp16 v); the Volta kernel wants all three in fp16.
-    """
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
-
-
 def _causality(module: nn.Module, is_causal: bool | None) -> bool:
     if is_causal is None:
         is_causal = getattr(module, "is_causal", None)
@@ -913,15 +900,6 @@ def _attend(
     return volta_train.flash_attn_func(q, k, v, **options)
 
 
-# Under torch.compile the attention runs outside the graph (one graph break per call). volta_train's custom op
-# returns tensors whose strides differ from what its fake (meta) functions promise (the reference forward returns
-# a permuted `out`, the fake a contiguous one; the fake backward copies q's strides), so ops traced after it would
-# address them with the wrong layout ("view size is not compatible ..." with aot_eager). Remove this once the
-# op's outputs and fakes agree (volta_train/_dispatch.py). The unpad/pad and packing steps are data-dependent
-# (nonzero, .item()) and would break the graph anyway.
-_attend_outside_graph = torch.compiler.disable(_attend)
-
-
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -954,9 +932,10 @@ def attention_forward(
     window = _window_size(kwargs.get("sliding_window"), causal, key.shape[2])
     if window is not None:
         options["window_size"] = window
-    query, key, value = _autocast(query, key, value)
-    attend = _attend_outside_graph if torch.compiler.is_compiling() else _attend
-    return attend(query, key, value, attention_mask, family.is_cross_attention(module), options, kwargs), None
+    # Under autocast, flash_attn_func / flash_attn_varlen_func cast q/k/v to autocast's dtype themselves.
+    # Under torch.compile the dense route traces into the graph; the padding and packing routes read
+    # lengths on the host (nonzero, .item()) and break it there.
+    return _attend(query, key, value, attention_mask, family.is_cross_attention(module), options, kwargs), None
 
 
 # --------------------------------------------------------------------------------------------------
