@@ -369,3 +369,83 @@ def test_recipe_sp2_repeats_the_one_process_trajectory_and_resumes(tmp_path):
     _recipe(tmp_path, "resumed", "--sequence-parallel-size", "2", "--checkpoint-interval", "0", "--resume",
             str(tmp_path / "two/checkpoints/step-00000003"), processes=2)
     assert _trajectory(tmp_path / "resumed/train.csv") == got[3:]
+
+
+# --------------------------------------------------------------------------------------------------
+# the GPU check's pieces, on CPU
+# --------------------------------------------------------------------------------------------------
+
+
+def _report(out: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sp_check_report", ROOT / "scripts" / "sp_check_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(out)
+
+
+def _fake_run(out: Path, sp: int, losses: list[float]) -> None:
+    d = out / f"loss_sp{sp}"
+    d.mkdir(parents=True)
+    with (d / "train.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss"])
+        writer.writerows([(5 * (i + 1), x) for i, x in enumerate(losses)])
+    (d / "summary.json").write_text(json.dumps({
+        "steps": 5 * len(losses), "planned_steps": 5 * len(losses), "train_loss": losses[-1], "val_loss": losses[-1],
+        "tokens_per_second": 1000.0, "peak_memory_bytes": 2**30, "skipped_steps": 0, "attention": "volta_train",
+        "data_parallel_size": 4 // sp}))
+
+
+def _fake_probe(out: Path, sp: int, max_length: int | None, window_gib: float, full_gib: float) -> None:
+    step = {"length": 1024, "shard": 1024 // sp, "attention": "window 256", "peak_allocated_gib": 1.0,
+            "peak_reserved_gib": 1.1, "seconds": 0.5, "loss": 5.0}
+    (out / f"probe_sp{sp}.json").write_text(json.dumps({
+        "sp": sp, "dp": 4 // sp, "processes": 4, "arch": "llama", "model": "medium",
+        "shape": {"n_layer": 24, "n_head": 16, "n_embd": 1024}, "parameters": 3e8, "device": "test",
+        "steps": [step], "twin": {"length": 1024, "window_gib": window_gib, "full_gib": full_gib},
+        "fit": {"intercept_gib": 3.0, "kib_per_token": 100.0, "predicted_length": (max_length or 10**6) + 1},
+        "verified": {**step, "length": max_length or 10**6, "ok": max_length is not None},
+        "max_length": max_length}))
+
+
+@pytest.mark.parametrize("case, passes", [
+    ("good", True), ("diverged", False), ("short_memory", False), ("twin_differs", False), ("oom", False),
+])
+def test_gpu_check_report_decides(tmp_path, capsys, case, passes):
+    """scripts/sp_check_report.py on fabricated results: PASS only when every criterion holds."""
+    settings = {"nproc": 4, "sp_list": "1 2 4", "steps": 200, "model": "mini", "seq_len": 2048, "global_batch": 4,
+                "tol_mean": 0.03, "tol_max": 0.15, "mem_gb": 32, "probe_sp": 4, "probe_arch": "llama",
+                "probe_model": "medium", "ratio_min": 3.5, "tol_twin": 0.05, "window": 256}
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    (tmp_path / "skipped.txt").write_text("")
+    base = [5.5 - 0.1 * i for i in range(40)]
+    _fake_run(tmp_path, 1, base)
+    _fake_run(tmp_path, 2, [x + 0.004 for x in base])
+    _fake_run(tmp_path, 4, [x + (0.2 if case == "diverged" and i > 20 else -0.003) for i, x in enumerate(base)])
+    _fake_probe(tmp_path, 1, 200 * 1024, 20.0, 20.2)
+    sp4 = {"short_memory": 600 * 1024, "oom": None}.get(case, 760 * 1024)
+    _fake_probe(tmp_path, 4, sp4, 20.0, 25.0 if case == "twin_differs" else 20.3)
+    assert (_report(tmp_path) == 0) is passes
+    text = capsys.readouterr().out
+    assert text.strip().endswith("RESULT: PASS" if passes else "RESULT: FAIL")
+    if case == "good":
+        assert "PASS: memory: longest sequence sp=4 / sp=1 = 778,240 / 204,800 = 3.80 (>= 3.5)" in text
+        assert "PASS: loss sp=4 vs sp=1 over 40 logged steps: mean |diff| 0.0030" in text
+
+
+@pytest.mark.slow
+def test_memory_probe_cpu_smoke(tmp_path):
+    """scripts/sp_memory_probe.py's code path (window and full attention steps, verification) on 2 gloo processes."""
+    out = tmp_path / "probe.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+          "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", ROOT / "scripts" / "sp_memory_probe.py",
+          "--cpu", "--sp", "2", "--window", "8", "--shard-lengths", "32,64", "--twin-shard-length", "48",
+          "--out", out], tmp_path)
+    result = json.loads(out.read_text())
+    assert (result["sp"], result["dp"], result["device"]) == (2, 1, "cpu")
+    assert [(r["length"], r["attention"]) for r in result["steps"]] == [
+        (64, "window 8"), (128, "window 8"), (96, "window 8"), (96, "full")]
+    assert result["verified"]["ok"] and result["max_length"] == 256
+    assert all(math.isfinite(r["loss"]) for r in result["steps"])

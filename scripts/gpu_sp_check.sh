@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# GPU check of DeepSpeed-Ulysses sequence parallelism with volta_train's attention (docs/sequence_parallel.md),
+# on 2 or 4 GPUs of one machine. Two phases, each with PASS/FAIL lines, and report.md in the output directory:
+#
+#   loss    recipes/gpt_long.py under ZeRO-3 and fp16 with sequence_parallel_size 1, 2 (and 4 with 4 GPUs), the
+#           same global batch (GLOBAL_BATCH sequences per step) and data: STEPS steps each; the loss trajectories
+#           of sp>1 must match sp=1 within TOL_MEAN (mean |difference| over the logged steps) and TOL_MAX (largest).
+#   memory  scripts/sp_memory_probe.py with sp=1 and sp=PROBE_SP (default: all GPUs), the same GPUs, ZeRO-3, fp16,
+#           activation checkpointing, a GPT-2-medium-shaped model (24 layers, 16 heads, width 1024; Llama-style so
+#           no position table grows with the sequence), each process capped at MEM_GB GiB: the longest sequence
+#           that trains (fitted on three lengths, then verified by a step), and the ratio sp=N / sp=1, which must be
+#           at least RATIO_MIN (default 0.875 x N: 3.5 for sp=4). The search runs the Volta kernel with a local
+#           window (its memory does not depend on the window; full attention over 1M tokens would take hours on
+#           an emulating GPU); a window-vs-full step at TWIN_SHARD tokens per GPU checks that premise (TOL_TWIN).
+#
+#   bash scripts/gpu_sp_check.sh                        # from the repository root; about 7 minutes on 4 H200
+#   PHASES=loss bash scripts/gpu_sp_check.sh            # one phase per call (each well under 8 minutes)
+#   NPROC=2 STEPS=150 MEM_GB=32 bash scripts/gpu_sp_check.sh
+#
+# Every launch has a timeout and the script skips what would overrun BUDGET_S seconds (default 450), saying so.
+# DeepSpeed is installed from wheels carried in .whl/ when missing (see scripts/gpu_train_check.sh's header).
+# Output: $OUT_DIR (default out/gpu_sp_check): report.md, loss_sp{1,2,4}/ (train.csv, summary.json, ...), *.log,
+# probe_sp*.json, loss.png.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
+export PYTHONUNBUFFERED=1 VOLTA_TRAIN_CACHE_DIR=${VOLTA_TRAIN_CACHE_DIR:-/tmp/volta_train_cache}
+PY=${PYTHON:-python3}
+OUT=${OUT_DIR:-out/gpu_sp_check}
+PHASES=${PHASES:-loss memory}
+BUDGET_S=${BUDGET_S:-450}
+WHEELS=${WHEELS:-.whl}
+# loss phase
+STEPS=${STEPS:-200}
+MODEL=${MODEL:-mini}              # GPT-2 "mini": 6 layers, 6 heads of 64, width 384
+SEQ_LEN=${SEQ_LEN:-2048}
+GLOBAL_BATCH=${GLOBAL_BATCH:-4}   # sequences per optimizer step, in every run
+LIMIT_MIN=${LIMIT_MIN:-1.5}       # training minutes per run at most
+RUN_TIMEOUT=${RUN_TIMEOUT:-170}
+TOL_MEAN=${TOL_MEAN:-0.03}
+TOL_MAX=${TOL_MAX:-0.15}
+# memory phase
+MEM_GB=${MEM_GB:-32}
+PROBE_ARCH=${PROBE_ARCH:-llama}
+PROBE_MODEL=${PROBE_MODEL:-medium}
+SHARD_LENGTHS=${SHARD_LENGTHS:-16384,32768,65536}
+TWIN_SHARD=${TWIN_SHARD:-16384}
+WINDOW=${WINDOW:-256}
+PROBE_TIMEOUT=${PROBE_TIMEOUT:-240}
+TOL_TWIN=${TOL_TWIN:-0.05}
+START=$(date +%s)
+mkdir -p "$OUT"
+elapsed() { echo $(( $(date +%s) - START )); }
+fits() { [ $(( $(elapsed) + $1 )) -le "$BUDGET_S" ]; }  # would a step of $1 seconds end within the budget?
+
+echo "== environment"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
+if ! $PY -c "import deepspeed" 2>/dev/null; then
+  echo "deepspeed not installed: installing from $WHEELS/"
+  $PY -m pip install -q --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2
+  $PY -c "import deepspeed" 2>/dev/null || { echo "FAIL: deepspeed cannot be imported; carry the wheels listed in scripts/gpu_train_check.sh"; exit 1; }
+fi
+$PY - <<'EOF'
+import torch, transformers, accelerate, deepspeed
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+      f"accelerate {accelerate.__version__}, deepspeed {deepspeed.__version__}, GPUs {torch.cuda.device_count()}")
+EOF
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+NPROC=${NPROC:-$(( GPUS >= 4 ? 4 : GPUS ))}
+if [ "$NPROC" -lt 2 ] || [ "$GPUS" -lt "$NPROC" ]; then echo "FAIL: 2 or more GPUs needed (NPROC=$NPROC, $GPUS found)"; exit 1; fi
+SP_LIST=${SP_LIST:-$( [ "$NPROC" -ge 4 ] && echo "1 2 4" || echo "1 2" )}
+PROBE_SP=${PROBE_SP:-$NPROC}
+RATIO_MIN=${RATIO_MIN:-$($PY -c "print(0.875 * $PROBE_SP)")}
+echo "NPROC=$NPROC SP_LIST='$SP_LIST' PROBE_SP=$PROBE_SP PHASES='$PHASES' BUDGET_S=$BUDGET_S"
+cat > "$OUT/settings.json" <<EOF
+{"nproc": $NPROC, "sp_list": "$SP_LIST", "steps": $STEPS, "model": "$MODEL", "seq_len": $SEQ_LEN,
+ "global_batch": $GLOBAL_BATCH, "tol_mean": $TOL_MEAN, "tol_max": $TOL_MAX, "mem_gb": $MEM_GB,
+ "probe_sp": $PROBE_SP, "probe_arch": "$PROBE_ARCH", "probe_model": "$PROBE_MODEL", "ratio_min": $RATIO_MIN,
+ "tol_twin": $TOL_TWIN, "window": $WINDOW}
+EOF
+: > "$OUT/skipped.txt"
+
+if [[ " $PHASES " == *" loss "* ]]; then
+  for sp in $SP_LIST; do
+    dp=$(( NPROC / sp )); batch=$(( GLOBAL_BATCH / dp ))
+    if [ $(( batch * dp )) -ne "$GLOBAL_BATCH" ] || [ "$batch" -lt 1 ]; then
+      echo "loss sp=$sp: GLOBAL_BATCH $GLOBAL_BATCH is not a multiple of the data-parallel degree $dp" | tee -a "$OUT/skipped.txt"
+      continue
+    fi
+    if ! fits "$RUN_TIMEOUT"; then echo "loss sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
+    echo "== loss sp=$sp: $MODEL, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp, batch $batch per replica, $STEPS steps, ZeRO-3 fp16"
+    rm -rf "${OUT:?}/loss_sp$sp"
+    began=$(date +%s)
+    timeout "$RUN_TIMEOUT" $PY -m accelerate.commands.launch --num_processes "$NPROC" --num_machines 1 --use_deepspeed \
+        --dynamo_backend no recipes/gpt_long.py --model "$MODEL" --seq-len "$SEQ_LEN" --batch-size "$batch" \
+        --grad-accum 1 --steps "$STEPS" --lr 1e-3 --warmup-steps 20 --mixed-precision fp16 --packing stream \
+        --log-interval 5 --eval-interval 0 --eval-batches 2 --checkpoint-interval 0 --time-limit-min "$LIMIT_MIN" \
+        --resume never --no-progress --no-save --deepspeed zero3 --sequence-parallel-size "$sp" \
+        --cache-dir "$OUT/cache" --out-dir "$OUT/loss_sp$sp" > "$OUT/loss_sp$sp.log" 2>&1
+    echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/loss_sp$sp.log)"
+    grep -E "volta_train attention|DeepSpeed-Ulysses|sequence parallel:|DeepSpeed ZeRO|step [0-9]+/|eval step|done:|Error" \
+        "$OUT/loss_sp$sp.log" | grep -v "^\[" | sed -n '1,6p;$p' | cut -c1-200
+  done
+fi
+
+if [[ " $PHASES " == *" memory "* ]]; then
+  export VOLTA_TRAIN_BACKEND=kernel  # the Volta kernel's memory, or an error saying why it cannot run
+  for sp in 1 "$PROBE_SP"; do
+    if ! fits "$PROBE_TIMEOUT"; then echo "memory sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
+    echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3 fp16, activation checkpointing, ${MEM_GB} GiB per GPU"
+    began=$(date +%s)
+    timeout "$PROBE_TIMEOUT" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
+        --sp "$sp" --memory-gb "$MEM_GB" --arch "$PROBE_ARCH" --model "$PROBE_MODEL" --shard-lengths "$SHARD_LENGTHS" \
+        --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" --out "$OUT/probe_sp$sp.json" > "$OUT/probe_sp$sp.log" 2>&1
+    echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/probe_sp$sp.log)"
+    grep -E "sp_memory_probe|Error|error" "$OUT/probe_sp$sp.log" | grep -v "^\[rank" | cut -c1-220 | tail -12
+  done
+fi
+
+$PY scripts/sp_check_report.py "$OUT" | tee "$OUT/report.md"
+report=${PIPESTATUS[0]}
+echo "report: $OUT/report.md ($(elapsed) s in all)"
+exit $report
