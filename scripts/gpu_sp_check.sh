@@ -16,6 +16,7 @@
 #   bash scripts/gpu_sp_check.sh                        # from the repository root; about 7 minutes on 4 H200
 #   PHASES=loss bash scripts/gpu_sp_check.sh            # one phase per call (each well under 8 minutes)
 #   NPROC=2 STEPS=150 MEM_GB=32 bash scripts/gpu_sp_check.sh
+#   MODEL_ARGS="--model small" SEQ_LEN=4096 PHASES=loss bash scripts/gpu_sp_check.sh
 #
 # Every launch has a timeout and the script skips what would overrun BUDGET_S seconds (default 450), saying so.
 # DeepSpeed is installed from wheels carried in .whl/ when missing (see scripts/gpu_train_check.sh's header).
@@ -25,16 +26,24 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1 VOLTA_TRAIN_CACHE_DIR=${VOLTA_TRAIN_CACHE_DIR:-/tmp/volta_train_cache}
 PY=${PYTHON:-python3}
+CPU_SMOKE=${CPU_SMOKE:-0}  # 1: the whole flow on CPU processes (gloo, fp32, tiny shapes): tests this script, no figures
+if [ "$CPU_SMOKE" = 1 ]; then
+  : "${STEPS:=6}" "${SEQ_LEN:=128}" "${MODEL_ARGS:=--model nano}" "${SHARD_LENGTHS:=32,64}" "${TWIN_SHARD:=48}"
+  : "${WINDOW:=8}" "${NPROC:=2}" "${OUT_DIR:=out/gpu_sp_check_cpu_smoke}"
+  export OMP_NUM_THREADS=1
+else
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
+fi
 OUT=${OUT_DIR:-out/gpu_sp_check}
 PHASES=${PHASES:-loss memory}
 BUDGET_S=${BUDGET_S:-450}
 WHEELS=${WHEELS:-.whl}
 # loss phase
 STEPS=${STEPS:-200}
-MODEL=${MODEL:-mini}              # GPT-2 "mini": 6 layers, 6 heads of 64, width 384
+MODEL_ARGS=${MODEL_ARGS:---model mini --n-embd 512 --n-head 8}  # GPT-2: 6 layers, 8 heads of 64 (sp 1/2/4/8)
 SEQ_LEN=${SEQ_LEN:-2048}
 GLOBAL_BATCH=${GLOBAL_BATCH:-4}   # sequences per optimizer step, in every run
 LIMIT_MIN=${LIMIT_MIN:-1.5}       # training minutes per run at most
@@ -68,6 +77,8 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {tra
       f"accelerate {accelerate.__version__}, deepspeed {deepspeed.__version__}, GPUs {torch.cuda.device_count()}")
 EOF
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+PRECISION=fp16 PROBE_CPU=()
+if [ "$CPU_SMOKE" = 1 ]; then GPUS=$NPROC PRECISION=no PROBE_CPU=(--cpu); fi
 NPROC=${NPROC:-$(( GPUS >= 4 ? 4 : GPUS ))}
 if [ "$NPROC" -lt 2 ] || [ "$GPUS" -lt "$NPROC" ]; then echo "FAIL: 2 or more GPUs needed (NPROC=$NPROC, $GPUS found)"; exit 1; fi
 SP_LIST=${SP_LIST:-$( [ "$NPROC" -ge 4 ] && echo "1 2 4" || echo "1 2" )}
@@ -75,7 +86,7 @@ PROBE_SP=${PROBE_SP:-$NPROC}
 RATIO_MIN=${RATIO_MIN:-$($PY -c "print(0.875 * $PROBE_SP)")}
 echo "NPROC=$NPROC SP_LIST='$SP_LIST' PROBE_SP=$PROBE_SP PHASES='$PHASES' BUDGET_S=$BUDGET_S"
 cat > "$OUT/settings.json" <<EOF
-{"nproc": $NPROC, "sp_list": "$SP_LIST", "steps": $STEPS, "model": "$MODEL", "seq_len": $SEQ_LEN,
+{"nproc": $NPROC, "sp_list": "$SP_LIST", "steps": $STEPS, "model": "$MODEL_ARGS", "seq_len": $SEQ_LEN,
  "global_batch": $GLOBAL_BATCH, "tol_mean": $TOL_MEAN, "tol_max": $TOL_MAX, "mem_gb": $MEM_GB,
  "probe_sp": $PROBE_SP, "probe_arch": "$PROBE_ARCH", "probe_model": "$PROBE_MODEL", "ratio_min": $RATIO_MIN,
  "tol_twin": $TOL_TWIN, "window": $WINDOW}
@@ -90,12 +101,12 @@ if [[ " $PHASES " == *" loss "* ]]; then
       continue
     fi
     if ! fits "$RUN_TIMEOUT"; then echo "loss sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
-    echo "== loss sp=$sp: $MODEL, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp, batch $batch per replica, $STEPS steps, ZeRO-3 fp16"
+    echo "== loss sp=$sp: GPT-2 $MODEL_ARGS, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp, batch $batch per replica, $STEPS steps, ZeRO-3 fp16"
     rm -rf "${OUT:?}/loss_sp$sp"
     began=$(date +%s)
     timeout "$RUN_TIMEOUT" $PY -m accelerate.commands.launch --num_processes "$NPROC" --num_machines 1 --use_deepspeed \
-        --dynamo_backend no recipes/gpt_long.py --model "$MODEL" --seq-len "$SEQ_LEN" --batch-size "$batch" \
-        --grad-accum 1 --steps "$STEPS" --lr 1e-3 --warmup-steps 20 --mixed-precision fp16 --packing stream \
+        --dynamo_backend no recipes/gpt_long.py $MODEL_ARGS --seq-len "$SEQ_LEN" --batch-size "$batch" \
+        --grad-accum 1 --steps "$STEPS" --lr 1e-3 --warmup-steps 20 --mixed-precision "$PRECISION" --packing stream \
         --log-interval 5 --eval-interval 0 --eval-batches 2 --checkpoint-interval 0 --time-limit-min "$LIMIT_MIN" \
         --resume never --no-progress --no-save --deepspeed zero3 --sequence-parallel-size "$sp" \
         --cache-dir "$OUT/cache" --out-dir "$OUT/loss_sp$sp" > "$OUT/loss_sp$sp.log" 2>&1
@@ -106,14 +117,14 @@ if [[ " $PHASES " == *" loss "* ]]; then
 fi
 
 if [[ " $PHASES " == *" memory "* ]]; then
-  export VOLTA_TRAIN_BACKEND=kernel  # the Volta kernel's memory, or an error saying why it cannot run
+  [ "$CPU_SMOKE" = 1 ] || export VOLTA_TRAIN_BACKEND=kernel  # the Volta kernel's memory, or an error saying why not
   for sp in 1 "$PROBE_SP"; do
     if ! fits "$PROBE_TIMEOUT"; then echo "memory sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
     echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3 fp16, activation checkpointing, ${MEM_GB} GiB per GPU"
     began=$(date +%s)
     timeout "$PROBE_TIMEOUT" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
         --sp "$sp" --memory-gb "$MEM_GB" --arch "$PROBE_ARCH" --model "$PROBE_MODEL" --shard-lengths "$SHARD_LENGTHS" \
-        --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" --out "$OUT/probe_sp$sp.json" > "$OUT/probe_sp$sp.log" 2>&1
+        --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" "${PROBE_CPU[@]}" --out "$OUT/probe_sp$sp.json" > "$OUT/probe_sp$sp.log" 2>&1
     echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/probe_sp$sp.log)"
     grep -E "sp_memory_probe|Error|error" "$OUT/probe_sp$sp.log" | grep -v "^\[rank" | cut -c1-220 | tail -12
   done

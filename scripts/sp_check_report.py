@@ -30,7 +30,7 @@ def main(out: Path) -> int:
         if (d / "summary.json").exists() and (d / "train.csv").exists():
             runs[sp] = (json.loads((d / "summary.json").read_text()), list(csv.DictReader((d / "train.csv").open())))
     if runs:
-        print(f"## Loss: gpt_long.py, GPT-2 {s['model']}, {s['seq_len']} tokens, {s['global_batch']} sequences per step, "
+        print(f"## Loss: gpt_long.py, GPT-2 ({s['model']}), {s['seq_len']} tokens, {s['global_batch']} sequences per step, "
               "ZeRO-3, fp16\n")
         print("| sp x dp | steps | first logged loss | final loss | val loss | tok/s (all GPUs) | peak mem (GiB) | "
               "skipped fp16 steps | attention |")

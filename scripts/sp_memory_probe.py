@@ -95,13 +95,17 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def start(args):
-    """The process group (gloo on --cpu) with a short collective timeout, and the memory cap."""
-    if args.cpu:
-        return distributed.init_state(True, args.deepspeed), None
+    """The process group (NCCL, or gloo with --cpu) with a short collective timeout, and the memory cap."""
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(timeout=datetime.timedelta(seconds=args.nccl_timeout))
+    timeout = datetime.timedelta(seconds=args.nccl_timeout)
+    if args.cpu:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as the recipes do on CPU (no C++ build)
+        return PartialState(backend="gloo", timeout=timeout), None
+    state = PartialState(timeout=timeout)
     total = torch.cuda.get_device_properties(state.device).total_memory
     cap = int(args.memory_gb * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), state.device)
