@@ -69,7 +69,9 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 if ! $PY -c "import deepspeed" 2>/dev/null; then
   echo "deepspeed not installed: installing from $WHEELS/"
   $PY -m pip install -q --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2
-  $PY -c "import deepspeed" 2>/dev/null || { echo "FAIL: deepspeed cannot be imported; carry the wheels listed in scripts/gpu_train_check.sh"; exit 1; }
+  if ! $PY -c "import deepspeed" 2>/dev/null; then
+    echo "FAIL: deepspeed cannot be imported; carry the wheels listed in scripts/gpu_train_check.sh"; exit 1
+  fi
 fi
 $PY - <<'EOF'
 import torch, transformers, accelerate, deepspeed
@@ -80,7 +82,9 @@ GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 PRECISION=fp16 PROBE_CPU=()
 if [ "$CPU_SMOKE" = 1 ]; then GPUS=$NPROC PRECISION=no PROBE_CPU=(--cpu); fi
 NPROC=${NPROC:-$(( GPUS >= 4 ? 4 : GPUS ))}
-if [ "$NPROC" -lt 2 ] || [ "$GPUS" -lt "$NPROC" ]; then echo "FAIL: 2 or more GPUs needed (NPROC=$NPROC, $GPUS found)"; exit 1; fi
+if [ "$NPROC" -lt 2 ] || [ "$GPUS" -lt "$NPROC" ]; then
+  echo "FAIL: 2 or more GPUs needed (NPROC=$NPROC, $GPUS found)"; exit 1
+fi
 SP_LIST=${SP_LIST:-$( [ "$NPROC" -ge 4 ] && echo "1 2 4" || echo "1 2" )}
 PROBE_SP=${PROBE_SP:-$NPROC}
 RATIO_MIN=${RATIO_MIN:-$($PY -c "print(0.875 * $PROBE_SP)")}
@@ -97,11 +101,15 @@ if [[ " $PHASES " == *" loss "* ]]; then
   for sp in $SP_LIST; do
     dp=$(( NPROC / sp )); batch=$(( GLOBAL_BATCH / dp ))
     if [ $(( batch * dp )) -ne "$GLOBAL_BATCH" ] || [ "$batch" -lt 1 ]; then
-      echo "loss sp=$sp: GLOBAL_BATCH $GLOBAL_BATCH is not a multiple of the data-parallel degree $dp" | tee -a "$OUT/skipped.txt"
+      echo "loss sp=$sp: GLOBAL_BATCH $GLOBAL_BATCH is not a multiple of the data-parallel degree $dp" \
+          | tee -a "$OUT/skipped.txt"
       continue
     fi
-    if ! fits "$RUN_TIMEOUT"; then echo "loss sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
-    echo "== loss sp=$sp: GPT-2 $MODEL_ARGS, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp, batch $batch per replica, $STEPS steps, ZeRO-3 fp16"
+    if ! fits "$RUN_TIMEOUT"; then
+      echo "loss sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue
+    fi
+    echo "== loss sp=$sp: GPT-2 $MODEL_ARGS, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp," \
+         "batch $batch per replica, $STEPS steps, ZeRO-3 $PRECISION"
     rm -rf "${OUT:?}/loss_sp$sp"
     began=$(date +%s)
     timeout "$RUN_TIMEOUT" $PY -m accelerate.commands.launch --num_processes "$NPROC" --num_machines 1 --use_deepspeed \
@@ -111,7 +119,7 @@ if [[ " $PHASES " == *" loss "* ]]; then
         --resume never --no-progress --no-save --deepspeed zero3 --sequence-parallel-size "$sp" \
         --cache-dir "$OUT/cache" --out-dir "$OUT/loss_sp$sp" > "$OUT/loss_sp$sp.log" 2>&1
     echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/loss_sp$sp.log)"
-    grep -E "volta_train attention|DeepSpeed-Ulysses|sequence parallel:|DeepSpeed ZeRO|step [0-9]+/|eval step|done:|Error" \
+    grep -E "volta_train attention|DeepSpeed-Ulysses|sequence parallel:|DeepSpeed ZeRO|step [0-9]+/|done:|Error" \
         "$OUT/loss_sp$sp.log" | grep -v "^\[" | sed -n '1,6p;$p' | cut -c1-200
   done
 fi
@@ -119,12 +127,16 @@ fi
 if [[ " $PHASES " == *" memory "* ]]; then
   [ "$CPU_SMOKE" = 1 ] || export VOLTA_TRAIN_BACKEND=kernel  # the Volta kernel's memory, or an error saying why not
   for sp in 1 "$PROBE_SP"; do
-    if ! fits "$PROBE_TIMEOUT"; then echo "memory sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue; fi
-    echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3 fp16, activation checkpointing, ${MEM_GB} GiB per GPU"
+    if ! fits "$PROBE_TIMEOUT"; then
+      echo "memory sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue
+    fi
+    echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3, activation checkpointing," \
+         "${MEM_GB} GiB per GPU"
     began=$(date +%s)
     timeout "$PROBE_TIMEOUT" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
         --sp "$sp" --memory-gb "$MEM_GB" --arch "$PROBE_ARCH" --model "$PROBE_MODEL" --shard-lengths "$SHARD_LENGTHS" \
-        --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" "${PROBE_CPU[@]}" --out "$OUT/probe_sp$sp.json" > "$OUT/probe_sp$sp.log" 2>&1
+        --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" "${PROBE_CPU[@]}" --out "$OUT/probe_sp$sp.json" \
+        > "$OUT/probe_sp$sp.log" 2>&1
     echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/probe_sp$sp.log)"
     grep -E "sp_memory_probe|Error|error" "$OUT/probe_sp$sp.log" | grep -v "^\[rank" | cut -c1-220 | tail -12
   done

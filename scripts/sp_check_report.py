@@ -30,7 +30,8 @@ def main(out: Path) -> int:
         if (d / "summary.json").exists() and (d / "train.csv").exists():
             runs[sp] = (json.loads((d / "summary.json").read_text()), list(csv.DictReader((d / "train.csv").open())))
     if runs:
-        print(f"## Loss: gpt_long.py, GPT-2 ({s['model']}), {s['seq_len']} tokens, {s['global_batch']} sequences per step, "
+        print(f"## Loss: gpt_long.py, GPT-2 ({s['model']}), {s['seq_len']} tokens, {s['global_batch']} sequences "
+              "per step, "
               "ZeRO-3, fp16\n")
         print("| sp x dp | steps | first logged loss | final loss | val loss | tok/s (all GPUs) | peak mem (GiB) | "
               "skipped fp16 steps | attention |")
@@ -101,12 +102,12 @@ def main(out: Path) -> int:
     if probes:
         any_probe = next(iter(probes.values()))
         shape = any_probe.get("shape", {})
-        print(f"## Longest trainable sequence: {any_probe['arch']} {any_probe['model']} ({shape.get('n_layer')} layers, "
-              f"{shape.get('n_head')} heads, width {shape.get('n_embd')}, {any_probe['parameters'] / 1e6:.0f} M "
-              f"parameters), ZeRO-3, fp16, activation checkpointing, {s['mem_gb']} GiB per GPU, {s['nproc']} x "
-              f"{any_probe['device']}\n")
-        print("| sp x dp | fitted: GiB + KiB/token | predicted max | verified (one step) | peak at it (GiB) | "
-              "s/step at it | window vs full at | window / full peak (GiB) |")
+        print(f"## Longest trainable sequence: {any_probe['arch']} {any_probe['model']} ({shape.get('n_layer')} "
+              f"layers, {shape.get('n_head')} heads, width {shape.get('n_embd')}, "
+              f"{any_probe['parameters'] / 1e6:.0f} M parameters), ZeRO-3, fp16, activation checkpointing, "
+              f"{s['mem_gb']} GiB per GPU, {s['nproc']} x {any_probe['device']}\n")
+        print("| sp x dp | fitted peak reserved: GiB + KiB/token | predicted max | verified (one step) | "
+              "peak allocated at it (GiB) | s/step at it | window vs full at | window / full peak (GiB) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for sp, p in probes.items():
             fit, ver, twin = p.get("fit", {}), p.get("verified", {}), p.get("twin")
@@ -115,8 +116,10 @@ def main(out: Path) -> int:
             twin_cells = (f"{twin['length']:,} | {twin['window_gib']:.2f} / {twin['full_gib']:.2f}" if twin
                           else "n/a | n/a")
             print(f"| {sp} x {p['dp']} | {fitted} | {fit.get('predicted_length', 0):,} | {verified} | "
-                  f"{ver.get('peak_allocated_gib', float('nan')):.2f} | {ver.get('seconds', float('nan'))} | {twin_cells} |")
-        print("\nEvery step (peak = largest process's max_memory_allocated):\n")
+                  f"{ver.get('peak_allocated_gib', float('nan')):.2f} | {ver.get('seconds', float('nan'))} | "
+                  f"{twin_cells} |")
+        print("\nEvery step (largest process's max_memory_allocated / max_memory_reserved; cache emptied before "
+              "each):\n")
         print("| sp | attention | tokens | per GPU | peak allocated (GiB) | peak reserved (GiB) | s |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for sp, p in probes.items():

@@ -17,8 +17,9 @@ attention and reports both peaks.
 Steps, all processes together, one micro-batch of one sequence per data-parallel replica:
 
 1. two warm-up steps at the shortest length (optimizer state allocated, kernels compiled);
-2. one step at each ``--shard-lengths`` (tokens per GPU; the sequence is that times ``--sp``):
-   peak ``max_memory_allocated`` (largest process) against the sequence length, fitted by a line;
+2. one step at each ``--shard-lengths`` (tokens per GPU; the sequence is that times ``--sp``): peak
+   ``max_memory_reserved`` (what the cap limits; largest process, cache emptied before each step)
+   against the sequence length, fitted by a line (``max_memory_allocated`` is reported too);
 3. the twin check (window vs full attention, same length);
 4. the longest length the line allows within ``--memory-gb`` less ``--margin``, rounded down to a
    multiple of 1024 x sp, trained for one step (the verification; OOM on any process is a failure).
@@ -158,8 +159,9 @@ def main(argv=None) -> dict:
         gen = torch.Generator().manual_seed(length + 7 * lay.dp_rank)
         batch = {"input_ids": torch.randint(0, 256, (1, length), generator=gen)}
         shard = {k: v.to(device) for k, v in sequence_parallel.shard_batch(batch, lay.sp, lay.sp_rank).items()}
-        if cuda:
+        if cuda:  # cached blocks of earlier, longer steps would otherwise count as this step's reserved memory
             torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
         loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor)
@@ -183,10 +185,10 @@ def main(argv=None) -> dict:
         return row
 
     window_left = args.window - 1
-    log(f"{args.arch} {cfg.model} ({cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}): {n_params / 1e6:.1f} M parameters, {world} processes, sequence parallel "
-        f"{lay.sp} x data parallel {lay.dp}, ZeRO-{ds_config['zero_optimization']['stage']}, {setup.precision}, "
-        f"activation checkpointing, cap {args.memory_gb:g} GiB per process" + (" (CPU smoke: no memory figures)"
-                                                                               if not cuda else ""))
+    log(f"{args.arch} {cfg.model} ({cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}): "
+        f"{n_params / 1e6:.1f} M parameters, {world} processes, sequence parallel {lay.sp} x data parallel {lay.dp}, "
+        f"ZeRO-{ds_config['zero_optimization']['stage']}, {setup.precision}, activation checkpointing, cap "
+        f"{args.memory_gb:g} GiB per process" + ("" if cuda else " (CPU smoke: no memory figures)"))
     result = {"sp": lay.sp, "dp": lay.dp, "processes": world, "arch": args.arch, "model": cfg.model,
               "shape": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd},
               "parameters": n_params, "memory_gb": args.memory_gb, "margin": args.margin, "window": args.window,
@@ -204,7 +206,7 @@ def main(argv=None) -> dict:
                           "full_gib": twin[1]["peak_allocated_gib"]}
 
     xs = [r["length"] for r in fitted]
-    ys = [r["peak_allocated_gib"] for r in fitted]
+    ys = [r["peak_reserved_gib"] for r in fitted]  # the cap limits what the allocator reserves
     if cuda and len(xs) >= 2:
         n = len(xs)
         mx, my = sum(xs) / n, sum(ys) / n
@@ -217,8 +219,8 @@ def main(argv=None) -> dict:
         target = max(quantum, min(args.max_len, predicted) // quantum * quantum)
         result["fit"] = {"intercept_gib": intercept, "kib_per_token": slope * 2**20, "worst_residual_gib": worst,
                          "budget_gib": budget, "predicted_length": predicted}
-        log(f"fit: peak = {intercept:.2f} GiB + {slope * 2**20:.1f} KiB x tokens (worst residual {worst:.3f} GiB); "
-            f"{budget:.1f} GiB allows {predicted:,} tokens; verifying {target:,}")
+        log(f"fit: peak reserved = {intercept:.2f} GiB + {slope * 2**20:.1f} KiB x tokens (worst residual "
+            f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens; verifying {target:,}")
     else:
         target = xs[-1] * 2  # CPU smoke: exercise the verification step
     try:
