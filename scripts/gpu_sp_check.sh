@@ -18,7 +18,8 @@
 #   NPROC=2 STEPS=150 MEM_GB=32 bash scripts/gpu_sp_check.sh
 #   MODEL_ARGS="--model small" SEQ_LEN=4096 PHASES=loss bash scripts/gpu_sp_check.sh
 #
-# Every launch has a timeout and the script skips what would overrun BUDGET_S seconds (default 450), saying so.
+# Every launch has a timeout (RUN_TIMEOUT, PROBE_TIMEOUT), cut to what is left of BUDGET_S seconds (default 450);
+# what no longer fits is skipped and listed in the report. Expected: ~3 min for the loss phase, ~3 min for memory.
 # DeepSpeed is installed from wheels carried in .whl/ when missing (see scripts/gpu_train_check.sh's header).
 # Output: $OUT_DIR (default out/gpu_sp_check): report.md, loss_sp{1,2,4}/ (train.csv, summary.json, ...), *.log,
 # probe_sp*.json, loss.png.
@@ -62,7 +63,11 @@ TOL_TWIN=${TOL_TWIN:-0.05}
 START=$(date +%s)
 mkdir -p "$OUT"
 elapsed() { echo $(( $(date +%s) - START )); }
-fits() { [ $(( $(elapsed) + $1 )) -le "$BUDGET_S" ]; }  # would a step of $1 seconds end within the budget?
+# seconds the next launch may take: its own limit $1, or what is left of BUDGET_S; 0 when under MIN_LAUNCH_S are left
+allowed() {
+  local left=$(( BUDGET_S - $(elapsed) ))
+  if [ "$left" -lt "${MIN_LAUNCH_S:-45}" ]; then echo 0; else echo $(( left < $1 ? left : $1 )); fi
+}
 
 echo "== environment"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
@@ -105,20 +110,23 @@ if [[ " $PHASES " == *" loss "* ]]; then
           | tee -a "$OUT/skipped.txt"
       continue
     fi
-    if ! fits "$RUN_TIMEOUT"; then
-      echo "loss sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue
+    limit=$(allowed "$RUN_TIMEOUT")
+    if [ "$limit" -eq 0 ]; then
+      echo "loss sp=$sp: skipped, the time budget (BUDGET_S=${BUDGET_S} s) is spent" | tee -a "$OUT/skipped.txt"
+      continue
     fi
     echo "== loss sp=$sp: GPT-2 $MODEL_ARGS, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp," \
          "batch $batch per replica, $STEPS steps, ZeRO-3 $PRECISION"
     rm -rf "${OUT:?}/loss_sp$sp"
     began=$(date +%s)
-    timeout "$RUN_TIMEOUT" $PY -m accelerate.commands.launch --num_processes "$NPROC" --num_machines 1 --use_deepspeed \
+    timeout "$limit" $PY -m accelerate.commands.launch --num_processes "$NPROC" --num_machines 1 --use_deepspeed \
         --dynamo_backend no recipes/gpt_long.py $MODEL_ARGS --seq-len "$SEQ_LEN" --batch-size "$batch" \
         --grad-accum 1 --steps "$STEPS" --lr 1e-3 --warmup-steps 20 --mixed-precision "$PRECISION" --packing stream \
         --log-interval 5 --eval-interval 0 --eval-batches 2 --checkpoint-interval 0 --time-limit-min "$LIMIT_MIN" \
         --resume never --no-progress --no-save --deepspeed zero3 --sequence-parallel-size "$sp" \
         --cache-dir "$OUT/cache" --out-dir "$OUT/loss_sp$sp" > "$OUT/loss_sp$sp.log" 2>&1
-    echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/loss_sp$sp.log)"
+    rc=$?; echo "   exit $rc after $(( $(date +%s) - began )) s (limit $limit s; log: $OUT/loss_sp$sp.log)"
+    [ $rc -eq 124 ] && echo "loss sp=$sp: stopped at its time limit ($limit s)" >> "$OUT/skipped.txt"
     grep -E "volta_train attention|DeepSpeed-Ulysses|sequence parallel:|DeepSpeed ZeRO|step [0-9]+/|done:|Error" \
         "$OUT/loss_sp$sp.log" | grep -v "^\[" | sed -n '1,6p;$p' | cut -c1-200
   done
@@ -127,17 +135,20 @@ fi
 if [[ " $PHASES " == *" memory "* ]]; then
   [ "$CPU_SMOKE" = 1 ] || export VOLTA_TRAIN_BACKEND=kernel  # the Volta kernel's memory, or an error saying why not
   for sp in 1 "$PROBE_SP"; do
-    if ! fits "$PROBE_TIMEOUT"; then
-      echo "memory sp=$sp: skipped, budget (${BUDGET_S} s) would be exceeded" | tee -a "$OUT/skipped.txt"; continue
+    limit=$(allowed "$PROBE_TIMEOUT")
+    if [ "$limit" -eq 0 ]; then
+      echo "memory sp=$sp: skipped, the time budget (BUDGET_S=${BUDGET_S} s) is spent" | tee -a "$OUT/skipped.txt"
+      continue
     fi
     echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3, activation checkpointing," \
          "${MEM_GB} GiB per GPU"
     began=$(date +%s)
-    timeout "$PROBE_TIMEOUT" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
+    timeout "$limit" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
         --sp "$sp" --memory-gb "$MEM_GB" --arch "$PROBE_ARCH" --model "$PROBE_MODEL" --shard-lengths "$SHARD_LENGTHS" \
         --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" "${PROBE_CPU[@]}" --out "$OUT/probe_sp$sp.json" \
         > "$OUT/probe_sp$sp.log" 2>&1
-    echo "   exit $? after $(( $(date +%s) - began )) s (log: $OUT/probe_sp$sp.log)"
+    rc=$?; echo "   exit $rc after $(( $(date +%s) - began )) s (limit $limit s; log: $OUT/probe_sp$sp.log)"
+    [ $rc -eq 124 ] && echo "memory sp=$sp: stopped at its time limit ($limit s)" >> "$OUT/skipped.txt"
     grep -E "sp_memory_probe|Error|error" "$OUT/probe_sp$sp.log" | grep -v "^\[rank" | cut -c1-220 | tail -12
   done
 fi
