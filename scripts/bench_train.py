@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     for m in args.models:
         if m not in PRESETS:
             parser.error(f"--models {m!r}; accepted: {', '.join(PRESETS)}")
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
         device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
