@@ -3,10 +3,10 @@
 Every process builds the same small random causal LM (seeded), patches its attention with
 volta_train, and keeps an unprepared copy. The copy computes, on the full micro-batch and in this
 process alone, the reference: transformers' own loss and every parameter's gradient. The model then
-goes through Accelerate + DeepSpeed (ZeRO stage from the command line) with Ulysses sequence
-parallelism of degree ``--sp`` (volta_train as the core attention); each process trains on its
-shard of the same micro-batch (sp = world size, one data-parallel group) with
-``sequence_parallel.sharded_loss``. Written to ``--out`` (rank 0): the reference and sharded losses
+goes through Accelerate + DeepSpeed (ZeRO stage from the command line; ``--plain-deepspeed``:
+``ulysses.register`` and ``deepspeed.initialize(mpu=...)`` without Accelerate) with Ulysses sequence
+parallelism of degree ``--sp`` (volta_train as the core attention); each process trains on its shard
+of its data-parallel group's micro-batch with ``sequence_parallel.sharded_loss``. Written to ``--out`` (rank 0): the reference and sharded losses
 of several steps and the largest gradient difference of the first step, as JSON.
 """
 
@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--documents", action="store_true", help="position ids restarting inside rows")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plain-deepspeed", action="store_true",
+                        help="ulysses.register + deepspeed.initialize(mpu=...) instead of Accelerate")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -98,31 +100,58 @@ def main() -> None:
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
 
-    pc = ulysses.parallelism_config(args.sp, state.num_processes, model)
-    setup = distributed.build_accelerator(cpu=True, mixed_precision="no", grad_accum=1, batch_size=args.batch_size,
-                                          grad_clip=0.0, deepspeed_spec=args.zero, parallelism_config=pc)
-    acc = setup.accelerator
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    with ulysses.kv_heads_alias(model.config):
-        engine, optimizer = acc.prepare(model, optimizer)
+    if args.plain_deepspeed:  # the documented use without Accelerate
+        import deepspeed
+
+        mpu = ulysses.register(model, args.sp, micro_batch_size=args.batch_size)
+        uattn = ulysses.ensure_installed(model.config._attn_implementation)
+        ds_config = json.loads((Path(distributed.resolve_deepspeed_spec(args.zero))).read_text())
+        ds_config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=1,
+                         train_batch_size=args.batch_size * dp, gradient_clipping=0.0, fp16={"enabled": False},
+                         bf16={"enabled": False}, zero_allow_untested_optimizer=True)
+        ds_config["zero_optimization"] = {k: v for k, v in ds_config["zero_optimization"].items() if v != "auto"}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                                              lr=LR),
+                                                       config=ds_config, mpu=mpu)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+        def backward(loss):
+            engine.backward(loss)
+            engine.step()
+    else:
+        pc = ulysses.parallelism_config(args.sp, state.num_processes, model)
+        setup = distributed.build_accelerator(cpu=True, mixed_precision="no", grad_accum=1,
+                                              batch_size=args.batch_size, grad_clip=0.0, deepspeed_spec=args.zero,
+                                              parallelism_config=pc)
+        acc = setup.accelerator
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        with ulysses.kv_heads_alias(model.config):
+            engine, optimizer = acc.prepare(model, optimizer)
+        uattn = ulysses.install(model.config._attn_implementation)
+        ds_config = acc.state.deepspeed_plugin.deepspeed_config
+        rank, world = acc.process_index, acc.num_processes
+
+        def backward(loss):
+            acc.backward(loss)  # Accelerate runs DeepSpeed's step inside backward
+            optimizer.step()
+            optimizer.zero_grad()
     assert "num_key_value_heads" not in model.config.to_dict() or args.arch != "gpt2"
-    uattn = ulysses.install(model.config._attn_implementation)
-    lay = sequence_parallel.layout(acc.process_index, acc.num_processes, args.sp)
-    factor = ulysses.gradient_factor(acc.state.deepspeed_plugin.deepspeed_config, args.sp)
+    lay = sequence_parallel.layout(rank, world, args.sp)
+    factor = ulysses.gradient_factor(ds_config, args.sp)
 
     from deepspeed.utils import safe_get_full_fp32_param
 
-    # Accelerate runs DeepSpeed's step inside backward: the gradient is read from the first SGD update,
+    # DeepSpeed steps right after backward: the gradient is read from the first SGD update,
     # (initial - updated) / lr, on the full fp32 weights (gathered under ZeRO-3)
     losses, grad_err, grad_scale, grads_seen = [], 0.0, 0.0, 0
     for step in range(args.steps):
         batch = batches[step * dp + lay.dp_rank]
-        shard = {k: v.to(acc.device) for k, v in sequence_parallel.shard_batch(batch, lay.sp, lay.sp_rank).items()}
+        shard = sequence_parallel.shard_batch(batch, lay.sp, lay.sp_rank)
         loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor)
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(acc.reduce(loss.detach(), "mean").item())
+        backward(loss)
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
         if step == 0:
             for name, param in engine.module.named_parameters():
                 updated = safe_get_full_fp32_param(param)
@@ -131,13 +160,13 @@ def main() -> None:
                 grad_err = max(grad_err, (grad - ref_grads[name]).abs().max().item())
                 grad_scale = max(grad_scale, ref_grads[name].abs().max().item())
     ulysses.ensure_installed(model.config._attn_implementation, uattn)
-    if acc.is_main_process:
+    if rank == 0:
         Path(args.out).write_text(json.dumps({
             "reference": ref_losses, "sharded": losses, "grad_max_abs_diff": grad_err, "grad_max_abs": grad_scale,
             "grads_compared": grads_seen, "parameters": len(ref_grads), "layout": [lay.sp, lay.dp],
             "attention": model.config._attn_implementation,
         }))
-    acc.end_training()
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ of sp, labels shifted over the whole sequence), the loss over shards, DeepSpeed'
 the GPT-2 config alias, Accelerate's ParallelismConfig, and what the core attention does with packed
 documents when Ulysses hands it no mask.
 Slow tests (subprocesses, 2 gloo processes): tests/sp_worker.py compares the loss and every parameter
-gradient of a small random GPT-2 (and Llama with GQA when volta_train patches Llama) under sp=2 with one
-process's, under ZeRO-3 and ZeRO-2; recipes/gpt_long.py with sequence_parallel_size 2 repeats the
+gradient of a small random GPT-2 (Accelerate, ZeRO-3) and Llama with MQA and packed documents (plain
+DeepSpeed, ZeRO-2) under sp=2 with one process's; recipes/gpt_long.py with sequence_parallel_size 2 repeats the
 one-process loss trajectory and resumes exactly.
 """
 
@@ -323,11 +323,12 @@ def test_gpt2_zero3_two_processes_match_one(tmp_path):
 
 @pytest.mark.slow
 def test_llama_gqa_documents_zero2_two_processes_match_one(tmp_path):
-    """sp=2 under ZeRO-2, Llama with one key/value head (replicated by DeepSpeed), two packed documents per row."""
+    """sp=2 under ZeRO-2, Llama with one key/value head (replicated by DeepSpeed), two packed documents per row;
+    through ulysses.register + deepspeed.initialize(mpu=...), without Accelerate."""
     if not _patch_supports("llama"):
         pytest.skip("volta_train.patch does not support Llama in this checkout")
     _check_worker(_worker(tmp_path, "llama", "--arch", "llama", "--heads", "4", "--kv-heads", "1", "--zero", "zero2",
-                          "--documents", "--seq-len", "50",
+                          "--documents", "--seq-len", "50", "--plain-deepspeed",
                           "--seed", str(int.from_bytes(os.urandom(2), "little"))), [2, 1])
 
 
