@@ -106,10 +106,13 @@ def start(args):
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as the recipes do on CPU (no C++ build)
         return PartialState(backend="gloo", timeout=timeout), None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
     state = PartialState(timeout=timeout)
-    total = torch.cuda.get_device_properties(state.device).total_memory
+    device = torch.device("cuda", local)  # with its index: set_per_process_memory_fraction refuses plain 'cuda'
+    total = torch.cuda.get_device_properties(device).total_memory
     cap = int(args.memory_gb * 2**30)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), state.device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     return state, cap
 
 
@@ -117,7 +120,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     state, cap = start(args)
     rank, world = state.process_index, state.num_processes
-    device = state.device
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
     from accelerate.utils import set_seed
 
     set_seed(0)
