@@ -51,6 +51,10 @@ LIMIT_MIN=${LIMIT_MIN:-1.5}       # training minutes per run at most
 RUN_TIMEOUT=${RUN_TIMEOUT:-170}
 TOL_MEAN=${TOL_MEAN:-0.03}
 TOL_MAX=${TOL_MAX:-0.15}
+# fp16 runs start at a loss scale of 2^LOSS_SCALE_POWER, low enough that no run skips its first steps on overflow:
+# with configs/deepspeed/zero3.json's 2^16 both layouts skip 2 steps but not the same ones (their gradients are
+# summed in a different order), which shifts their early losses by up to 0.35 (measured on 2 H200s)
+LOSS_SCALE_POWER=${LOSS_SCALE_POWER:-12}
 # memory phase
 MEM_GB=${MEM_GB:-32}
 PROBE_ARCH=${PROBE_ARCH:-llama}
@@ -98,11 +102,17 @@ cat > "$OUT/settings.json" <<EOF
 {"nproc": $NPROC, "sp_list": "$SP_LIST", "steps": $STEPS, "model": "$MODEL_ARGS", "seq_len": $SEQ_LEN,
  "global_batch": $GLOBAL_BATCH, "tol_mean": $TOL_MEAN, "tol_max": $TOL_MAX, "mem_gb": $MEM_GB,
  "probe_sp": $PROBE_SP, "probe_arch": "$PROBE_ARCH", "probe_model": "$PROBE_MODEL", "ratio_min": $RATIO_MIN,
- "tol_twin": $TOL_TWIN, "window": $WINDOW}
+ "tol_twin": $TOL_TWIN, "window": $WINDOW, "loss_scale_power": $LOSS_SCALE_POWER}
 EOF
 : > "$OUT/skipped.txt"
 
 if [[ " $PHASES " == *" loss "* ]]; then
+  $PY - "$OUT/ds_zero3_loss.json" "$LOSS_SCALE_POWER" <<'EOF'
+import json, sys
+ds = json.load(open("configs/deepspeed/zero3.json"))
+ds["fp16"]["initial_scale_power"] = int(sys.argv[2])
+json.dump(ds, open(sys.argv[1], "w"), indent=2)
+EOF
   for sp in $SP_LIST; do
     dp=$(( NPROC / sp )); batch=$(( GLOBAL_BATCH / dp ))
     if [ $(( batch * dp )) -ne "$GLOBAL_BATCH" ] || [ "$batch" -lt 1 ]; then
@@ -123,7 +133,7 @@ if [[ " $PHASES " == *" loss "* ]]; then
         --dynamo_backend no recipes/gpt_long.py $MODEL_ARGS --seq-len "$SEQ_LEN" --batch-size "$batch" \
         --grad-accum 1 --steps "$STEPS" --lr 1e-3 --warmup-steps 20 --mixed-precision "$PRECISION" --packing stream \
         --log-interval 5 --eval-interval 0 --eval-batches 2 --checkpoint-interval 0 --time-limit-min "$LIMIT_MIN" \
-        --resume never --no-progress --no-save --deepspeed zero3 --sequence-parallel-size "$sp" \
+        --resume never --no-progress --no-save --deepspeed "$OUT/ds_zero3_loss.json" --sequence-parallel-size "$sp" \
         --cache-dir "$OUT/cache" --out-dir "$OUT/loss_sp$sp" > "$OUT/loss_sp$sp.log" 2>&1
     rc=$?; echo "   exit $rc after $(( $(date +%s) - began )) s (limit $limit s; log: $OUT/loss_sp$sp.log)"
     [ $rc -eq 124 ] && echo "loss sp=$sp: stopped at its time limit ($limit s)" >> "$OUT/skipped.txt"

@@ -32,7 +32,7 @@ def main(out: Path) -> int:
     if runs:
         print(f"## Loss: gpt_long.py, GPT-2 ({s['model']}), {s['seq_len']} tokens, {s['global_batch']} sequences "
               "per step, "
-              "ZeRO-3, fp16\n")
+              f"ZeRO-3, fp16 from a loss scale of 2^{s.get('loss_scale_power', 16)}\n")
         print("| sp x dp | steps | first logged loss | final loss | val loss | tok/s (all GPUs) | peak mem (GiB) | "
               "skipped fp16 steps | attention |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
