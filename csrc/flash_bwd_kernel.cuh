@@ -148,7 +148,10 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
                                                      const half_bits* bt_tile, const BwdWarpGeometry<KT>& g,
                                                      float (&acc)[KT::kOTilesPerQuadPair][8]) {
     constexpr int kTiles = KT::kOTilesPerQuadPair;
-    constexpr int kChunk = KT::kAccumF16 ? 4 : kTiles;
+    // Lean tiles (sm_70 only) take fp32 products in both modes: on a V100 the f16-accumulating HMMA runs at the
+    // f32 rate (2 steps of 4 cycles = 4 of 2), and fp16 partial sums would cost registers and conversions.
+    constexpr bool kF16Products = KT::kAccumF16 && !KT::kLean;
+    constexpr int kChunk = kF16Products ? 4 : kTiles;
     const half_bits* bt_rows = bt_tile + (g.qp_n * KT::kOColsPerQuadPair + g.lq.operand_row()) * KT::kQtStride;
 #pragma unroll
     for (int ot0 = 0; ot0 < kTiles; ot0 += kChunk) {
@@ -168,7 +171,7 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
             if (ot >= kTiles) continue;
             const u32(&a)[4] = x ? partner[x - 1][nt] : own[nt];
             const u32x4 b = load_shared_16B(bt_rows + 8 * ot * KT::kQtStride + g.stile_q0(x, nt));
-            if (KT::kAccumF16) {
+            if (kF16Products) {
                 mma_rc_f16(c16[j], a[0], a[1], b.x, b.y);
                 mma_rc_f16(c16[j], a[2], a[3], b.z, b.w);
             } else {
@@ -176,7 +179,7 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
                 mma_rc_f32(acc[ot], a[2], a[3], b.z, b.w);
             }
         }
-        if (KT::kAccumF16) {
+        if (kF16Products) {
 #pragma unroll
             for (int j = 0; j < kCount; ++j)
 #pragma unroll
@@ -237,6 +240,19 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
         }
 }
 
+// The row fragments of the quad-pairs that share this lane's keys (the other query columns of the warp).
+template <class KT>
+__device__ __forceinline__ void bwd_exchange_partners(const u32 (&own)[KT::kSTilesPerQuadPair][4],
+                                                      u32 (&partner)[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4]) {
+#pragma unroll
+    for (int x = 1; x < KT::kQuadPairCols; ++x)
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                partner[x - 1][nt][r] = __shfl_xor_sync(0xffffffffu, own[nt][r], BwdWarpGeometry<KT>::partner_lane_xor(x));
+}
+
 // What a query-block step works on.
 template <class KT>
 struct BwdBlockState {
@@ -272,11 +288,16 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
     u32 p_own[KT::kSTilesPerQuadPair][4], ds_own[KT::kSTilesPerQuadPair][4];
 #pragma unroll
     for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
+        // Lean: the Philox key through an empty asm at each use, so that its 20 round keys are derived where they
+        // are needed (20 integer adds per tile) instead of being hoisted and held in registers across the GEMMs.
+        DropoutRng rng_lean = st.rng;
+        if (KT::kLean && KT::kDropout) asm volatile("" : "+r"(rng_lean.key0), "+r"(rng_lean.key1));
+        const DropoutRng& rng = KT::kLean ? rng_lean : st.rng;
         // dropout: the 64 keep bits of this 8x8 tile (query column c, key j: bit 8c + j) in every lane
         u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
         if (KT::kDropout) {
             const int query = m0 + g.stile_q0(0, nt) + lq.operand_row();
-            const u32 mine = st.rng.keep_bits((u32)(g.mtile_key0 >> 3), (u32)query);
+            const u32 mine = rng.keep_bits((u32)(g.mtile_key0 >> 3), (u32)query);
             const int r = lq.operand_row();
             keep_lo = r < 4 ? mine << (8 * r) : 0u;
             keep_hi = r < 4 ? 0u : mine << (8 * (r - 4));
@@ -310,6 +331,12 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
         f32_acc_to_row_fragment(ds, lq.t, ds_own[nt]);
     }
     u32 p_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4], ds_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4];
+    if (KT::kLean) {  // the partners' dS^T fragments only after dV: 8 registers fewer during dV's product
+        bwd_exchange_partners<KT>(p_own, p_partner);
+        bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
+        bwd_exchange_partners<KT>(ds_own, ds_partner);
+        bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
+    } else {
 #pragma unroll
     for (int x = 1; x < KT::kQuadPairCols; ++x)
 #pragma unroll
@@ -321,6 +348,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             }
     bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
     bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
+    }
 
     if (KT::kDqAtomic) {
         // dS^T rows (this lane's key, 8 queries) -> dS [query][key]: transpose each 8x8 tile in the quad-pair
@@ -382,6 +410,23 @@ __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTile
     }
 }
 
+// Where the query-side tensors of one (batch, query head) start.
+struct BwdHeadPointers {
+    const half_bits* q;
+    const half_bits* dout;
+    const float* lse;
+    const float* dsum;
+    float* dq;
+
+    __device__ __forceinline__ BwdHeadPointers(const AttentionParams& prm, const BackwardParams& bp, int batch, int head,
+                                               long long q_start)
+        : q(prm.q + batch * prm.q_batch_stride + q_start * prm.q_row_stride + head * prm.q_head_stride),
+          dout(bp.dout + batch * bp.do_batch_stride + q_start * bp.do_row_stride + head * bp.do_head_stride),
+          lse(prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + q_start),
+          dsum(bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + q_start),
+          dq(bp.dq_accum + batch * bp.dq_batch_stride + q_start * bp.dq_row_stride + head * bp.dq_head_stride) {}
+};
+
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_dkdv_kernel(const BackwardParams bp) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -427,6 +472,25 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
                              alibi_slope_log2(prm, batch, head)};
         for (int m_block = q_begin / KT::kBlockM; m_block * KT::kBlockM < q_end; ++m_block) {
             const int m0 = m_block * KT::kBlockM;
+            if (KT::kLean) {
+                // The thread index and the head through an empty asm, so that the tile loaders' and dQ's per-thread
+                // addresses, the head's base pointers and its dropout state are recomputed in each iteration (a few
+                // dozen integer instructions) instead of being hoisted out of the loops and held in ~40 registers
+                // for the whole kernel (which made the 2x2 head_dim 128 tile spill).
+                int tid_it = tid, head_it = head;
+                asm volatile("" : "+r"(tid_it), "+r"(head_it));
+                const BwdHeadPointers hp(prm, bp, batch, head_it, seq.q_start);
+                const DropoutRng rng_it(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head_it));
+                BwdBlockState<KT> st_it{k_op, v_op, acc, g, vis, rng_it, smem, score_scale, prm.dropout_rescale,
+                                        alibi_slope_log2(prm, batch, head_it)};
+                __syncthreads();  // the previous block's tiles (and dS) are no longer read
+                bwd_load_query_block<KT>(hp.q, prm.q_row_stride, hp.dout, bp.do_row_stride, hp.lse, hp.dsum, m0,
+                                         seq.seqlen_q, tid_it, smem);
+                __syncthreads();
+                const bool needs_mask = !vis.tile_is_full(m0, min(m0 + KT::kBlockM, seq.seqlen_q), n0, n0 + KT::kBlockN);
+                bwd_query_block<KT>(st_it, m0, needs_mask, tid_it, hp.dq, bp.dq_row_stride, seq.seqlen_q);
+                continue;
+            }
             __syncthreads();  // the previous block's tiles (and dS) are no longer read
             bwd_load_query_block<KT>(q_base, prm.q_row_stride, do_base, bp.do_row_stride, lse_base, dsum_base, m0,
                                      seq.seqlen_q, tid, smem);

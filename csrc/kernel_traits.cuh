@@ -82,7 +82,7 @@ struct FwdKernelTraits {
 // dQ = dS K is computed by all warps from dS in shared memory, each warp owning kDqRowsPerWarp queries, and
 // added into an fp32 buffer with atomics (DQ_ATOMIC; the deterministic path computes dQ in its own kernel).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
-          bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1>
+          bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false>
 struct BwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -101,6 +101,10 @@ struct BwdKernelTraits {
     static constexpr bool kDropout = DROPOUT;
     static constexpr bool kDqAtomic = DQ_ATOMIC;
     static constexpr bool kKvInSmem = KV_IN_SMEM;  // K, V as A operands from shared memory (else registers)
+    // Register-lean variant (the sm_70 2x2 tiles of head_dim 96/128, whose dK/dV accumulators take 96-128
+    // registers per lane): FP16-ACC sums dK/dV in fp16 chunks of 2 output tiles instead of 4, ... (see
+    // flash_bwd_kernel.cuh). Off: the code of every other tile is unchanged.
+    static constexpr bool kLean = LEAN;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows;   // keys per warp
     static constexpr int kBlockN = kWarps * kRowsPerWarp;    // keys per CTA

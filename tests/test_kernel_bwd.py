@@ -56,12 +56,12 @@ def _reference_grads(q, k, v, dout, causal, window=(-1, -1)):
 
 
 def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
-                  offset=0, tile=None):
+                  offset=0, tile=None, dq_tile=None):
     params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
                              window_right=window[1], dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, "fp32")
     return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, bwd_accum,
-                           deterministic, tile=tile)
+                           deterministic, tile=tile, dq_tile=dq_tile)
 
 
 CASES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
@@ -212,7 +212,8 @@ def test_small_model_under_compile_and_checkpointing(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("tile", [configs.BwdTile(1, 4, 32), configs.BwdTile(1, 8, 64), configs.BwdTile(2, 4, 32),
-                                  configs.BwdTile(1, 4, 32, kv_in_smem=True)], ids=repr)
+                                  configs.BwdTile(1, 4, 32, kv_in_smem=True),
+                                  configs.BwdTile(2, 4, 32, kv_in_smem=True, lean=True)], ids=repr)
 def test_every_backward_tile(tile):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 333, 301, 4, 2, 64, gen)
@@ -239,3 +240,46 @@ def test_alibi_gradients(deterministic, causal):
     ref = torch.autograd.grad(ref_out, (qd, kd, vd), dout.double())
     for name, g, r in zip("qkv", grads, ref):
         assert _rel(g, r) < 3e-3, f"d{name} {_rel(g, r):.2e}"
+
+
+def _sm70_tile_id(head_dim):
+    tile = configs.BWD_TILES_SM70[head_dim]
+    return "d{}_qp{}x{}_n{}_m{}{}{}{}".format(head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n,
+                                           tile.block_m, "_kvsmem" if tile.kv_in_smem else "",
+                                           "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["nodrop", "dropout"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("head_dim", sorted(configs.BWD_TILES_SM70), ids=_sm70_tile_id)
+def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, dropout, deterministic):
+    """Every tile of the V100 tables (BWD_TILES_SM70 and DQ_TILES_SM70), run at its own head_dim on whatever GPU is
+    present (the tables are what a V100 runs; elsewhere they are reached only through tile=): GQA, odd lengths
+    (a partial key block and a partial query block), both accumulation modes, causal and not, dropout, and the
+    deterministic path (dK/dV kernel without atomics + the sm_70 dQ kernel)."""
+    tile, dq_tile = configs.BWD_TILES_SM70[head_dim], configs.dq_tile(head_dim, 70)
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(2, 203, 237, 4, 2, head_dim, gen)
+    dout = torch.randn(2, 203, 4, head_dim, generator=gen, device="cuda").half()
+    if not dropout:
+        grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, tile=tile, dq_tile=dq_tile)
+        ref = _reference_grads(q, k, v, dout, causal)
+        eager = _eager_fp16_grads(q, k, v, dout, causal)
+        for name, g, r, e in zip("qkv", grads, ref, eager):
+            assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+            err, torch_err = _rel(g, r), _rel(e, r)
+            assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+        return
+    seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
+    grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, dropout_p=p, seed=seed,
+                          offset=offset, tile=tile, dq_tile=dq_tile)
+    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    out, lse = _reference.reference_forward(qd, kd, vd, params)
+    ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
+    tolerance = 5e-3 if bwd_accum == "fp32" else 1e-2
+    for name, g, r in zip("qkv", grads, ref):
+        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+        assert _rel(g, r) < tolerance, f"d{name} {_rel(g, r):.2e}"

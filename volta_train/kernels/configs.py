@@ -116,6 +116,9 @@ class BwdTile:
     # dQ by fp32 atomics from this kernel (else always the separate, deterministic dQ kernel: the 2x2 tiles
     # of head dims 16/48/80/112 have no registers left for the atomic path's dQ tile)
     dq_atomic: bool = True
+    # register-lean code path (BwdKernelTraits LEAN): for 2x2 tiles of head_dim 96/128 on sm_70, whose dK/dV
+    # accumulators leave little room (docs/performance.md, "Backward tile choice")
+    lean: bool = False
 
     @property
     def block_n(self) -> int:
@@ -140,18 +143,19 @@ class BwdTile:
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
 # head dims take 2x2 tiles of 2 warps (32 keys per CTA) and the dQ kernel.
 # sm_70: from the V100 model (docs/performance.md): d 32/64 on 1x4, 8 warps, 64x64 blocks (75.5%, spill-free);
-#   d 96/128 keep K and V in shared memory (51-55%: with K/V in registers every >= 65% shape spills).
+#   d 96/128 on 2x2, 4 warps, 64 keys x 32 queries, K and V in shared memory, register-lean code path (model
+#   68.1% / 69.5% in both accumulation modes, spill-free; the 1x4 tile with K/V in smem they replace: 54-55%).
 BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
     64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(1, 4, 32, kv_in_smem=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(1, 4, 32, kv_in_smem=True),
+    96: BwdTile(2, 4, 32, kv_in_smem=True, lean=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
 }
 # sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
 # emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
 BWD_TILES_EMULATED: dict[int, BwdTile] = {
     **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True), 64: BwdTile(1, 4, 32, kv_in_smem=True),
-    128: BwdTile(2, 4, 32, kv_in_smem=True),
+    96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
 }
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True),
@@ -189,12 +193,12 @@ def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq
     expression = (
         f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
         f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
-        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}>>"
+        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}{', true' if tile.lean else ''}>>"
     )
     return KernelVariant(
         name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
-        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}",
+        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}",
         sources=("flash_bwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim, dq_atomic),
