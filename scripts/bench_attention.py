@@ -168,6 +168,8 @@ def run_bwd_sweep(args) -> list[dict]:
     B = configs.BwdTile
     candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
                   B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
+    if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated]]]
+        candidates = [B(*t[:3], bool(t[3]) if len(t) > 3 else False, *t[4:6]) for t in args.tiles]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
              for t in candidates for a in args.accum]
@@ -189,7 +191,8 @@ def run_bwd_sweep(args) -> list[dict]:
 
         ms, peak, note = measure(bwd, batch, n, heads, d, "fwd", args)
         rows.append(dict(backend=f"volta-bwd-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
-                         f"n{tile.block_n} m{tile.block_m} w{tile.warps}{' kvsmem' if tile.kv_in_smem else ''}",
+                         f"n{tile.block_n} m{tile.block_m} w{tile.warps}{' kvsmem' if tile.kv_in_smem else ''} "
+                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}",
                          head_dim=d, seqlen=n, causal=causal, ms=ms,
                          tflops=(flops("bwd", batch, heads, n, n, d, causal) / ms / 1e9) if ms else None,
                          peak_mib=peak, note=note))
@@ -323,7 +326,9 @@ def main() -> None:
     parser.add_argument("--eager-limit-gb", type=float, default=24.0)
     parser.add_argument("--sweep", action="store_true", help="sweep the Volta tile shapes (--pass fwd or bwd)")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
-                        help="sweep candidates as qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated[,q_in_smem[,split]]]")
+                        help="sweep candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
+                             "[,q_in_smem[,split]]]; backward qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70"
+                             "[,min_blocks_emulated]]]")
     parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
                         help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))

@@ -67,7 +67,9 @@ FWD_TILES_EMULATED: dict[int, FwdTile] = {
     # measured 14.4-15.6 TFLOP/s (d 16-64); the register cap of 4 CTAs per SM spills 20 B on sm_90 and is
     # still 0.5-1 TFLOP/s faster than 3 CTAs without spills (docs/bench/fwd_sweep_occupancy.md)
     64: FwdTile(2, 1, 4, 32, min_blocks_emulated=4, q_in_smem=True),
-    128: FwdTile(2, 1, 4, 16, q_in_smem=True),  # measured 13.6-15.3 TFLOP/s (d 80-128)
+    # 3 CTAs per SM (the cap of 168 registers is spill-free; uncapped, NVRTC 13 takes 171 registers and 2 CTAs
+    # fit): 13.7-14.8 TFLOP/s on an H100 against 11.2-12.9 uncapped (docs/bench/fwd_sweep_h100_occupancy.md)
+    128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True),
 }
 
 
@@ -154,7 +156,10 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
 # sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
 # emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
 BWD_TILES_EMULATED: dict[int, BwdTile] = {
-    **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True), 64: BwdTile(1, 4, 32, kv_in_smem=True),
+    # d 64: 4 CTAs per SM (128 registers, 16 B of L1 spills on sm_90): 12.9-14.3 TFLOP/s on an H100 against
+    # 10.1-11.0 with 166 registers and 3 CTAs (docs/bench/bwd_sweep_h100_occupancy.md)
+    **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True),
+    64: BwdTile(1, 4, 32, kv_in_smem=True, min_blocks_emulated=4),
     96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
 }
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
