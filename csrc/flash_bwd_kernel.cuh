@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_kv_operand(const half_bits* base, long long
     }
 }
 
-// Per-lane accumulators of the dK/dV kernel (fp32, f32 accumulator layout; FP16-ACC uses the row layout).
+// Per-lane accumulators of the dK/dV kernel (fp32; f32 accumulator layout, or the row layout of fp16 products).
 template <class KT>
 struct BwdAccumulators {
     float dk[KT::kOTilesPerQuadPair][8];
@@ -107,9 +107,11 @@ struct BwdAccumulators {
             for (int i = 0; i < 8; ++i) dk[ot][i] = dv[ot][i] = 0.f;
     }
     __device__ __forceinline__ static int row(const LaneInQuadPair& lq, int i) {
-        return KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i);
+        return KT::kDkDvF16Products ? lq.operand_row() : lq.acc_row(i);
     }
-    __device__ __forceinline__ static int col(const LaneInQuadPair& lq, int i) { return KT::kAccumF16 ? i : lq.acc_col(i); }
+    __device__ __forceinline__ static int col(const LaneInQuadPair& lq, int i) {
+        return KT::kDkDvF16Products ? i : lq.acc_col(i);
+    }
 };
 
 // S^T (or dP^T) tiles of one warp, fp32: A = the warp's K (or V) rows, B = Q (or dO) rows of the query block
@@ -150,7 +152,7 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
     constexpr int kTiles = KT::kOTilesPerQuadPair;
     // Lean tiles (sm_70 only) take fp32 products in both modes: on a V100 the f16-accumulating HMMA runs at the
     // f32 rate (2 steps of 4 cycles = 4 of 2), and fp16 partial sums would cost registers and conversions.
-    constexpr bool kF16Products = KT::kAccumF16 && !KT::kLean;
+    constexpr bool kF16Products = KT::kDkDvF16Products;
     constexpr int kChunk = kF16Products ? 4 : kTiles;
     const half_bits* bt_rows = bt_tile + (g.qp_n * KT::kOColsPerQuadPair + g.lq.operand_row()) * KT::kQtStride;
 #pragma unroll

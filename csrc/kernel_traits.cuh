@@ -102,9 +102,12 @@ struct BwdKernelTraits {
     static constexpr bool kDqAtomic = DQ_ATOMIC;
     static constexpr bool kKvInSmem = KV_IN_SMEM;  // K, V as A operands from shared memory (else registers)
     // Register-lean variant (the sm_70 2x2 tiles of head_dim 96/128, whose dK/dV accumulators take 96-128
-    // registers per lane): FP16-ACC sums dK/dV in fp16 chunks of 2 output tiles instead of 4, ... (see
-    // flash_bwd_kernel.cuh). Off: the code of every other tile is unchanged.
+    // registers per lane): per-query-block recomputation of addresses, head pointers and Philox keys, and dK/dV
+    // products accumulated in fp32 in both modes (see flash_bwd_kernel.cuh). Off: every other tile is unchanged.
     static constexpr bool kLean = LEAN;
+    // dV += P^T dO and dK += dS^T Q as fp16-accumulating products (FP16-ACC, not lean): the block's partial sums
+    // then sit in the f16 accumulator layout (row operand_row(), 8 consecutive columns), else the f32 one.
+    static constexpr bool kDkDvF16Products = ACCUM_F16 && !LEAN;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows;   // keys per warp
     static constexpr int kBlockN = kWarps * kRowsPerWarp;    // keys per CTA
