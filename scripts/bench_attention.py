@@ -168,8 +168,9 @@ def run_bwd_sweep(args) -> list[dict]:
     B = configs.BwdTile
     candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
                   B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
-    if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated]]]
-        candidates = [B(*t[:3], bool(t[3]) if len(t) > 3 else False, *t[4:6]) for t in args.tiles]
+    if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated[,lean]]]]
+        candidates = [B(*t[:3], bool(t[3]) if len(t) > 3 else False, *t[4:6], lean=len(t) > 6 and bool(t[6]))
+                      for t in args.tiles]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
              for t in candidates for a in args.accum]
@@ -192,7 +193,7 @@ def run_bwd_sweep(args) -> list[dict]:
         ms, peak, note = measure(bwd, batch, n, heads, d, "fwd", args)
         rows.append(dict(backend=f"volta-bwd-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
                          f"n{tile.block_n} m{tile.block_m} w{tile.warps}{' kvsmem' if tile.kv_in_smem else ''} "
-                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}",
+                         f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{' lean' if tile.lean else ''}",
                          head_dim=d, seqlen=n, causal=causal, ms=ms,
                          tflops=(flops("bwd", batch, heads, n, n, d, causal) / ms / 1e9) if ms else None,
                          peak_mib=peak, note=note))
@@ -328,7 +329,7 @@ def main() -> None:
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                         help="sweep candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
                              "[,q_in_smem[,split]]]; backward qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70"
-                             "[,min_blocks_emulated]]]")
+                             "[,min_blocks_emulated[,lean]]]]")
     parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
                         help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))

@@ -162,9 +162,13 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
     64: BwdTile(1, 4, 32, kv_in_smem=True, min_blocks_emulated=4),
     96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
 }
+# bwd_accum="fp16", d 64/128: the register-lean 2x2 tile (the V100's d96/d128 tile), whose dK/dV products
+# accumulate in fp32 (dQ's block sums stay fp16): the emulated f32-accumulating m8n8k4 is the faster one (17.0 vs
+# 13.4 TFLOP/s): 11.7-13.5 TFLOP/s (d64) and 10.1-11.6 (d128) on an H100, against 9.3-10.5 and 9.1-10.1 for the
+# fp16-product tiles (docs/bench/bwd_sweep_h100_fp16_lean.md)
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
-    **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True),
-    128: BwdTile(1, 4, 32, kv_in_smem=True),
+    **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+    96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
 }
 DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
     64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
