@@ -49,8 +49,8 @@ class FwdTile:
 
 EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, not a tensor-core instruction
 
-# Forward tiles per target, head_dim -> tile (causal and full attention share a tile: the sweeps found no
-# causal-specific winner). Head dims not listed use the next larger listed one's tile.
+# Forward tiles per target, head_dim -> tile (on sm_70 causal and full attention share a tile: the V100 model has
+# no causal-specific winner; sm_80+ has a causal table below). Head dims not listed use the next larger one's tile.
 #
 # sm_70 (V100): from the static V100 model on the sm_70 cubins (tensor-core utilisation bound of the main
 #   loop, `must` view) and the V100 occupancy of each candidate, docs/performance.md. Q stays in registers
@@ -73,8 +73,21 @@ FWD_TILES_EMULATED: dict[int, FwdTile] = {
 }
 
 
+# Causal attention on sm_80+: smaller key blocks (d64) and the split masked loop (d 80-128: warps that see none of
+# a diagonal block skip it) cut the diagonal's cost, which decides short causal sequences: on an H100 at N = 1024
+# 14.2 against 14.0-14.1 (d64) and 14.3 against 13.6 (d128) TFLOP/s (docs/bench/fwd_sweep_h100_causal.md); the
+# split loop's 168-register cap spills 12 B on sm_90.
+FWD_TILES_EMULATED_CAUSAL: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 4, 16, min_blocks_emulated=4, q_in_smem=True),
+    128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True, split_masked=True),
+}
+
+
 def fwd_tile(head_dim: int, causal: bool = False, arch: int = 70) -> FwdTile:
-    table = FWD_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else FWD_TILES_SM70
+    if arch >= EMULATED_MMA_ARCH:
+        table = FWD_TILES_EMULATED_CAUSAL if causal else FWD_TILES_EMULATED
+    else:
+        table = FWD_TILES_SM70
     for listed in sorted(table):
         if head_dim <= listed:
             return table[listed]
