@@ -122,23 +122,11 @@ if len(runs) == 2:
     if diffs:
         print(f"\nzero2 vs zero3: max |loss difference| over {len(diffs)} logged steps = {max(diffs):.4f} "
               "(same seed and data; fp16 reductions differ in order)")
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for n, (s, rows) in runs.items():
-        ax.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label=f"{n} ({s['attention']})")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title("gpt_long.py, 2 GPUs, DeepSpeed fp16")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
+sys.path.insert(0, "scripts")
+from loss_plot import plot_loss_curves
+if plot_loss_curves({f"{n} ({s['attention']})": rows for n, (s, rows) in runs.items()},
+                    "gpt_long.py, 2 GPUs, DeepSpeed fp16", out / "loss.png"):
     print(f"\nplot: {out / 'loss.png'}")
-except ImportError:
-    pass
 print("\nRESULT:", "PASS" if ok and len(runs) == 2 else "FAIL")
 sys.exit(0 if ok and len(runs) == 2 else 1)
 EOF

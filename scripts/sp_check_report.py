@@ -14,6 +14,9 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loss_plot import plot_loss_curves  # noqa: E402
+
 
 def main(out: Path) -> int:
     s = json.loads((out / "settings.json").read_text())
@@ -74,23 +77,9 @@ def main(out: Path) -> int:
                 print(f"val loss sp={sp} {vs:.4f} vs sp=1 {vr:.4f} (difference {vs - vr:+.4f})")
         else:
             checks.append((False, "loss sp=1: no run to compare with"))
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            fig, ax = plt.subplots(figsize=(7, 4))
-            for sp, (m, rows) in runs.items():
-                ax.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label=f"sp={sp}")
-            ax.set_xlabel("optimizer step")
-            ax.set_ylabel("training loss (nats/token)")
-            ax.set_title(f"gpt_long.py, {s['nproc']} GPUs, ZeRO-3 fp16, same global batch")
-            ax.grid(True, alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(out / "loss.png", dpi=110)
+        if plot_loss_curves({f"sp={sp}": rows for sp, (m, rows) in runs.items()},
+                            f"gpt_long.py, {s['nproc']} GPUs, ZeRO-3 fp16, same global batch", out / "loss.png"):
             print(f"\nplot: {out / 'loss.png'}")
-        except ImportError:
-            pass
         print()
 
     # ---------------------------------------------------------------- memory
