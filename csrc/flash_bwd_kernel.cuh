@@ -59,15 +59,6 @@ struct KvOperand {
     }
 };
 
-// Multiplies every f16 of a 16-byte chunk by `scale` (FP16-ACC pre-scales K by softmax_scale * log2 e).
-__device__ __forceinline__ u32x4 scale_halves(u32x4 v, float scale) {
-    v.x = pack_half2(low_half_to_float(v.x) * scale, high_half_to_float(v.x) * scale);
-    v.y = pack_half2(low_half_to_float(v.y) * scale, high_half_to_float(v.y) * scale);
-    v.z = pack_half2(low_half_to_float(v.z) * scale, high_half_to_float(v.z) * scale);
-    v.w = pack_half2(low_half_to_float(v.w) * scale, high_half_to_float(v.w) * scale);
-    return v;
-}
-
 // The lane's K or V row into registers or the CTA's block into shared memory (rows past seqlen_k: zeros).
 template <class KT>
 __device__ __forceinline__ void load_kv_operand(const half_bits* base, long long row_stride, int n0, int seqlen_k,
@@ -333,24 +324,12 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
         f32_acc_to_row_fragment(ds, lq.t, ds_own[nt]);
     }
     u32 p_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4], ds_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4];
-    if (KT::kLean) {  // the partners' dS^T fragments only after dV: 8 registers fewer during dV's product
-        bwd_exchange_partners<KT>(p_own, p_partner);
-        bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
-        bwd_exchange_partners<KT>(ds_own, ds_partner);
-        bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
-    } else {
-#pragma unroll
-    for (int x = 1; x < KT::kQuadPairCols; ++x)
-#pragma unroll
-        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                p_partner[x - 1][nt][r] = __shfl_xor_sync(0xffffffffu, p_own[nt][r], BwdWarpGeometry<KT>::partner_lane_xor(x));
-                ds_partner[x - 1][nt][r] = __shfl_xor_sync(0xffffffffu, ds_own[nt][r], BwdWarpGeometry<KT>::partner_lane_xor(x));
-            }
+    bwd_exchange_partners<KT>(p_own, p_partner);
+    if (!KT::kLean) bwd_exchange_partners<KT>(ds_own, ds_partner);
     bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
+    // Lean: the partners' dS^T fragments only after dV, 8 registers fewer during dV's product.
+    if (KT::kLean) bwd_exchange_partners<KT>(ds_own, ds_partner);
     bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
-    }
 
     if (KT::kDqAtomic) {
         // dS^T rows (this lane's key, 8 queries) -> dS [query][key]: transpose each 8x8 tile in the quad-pair

@@ -131,13 +131,7 @@ struct QOperand {
 // domain and within fp16 range.
 template <class KT>
 __device__ __forceinline__ u32x4 prescale_q_chunk(u32x4 v, float scale_log2) {
-    if (KT::kAccumF16) {
-        v.x = pack_half2(low_half_to_float(v.x) * scale_log2, high_half_to_float(v.x) * scale_log2);
-        v.y = pack_half2(low_half_to_float(v.y) * scale_log2, high_half_to_float(v.y) * scale_log2);
-        v.z = pack_half2(low_half_to_float(v.z) * scale_log2, high_half_to_float(v.z) * scale_log2);
-        v.w = pack_half2(low_half_to_float(v.w) * scale_log2, high_half_to_float(v.w) * scale_log2);
-    }
-    return v;
+    return KT::kAccumF16 ? scale_halves(v, scale_log2) : v;
 }
 
 // Rows past seqlen_q become zeros (finite scores, never stored).

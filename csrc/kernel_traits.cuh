@@ -17,6 +17,16 @@
 
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
 
+// The __launch_bounds__ occupancy target of the architecture being compiled: on sm_70 the V100's (kept
+// spill-free by the CI report), on sm_80+ the emulated m8n8k4's (see below).
+__host__ __device__ constexpr int launch_min_blocks(int sm70, int emulated) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return emulated;
+#else
+    return sm70;
+#endif
+}
+
 // MIN_BLOCKS_PER_SM is the __launch_bounds__ occupancy target on sm_70 (kept spill-free by the CI report);
 // MIN_BLOCKS_EMULATED the one on sm_80+, where m8n8k4 is an emulation subroutine whose latency only more
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
@@ -31,11 +41,7 @@ struct FwdKernelTraits {
     static constexpr int kMTiles = M_TILES;
     static constexpr int kWarps = WARPS;
     static constexpr int kThreads = 32 * WARPS;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_EMULATED;
-#else
-    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_PER_SM;
-#endif
+    static constexpr int kMinBlocksPerSM = launch_min_blocks(MIN_BLOCKS_PER_SM, MIN_BLOCKS_EMULATED);
     static constexpr bool kAccumF16 = ACCUM_F16;
     static constexpr bool kDropout = DROPOUT;
     // Q in registers (head_dim / 2 per m-tile and lane, read once) or in shared memory (A fragments read
@@ -92,11 +98,7 @@ struct BwdKernelTraits {
     static constexpr int kMTiles = 1;
     static constexpr int kWarps = WARPS;
     static constexpr int kThreads = 32 * WARPS;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_EMULATED;
-#else
-    static constexpr int kMinBlocksPerSM = MIN_BLOCKS_PER_SM;
-#endif
+    static constexpr int kMinBlocksPerSM = launch_min_blocks(MIN_BLOCKS_PER_SM, MIN_BLOCKS_EMULATED);
     static constexpr bool kAccumF16 = ACCUM_F16;
     static constexpr bool kDropout = DROPOUT;
     static constexpr bool kDqAtomic = DQ_ATOMIC;

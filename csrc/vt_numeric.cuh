@@ -44,6 +44,15 @@ __device__ __forceinline__ half2_bits pack_half2(float lo, float hi) {
 __device__ __forceinline__ float low_half_to_float(half2_bits v) { return half_to_float((half_bits)(v & 0xffffu)); }
 __device__ __forceinline__ float high_half_to_float(half2_bits v) { return half_to_float((half_bits)(v >> 16)); }
 
+// Every f16 of a 16-byte chunk times `scale` (in fp32, rounded back to f16).
+__device__ __forceinline__ u32x4 scale_halves(u32x4 v, float scale) {
+    v.x = pack_half2(low_half_to_float(v.x) * scale, high_half_to_float(v.x) * scale);
+    v.y = pack_half2(low_half_to_float(v.y) * scale, high_half_to_float(v.y) * scale);
+    v.z = pack_half2(low_half_to_float(v.z) * scale, high_half_to_float(v.z) * scale);
+    v.w = pack_half2(low_half_to_float(v.w) * scale, high_half_to_float(v.w) * scale);
+    return v;
+}
+
 __device__ __forceinline__ half2_bits mul_half2(half2_bits a, half2_bits b) {
     half2_bits r;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
