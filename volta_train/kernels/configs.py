@@ -181,7 +181,7 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
 # fp16-product tiles (docs/bench/bwd_sweep_h100_fp16_lean.md)
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
-    96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
 }
 DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
     64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
