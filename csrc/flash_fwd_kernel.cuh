@@ -587,9 +587,6 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const FwdWarpGeometry<KT> g(tid, m0);
     const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
 
-    QOperand<KT> q;
-    load_q<KT>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
-               reinterpret_cast<half_bits*>(smem + KT::kTileBytes + KT::kVtTileBytes), q);
     FwdAccumulators<KT> acc;
     acc.init();
 
@@ -598,7 +595,14 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const int key_end = vis.end_key(cta_row_end);
     const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
 
+    // A CTA whose rows see no key (seqlen_q > seqlen_k under causal or a window) writes zeros and lse = +inf
+    // and touches no shared memory before the epilogue: Q is loaded only where a key block follows. (Loading
+    // it anyway raced: the Q tile in shared memory (kQInSmem) overlaps the epilogue's O staging area, and with
+    // no key-block barrier in between, a late warp's Q store could overwrite another warp's staged O row.)
     if (n_begin < n_end) {
+        QOperand<KT> q;
+        load_q<KT>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
+                   reinterpret_cast<half_bits*>(smem + KT::kTileBytes + KT::kVtTileBytes), q);
         // Split loop (KT::kSplitMaskedLoop): key blocks every row of the CTA sees entirely run first, without
         // masks or per-warp checks, then the blocks crossing a mask boundary, skipped by warps that see none
         // of them. Single loop: every warp computes every block and only the mask is conditional (fewer

@@ -203,6 +203,19 @@ def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
     return _pick(BWD_TILES_EMULATED_FP16 if accum_f16 else BWD_TILES_EMULATED, head_dim)
 
 
+# Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
+# float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others.
+# From scripts/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md).
+BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset(SUPPORTED_HEAD_DIMS)
+BWD_FP16_MEETS_STANDARD_EMULATED: frozenset[int] = frozenset(SUPPORTED_HEAD_DIMS)
+
+
+def fp16_backward_meets_standard(head_dim: int, arch: int = 70) -> bool:
+    table = BWD_FP16_MEETS_STANDARD_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_FP16_MEETS_STANDARD_SM70
+    listed = [d for d in sorted(SUPPORTED_HEAD_DIMS) if head_dim <= d]
+    return bool(listed) and listed[0] in table
+
+
 def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
     return _pick(DQ_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DQ_TILES_SM70, head_dim)
 

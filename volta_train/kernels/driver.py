@@ -7,8 +7,9 @@ runtime uses, and cached per (context, cubin sha256); kernels are launched with 
 
 Kernel arguments are ctypes instances (``c_void_p``, ``c_int``, ``c_float``, ``c_int64``, ..., or a
 ``ctypes.Structure`` passed by value as one parameter) or ``torch.Tensor`` (passed as its data pointer). Where
-the driver has ``cuFuncGetParamInfo`` (CUDA 12.4+), the number and sizes of the arguments are checked against
-the kernel's parameters before every launch.
+the driver has ``cuFuncGetParamInfo`` (CUDA 12.4+), the sizes of the arguments are checked against the kernel's
+parameters before the launch, and their number too where it also has ``cuFuncGetParamCount``; the driver is never
+asked about a parameter index the kernel does not have.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class _Driver:
         if self.get_param_info is not None:
             self.get_param_info.argtypes = [void_p, size_t, pointer(size_t), pointer(size_t)]
             self.get_param_info.restype = c_int
+        self.get_param_count = getattr(self.lib, "cuFuncGetParamCount", None)  # newer drivers
+        if self.get_param_count is not None:
+            self.get_param_count.argtypes = [void_p, pointer(size_t)]
+            self.get_param_count.restype = c_int
 
     def error_text(self, code: int) -> tuple[str, str]:
         name, text = ctypes.c_char_p(), ctypes.c_char_p()
@@ -285,20 +290,48 @@ class KernelFunction:
         )
 
     def _read_param_sizes(self) -> tuple[int, ...] | None:
-        """Byte size of each kernel parameter, or None where the driver lacks cuFuncGetParamInfo."""
+        """Byte size of each kernel parameter, or None where the driver cannot say how many there are.
+
+        The count comes from ``cuFuncGetParamCount`` (newer drivers); the sizes from ``cuFuncGetParamInfo``
+        (CUDA 12.4+), asked only for indices below the count: probing past the last parameter would be a call the
+        driver rejects (compute-sanitizer's memcheck reports each one). Without the count, :meth:`_param_size`
+        checks the arguments actually given, index by index, at the first launch with that many arguments.
+        """
+        get_param_count, get_param_info = self._api.get_param_count, self._api.get_param_info
+        if get_param_count is None or get_param_info is None:
+            return None
+        count = ctypes.c_size_t()
+        code = get_param_count(self.handle, ctypes.byref(count))
+        if code != CUDA_SUCCESS:  # e.g. not supported by this driver: the per-argument check below still runs
+            logger.debug("volta_train: cuFuncGetParamCount(%s) gave %d; parameter count unchecked", self.name, code)
+            return None
+        sizes = tuple(self._param_size(index) for index in range(count.value))
+        return None if None in sizes else sizes
+
+    def _param_size(self, index: int, given: int | None = None) -> int | None:
+        """Size of parameter `index` from cuFuncGetParamInfo; None where the driver lacks it or declines.
+
+        Raises TypeError when the driver says the kernel has no parameter `index` (more arguments than
+        parameters)."""
         get_param_info = self._api.get_param_info
         if get_param_info is None:
             return None
-        sizes = []
         offset, size = ctypes.c_size_t(), ctypes.c_size_t()
-        while True:
-            code = get_param_info(self.handle, len(sizes), ctypes.byref(offset), ctypes.byref(size))
-            if code == CUDA_ERROR_INVALID_VALUE:  # past the last parameter
-                return tuple(sizes)
-            if code != CUDA_SUCCESS:  # e.g. not supported by this driver: launch without the check
-                logger.debug("volta_train: cuFuncGetParamInfo(%s) gave %d; argument sizes unchecked", self.name, code)
-                return None
-            sizes.append(size.value)
+        code = get_param_info(self.handle, index, ctypes.byref(offset), ctypes.byref(size))
+        if code == CUDA_ERROR_INVALID_VALUE:
+            raise TypeError(f"{self.name} takes {index} parameters, {given if given is not None else 'more'} arguments were given")
+        if code != CUDA_SUCCESS:
+            logger.debug("volta_train: cuFuncGetParamInfo(%s, %d) gave %d; argument sizes unchecked", self.name, index, code)
+            return None
+        return size.value
+
+    def _given_param_sizes(self, count: int) -> tuple[int, ...] | None:
+        """Sizes of the first `count` parameters where the driver gives no parameter count (asked once per count)."""
+        cache = self.__dict__.setdefault("_given_sizes", {})
+        if count not in cache:
+            sizes = tuple(self._param_size(index, count) for index in range(count)) if hasattr(self, "_api") else ()
+            cache[count] = None if (not sizes or None in sizes) else sizes
+        return cache[count]
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         """Opt in to nbytes of dynamic shared memory (needed above 48 KB)."""
@@ -341,8 +374,9 @@ class KernelFunction:
         if self.param_sizes is not None and len(args) != len(self.param_sizes):
             raise TypeError(f"{self.name} takes {len(self.param_sizes)} parameters, {len(args)} arguments were given")
         objects = [self._as_ctypes(index, value) for index, value in enumerate(args)]
-        if self.param_sizes is not None:
-            for index, (value, expected) in enumerate(zip(objects, self.param_sizes)):
+        sizes = self.param_sizes if self.param_sizes is not None else self._given_param_sizes(len(objects))
+        if sizes is not None:
+            for index, (value, expected) in enumerate(zip(objects, sizes)):
                 if ctypes.sizeof(value) != expected:
                     raise TypeError(
                         f"{self.name} parameter {index} is {expected} bytes; argument {index} "

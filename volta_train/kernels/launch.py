@@ -106,6 +106,14 @@ def _set_strides(prm, name: str, t: torch.Tensor, varlen: bool) -> None:
     setattr(prm, f"{name}_head_stride", h)
 
 
+def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
+    """"fp16" or "fp32": ``"auto"`` takes FP16-ACC where the tile of (head_dim, arch) meets flash-attn's accuracy
+    standard with it, else fp32 accumulation (configs.fp16_backward_meets_standard; docs/accuracy.md)."""
+    if bwd_accum != "auto":
+        return bwd_accum
+    return "fp16" if configs.fp16_backward_meets_standard(head_dim, arch) else "fp32"
+
+
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams,
              alibi_slopes, bwd_accum: str, deterministic: bool, tile: configs.BwdTile | None = None,
              dq_tile: configs.FwdTile | None = None):
@@ -115,6 +123,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     arch = _arch(q.device)
+    bwd_accum = resolve_bwd_accum(bwd_accum, head_dim, arch)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:

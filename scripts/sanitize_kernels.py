@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""compute-sanitizer over every shipped Volta kernel variant, for both tile tables, in one command (needs a GPU).
+
+    python scripts/sanitize_kernels.py [--out DIR] [--tools racecheck,initcheck,memcheck,synccheck]
+                                       [--tables default,sm70]
+
+Runs this script's own workload under each compute-sanitizer tool (the tools in parallel, one process each),
+checking only volta_train's kernels (``--kernel-name kns=flash_``: PyTorch's own kernels run unchecked), and
+writes ``sanitizer.md`` (a table per tool and table) and ``sanitizer.json`` to --out, plus each tool's full log.
+
+The workload launches every kernel variant the dispatcher can pick on this GPU ("default": on an H100 the
+emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override):
+forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off), backward
+dK/dV (both accumulation modes, dropout, dQ by atomics and the deterministic dQ kernel) on two calls each:
+
+* dense, causal, seqlen_q 203 > seqlen_k 113 (90 query rows see no key: whole key-less query blocks and a mixed
+  one), GQA (4 query heads on 2 KV heads), a partial key and query block;
+* variable length (3 sequences: 37/90, 150/64 and 1/17 query/key tokens), a local window (12, 15) and ALiBi.
+
+Each call's output is also checked: finite, key-less rows exactly 0, and within 2e-2 of the reference backend.
+``--workload`` runs the workload alone (what each sanitizer process runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TOOLS = ("racecheck", "initcheck", "memcheck", "synccheck")
+TABLES = ("default", "sm70")
+
+
+def _workload(tables: list[str], quick: bool) -> int:
+    import torch
+
+    from volta_train import _reference
+    from volta_train._reference import AttentionParams
+    from volta_train.kernels import configs, launch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    arch = launch._arch(torch.device(dev))
+    head_dims = configs.SUPPORTED_HEAD_DIMS[:2] if quick else configs.SUPPORTED_HEAD_DIMS
+    failures: list[str] = []
+    calls = 0
+
+    def dense_call(d):
+        q = torch.randn(2, 203, 4, d, device=dev).half()
+        k = torch.randn(2, 113, 2, d, device=dev).half()
+        v = torch.randn(2, 113, 2, d, device=dev).half()
+        return dict(q=q, k=k, v=v, cu_q=None, cu_k=None, max_q=203, max_k=113, causal=True, window=(-1, 0),
+                    alibi=None, name="dense causal 203x113 gqa")
+
+    def varlen_call(d):
+        lens_q, lens_k = [37, 150, 1], [90, 64, 17]
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        q = torch.randn(sum(lens_q), 4, d, device=dev).half()
+        k = torch.randn(sum(lens_k), 2, d, device=dev).half()
+        v = torch.randn(sum(lens_k), 2, d, device=dev).half()
+        alibi = torch.rand(4, device=dev) * 0.3
+        return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k), causal=False,
+                    window=(12, 15), alibi=alibi, name="varlen window(12,15) alibi gqa")
+
+    def params_of(c, dropout_p):
+        return AttentionParams(softmax_scale=c["q"].shape[-1] ** -0.5, causal=c["causal"], window_left=c["window"][0],
+                               window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8)
+
+    def reference(c, prm):
+        args = (c["q"].float(), c["k"].float(), c["v"].float())
+        if c["cu_q"] is None:
+            return _reference.reference_forward(*args, prm, c["alibi"])
+        return _reference.reference_varlen_forward(*args, c["cu_q"], c["cu_k"], prm, c["alibi"])
+
+    def check(label, got, want, empty_rows=None):
+        nonlocal failures
+        if not torch.isfinite(got).all():
+            failures.append(f"{label}: non-finite values")
+            return
+        err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+        if err > 2e-2 * max(1.0, want.float().abs().max().item()):
+            failures.append(f"{label}: max-abs error {err:.3e} against the reference backend")
+
+    for table in tables:
+        for d in head_dims:
+            for make in (dense_call, varlen_call):
+                c = make(d)
+                for dropout_p in (0.0, 0.2):
+                    prm = params_of(c, dropout_p)
+                    ref_out, ref_lse = reference(c, prm)
+                    for accum in ("fp32", "fp16"):
+                        tile = configs.fwd_tile(d, c["causal"], 70) if table == "sm70" else None
+                        out = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
+                        lse_shape = (4, c["q"].shape[0]) if c["cu_q"] is not None else (2, 4, c["q"].shape[1])
+                        lse = torch.full(lse_shape, float("nan"), device=dev)
+                        out, lse = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
+                                                  prm, c["alibi"], accum, tile=tile, out=out, lse=lse)
+                        calls += 1
+                        label = f"{table} d{d} {c['name']} p={dropout_p} fwd accum={accum}"
+                        check(label, out, ref_out)
+                        empty = torch.isinf(ref_lse)
+                        if not torch.equal(torch.isposinf(lse), empty):
+                            failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
+                        if accum != "fp32":
+                            continue
+                        dout = torch.randn_like(c["q"])
+                        ref_grads = _reference_grads(c, prm, dout)
+                        for bwd_accum in ("fp32", "fp16"):
+                            for deterministic in (False, True):
+                                bt = configs.bwd_tile(d, 70, bwd_accum == "fp16") if table == "sm70" else None
+                                qt = configs.dq_tile(d, 70) if table == "sm70" else None
+                                grads = launch.backward(dout, c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_k"],
+                                                        c["max_q"], c["max_k"], prm, c["alibi"], bwd_accum,
+                                                        deterministic, tile=bt, dq_tile=qt)
+                                calls += 1
+                                for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+                                    check(f"{label} bwd_accum={bwd_accum} det={deterministic} {name}", g, r)
+                torch.cuda.synchronize()
+                print(f"[workload] {table} d{d} {c['name']}: done ({calls} calls so far)", flush=True)
+    torch.cuda.synchronize()
+    for line in failures:
+        print(f"[workload] WRONG: {line}", flush=True)
+    print(f"[workload] {calls} kernel calls, {len(failures)} wrong results", flush=True)
+    return 1 if failures else 0
+
+
+def _reference_grads(c, prm, dout):
+    from volta_train import _reference
+
+    q, k, v = (c[n].float() for n in "qkv")
+    if c["cu_q"] is None:
+        out, lse = _reference.reference_forward(q, k, v, prm, c["alibi"])
+        return _reference.reference_backward(dout.float(), q, k, v, out, lse, prm, c["alibi"])
+    out, lse = _reference.reference_varlen_forward(q, k, v, c["cu_q"], c["cu_k"], prm, c["alibi"])
+    return _reference.reference_varlen_backward(dout.float(), q, k, v, out, lse, c["cu_q"], c["cu_k"], prm, c["alibi"])
+
+
+def precompile_tables(arch: int, threads: int = 16) -> int:
+    """Compile every variant of both tile tables for arch, in parallel (NVRTC releases the GIL); returns the count."""
+    from volta_train.kernels import configs
+
+    variants = {v.name + repr(v.name_expressions): v for table_arch in sorted({70, arch})
+                for v in configs.shipped_fwd_variants(table_arch) + configs.shipped_bwd_variants(table_arch)}
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda v: v.compile(arch), variants.values()))
+    return len(variants)
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+_RACE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+def _run_tool(tool: str, tables: list[str], out: Path, quick: bool) -> dict:
+    log = out / f"sanitizer_{tool}.log"
+    cmd = ["compute-sanitizer", "--tool", tool, "--kernel-name", "kns=flash_", "--print-limit", "200",
+           sys.executable, __file__, "--workload", "--tables", ",".join(tables)] + (["--quick"] if quick else [])
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1" if tool in ("memcheck", "initcheck") else "0")
+    start = time.time()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    text = proc.stdout
+    log.write_text(text)
+    errors = [int(m) for m in _SUMMARY.findall(text)]
+    race = _RACE.findall(text)
+    wrong = re.findall(r"\[workload\] (\d+) kernel calls, (\d+) wrong results", text)
+    return {
+        "tool": tool, "tables": tables, "exit_code": proc.returncode, "seconds": round(time.time() - start, 1),
+        "errors": errors[-1] if errors else None,
+        "hazards": int(race[-1][0]) if race else (0 if tool == "racecheck" and errors and errors[-1] == 0 else None),
+        "calls": int(wrong[-1][0]) if wrong else None, "wrong_results": int(wrong[-1][1]) if wrong else None,
+        "log": log.name,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "sanitizer_out")))
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--tables", default=",".join(TABLES))
+    parser.add_argument("--workload", action="store_true", help="run the kernel workload only (no sanitizer)")
+    parser.add_argument("--quick", action="store_true", help="two head dims only (a smoke run)")
+    parser.add_argument("--precompile-only", action="store_true", help="compile both tables' variants and exit")
+    args = parser.parse_args()
+    if args.precompile_only:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        start = time.time()
+        count = precompile_tables(10 * major + minor)
+        print(f"compiled {count} variants for sm_{major}{minor} in {time.time() - start:.0f} s", flush=True)
+        return 0
+    tables = [t for t in args.tables.split(",") if t]
+    for table in tables:
+        if table not in TABLES:
+            parser.error(f"--tables: {table!r}; accepted: {', '.join(TABLES)}")
+    if args.workload:
+        return _workload(tables, args.quick)
+    tools = [t for t in args.tools.split(",") if t]
+    for tool in tools:
+        if tool not in TOOLS:
+            parser.error(f"--tools: {tool!r}; accepted: {', '.join(TOOLS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # compile every variant once, outside the sanitizer, so the checked runs load from the kernel cache
+    warm = subprocess.run([sys.executable, __file__, "--workload", "--tables", ",".join(tables)]
+                          + (["--quick"] if args.quick else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    (args.out / "workload_plain.log").write_text(warm.stdout)
+    print(warm.stdout.strip().splitlines()[-1] if warm.stdout.strip() else "workload printed nothing", flush=True)
+    with ThreadPoolExecutor(len(tools)) as pool:
+        results = list(pool.map(lambda tool: _run_tool(tool, tables, args.out, args.quick), tools))
+    (args.out / "sanitizer.json").write_text(json.dumps({"plain_exit": warm.returncode, "results": results}, indent=2))
+    lines = ["| tool | tables | kernel calls | result | wrong results | exit | seconds |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    ok = warm.returncode == 0
+    for r in results:
+        if r["tool"] == "racecheck":
+            verdict = f"racecheck: {r['hazards']} hazards, {r['errors']} errors"
+        else:
+            verdict = f"{r['tool']}: {r['errors']} errors"
+        ok &= r["errors"] == 0 and r["exit_code"] == 0 and r["wrong_results"] == 0 and (r["tool"] != "racecheck" or r["hazards"] == 0)
+        lines.append(f"| {r['tool']} | {', '.join(r['tables'])} | {r['calls']} | {verdict} | {r['wrong_results']} | "
+                     f"{r['exit_code']} | {r['seconds']} |")
+    table = "\n".join(lines)
+    (args.out / "sanitizer.md").write_text(table + "\n")
+    print(table)
+    print("sanitizer: CLEAN" if ok else "sanitizer: FINDINGS (see the logs)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
