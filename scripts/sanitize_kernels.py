@@ -157,20 +157,26 @@ _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
 _RACE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
 
-def _run_tool(tool: str, tables: list[str], out: Path, quick: bool) -> dict:
+def _run_tool(tool: str, tables: list[str], out: Path, quick: bool, timeout_s: float | None) -> dict:
     log = out / f"sanitizer_{tool}.log"
     cmd = ["compute-sanitizer", "--tool", tool, "--kernel-name", "kns=flash_", "--print-limit", "200",
            sys.executable, __file__, "--workload", "--tables", ",".join(tables)] + (["--quick"] if quick else [])
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1" if tool in ("memcheck", "initcheck") else "0")
     start = time.time()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    text = proc.stdout
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              timeout=timeout_s)
+        text, exit_code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as stopped:
+        partial = stopped.stdout or b""
+        text = (partial.decode() if isinstance(partial, bytes) else partial) + f"\n[stopped after {timeout_s} s]\n"
+        exit_code = "timeout"
     log.write_text(text)
     errors = [int(m) for m in _SUMMARY.findall(text)]
     race = _RACE.findall(text)
     wrong = re.findall(r"\[workload\] (\d+) kernel calls, (\d+) wrong results", text)
     return {
-        "tool": tool, "tables": tables, "exit_code": proc.returncode, "seconds": round(time.time() - start, 1),
+        "tool": tool, "tables": tables, "exit_code": exit_code, "seconds": round(time.time() - start, 1),
         "errors": errors[-1] if errors else None,
         "hazards": int(race[-1][0]) if race else (0 if tool == "racecheck" and errors and errors[-1] == 0 else None),
         "calls": int(wrong[-1][0]) if wrong else None, "wrong_results": int(wrong[-1][1]) if wrong else None,
@@ -185,6 +191,7 @@ def main() -> int:
     parser.add_argument("--tables", default=",".join(TABLES))
     parser.add_argument("--workload", action="store_true", help="run the kernel workload only (no sanitizer)")
     parser.add_argument("--quick", action="store_true", help="two head dims only (a smoke run)")
+    parser.add_argument("--tool-timeout", type=float, default=None, help="seconds each sanitizer process may run")
     parser.add_argument("--precompile-only", action="store_true", help="compile both tables' variants and exit")
     args = parser.parse_args()
     if args.precompile_only:
@@ -213,7 +220,7 @@ def main() -> int:
     (args.out / "workload_plain.log").write_text(warm.stdout)
     print(warm.stdout.strip().splitlines()[-1] if warm.stdout.strip() else "workload printed nothing", flush=True)
     with ThreadPoolExecutor(len(tools)) as pool:
-        results = list(pool.map(lambda tool: _run_tool(tool, tables, args.out, args.quick), tools))
+        results = list(pool.map(lambda tool: _run_tool(tool, tables, args.out, args.quick, args.tool_timeout), tools))
     (args.out / "sanitizer.json").write_text(json.dumps({"plain_exit": warm.returncode, "results": results}, indent=2))
     lines = ["| tool | tables | kernel calls | result | wrong results | exit | seconds |", "| --- | --- | --- | --- | --- | --- | --- |"]
     ok = warm.returncode == 0
