@@ -32,10 +32,11 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device=
 
 
 def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
-                    keep_mask=None, dropout_p=0.0):
+                    keep_mask=None, dropout_p=0.0, softcap=0.0):
     """float64 attention on [B, N, H, D]; returns (out [B, Nq, H, D] float64, lse [B, H, Nq] float64).
 
     keep_mask: optional bool [B, H, Nq, Nk] dropout keep mask (scaled by 1/(1-p)).
+    softcap > 0: scaled scores s become softcap * tanh(s / softcap), before ALiBi and masks (flash-attn >= 2.6).
     Rows with no visible key give out 0 and lse +inf.
     """
     q, k, v = (t.double() for t in (q, k, v))
@@ -46,6 +47,8 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
         j = torch.arange(seqlen_k, device=q.device).view(1, -1)
