@@ -463,6 +463,17 @@ def test_kvcache_repeated_batch_idx_with_append_is_refused():
                                             cache_seqlens=1, cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
 
 
+def test_kvcache_has_no_backward_and_says_so(monkeypatch, caplog):
+    from volta_train import interface
+
+    monkeypatch.setattr(interface, "_logged_detach", [])
+    q = torch.randn(1, 1, 2, 8, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="volta_train"):
+        out = volta_train.flash_attn_with_kvcache(q, torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), cache_seqlens=2)
+    assert not out.requires_grad
+    assert any("has no backward" in r.getMessage() for r in caplog.records)
+
+
 def test_kvcache_logs_why_it_runs_on_the_reference(fake_kernel, rng, caplog):
     q = _randn(1, 1, 2, 16, rng=rng)
     cache = _randn(1, 8, 2, 16, rng=rng)

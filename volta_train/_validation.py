@@ -329,7 +329,8 @@ def check_kvcache(
                 )
             if not t.dtype.is_floating_point or t.device != q.device:
                 raise ValueError(f"{name} must be a floating-point tensor on {q.device}, got {_describe(t)}")
-        local = tuple(window_size) != (-1, -1)
+        left, right, _ = check_options(q, 0.0, None, window_size, None, 0.0, batch, q.shape[2])
+        local = (left, right) != (-1, -1)
         span = max(seqlen_new, seqlen_q if (causal or local) else 1)
         needed = max(seqlens, default=0) + span
         if rotary_cos.shape[0] < needed:

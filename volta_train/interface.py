@@ -25,6 +25,7 @@ where).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -32,6 +33,8 @@ import torch
 from . import _dispatch, _validation
 
 Window = tuple[int, int]
+logger = logging.getLogger("volta_train")
+_logged_detach: list[bool] = []
 
 
 def _autocast_inputs(q, k, v):
@@ -297,7 +300,8 @@ def flash_attn_with_kvcache(
     keys at positions ``cache_seqlens[b] + j``, and of q at ``cache_seqlens[b] + i`` when causal or windowed, at
     ``cache_seqlens[b]`` otherwise; ``rotary_interleaved`` pairs features (0, 1), (2, 3)... (True) or
     (i, i + rotary_dim / 2) (False, GPT-NeoX). ``num_splits`` is accepted and ignored; ``block_table`` (paged
-    KV cache) must be None. No backward. Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
+    KV cache) must be None. No backward, as in flash-attn: the output carries no gradient (logged once when an
+    input requires one). Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
     """
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
     _validation.check_block_table(block_table)
@@ -310,6 +314,14 @@ def flash_attn_with_kvcache(
         q, 0.0, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
     )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        if not _logged_detach:
+            _logged_detach.append(True)
+            logger.warning(
+                "volta_train flash_attn_with_kvcache: q/k/v require grad but the call has no backward (as in "
+                "flash-attn): its output carries no gradient; train with flash_attn_func"
+            )
+        q, k, v = (t.detach() if t is not None else None for t in (q, k, v))
     out, lse = _dispatch.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved),
