@@ -44,7 +44,7 @@ def test_forward_matches_float64(shape, causal, rng):
     scale = 0.3 + torch.rand((), generator=rng).item()
     out, lse, _ = volta_train.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
     ref, ref_lse = naive_attention(q, k, v, causal=causal, softmax_scale=scale)
-    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64  # fp64 inputs keep an fp64 log-sum-exp
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isinf(lse), ~finite)
@@ -61,7 +61,7 @@ def test_backward_matches_float64_autograd(shape, causal, rng):
     ref, _ = naive_attention(q, k, v, causal=causal)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     for name, g, r in zip("qkv", grads, ref_grads):
-        # the log-sum-exp is saved in fp32, like the kernel's: ~1e-7 relative
+        # fp64 inputs keep an fp64 log-sum-exp: only libm's exp limits (FLOAT64_RTOL)
         assert _rel(g, r) < 1e-6, (name, _rel(g, r), rng.initial_seed())
         assert torch.isfinite(g).all()
 
@@ -106,7 +106,7 @@ def test_window_and_alibi_match_float64(window, rng):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     for g, r in zip(grads, ref_grads):
-        assert torch.allclose(g, r, rtol=1e-5, atol=1e-6)  # fp32 lse; window (0, 0): dq is exactly 0
+        assert torch.allclose(g, r, rtol=1e-6, atol=1e-7)  # fp64 lse; window (0, 0): dq is exactly 0
 
 
 def test_score_blocks_never_exceed_block_k(monkeypatch, rng):
@@ -115,9 +115,9 @@ def test_score_blocks_never_exceed_block_k(monkeypatch, rng):
     original = _reference._scores
 
     def spy(q, k_blk, *args):
-        s = original(q, k_blk, *args)
+        s, cap_slope = original(q, k_blk, *args)
         seen.append(s.shape[-1])
-        return s
+        return s, cap_slope
 
     monkeypatch.setattr(_reference, "_scores", spy)
     q, k, v = _inputs((1, 40, 3 * _reference.BLOCK_K + 5, 2, 2, 16), torch.float32, rng, requires_grad=True)

@@ -22,8 +22,9 @@ def qkv(b=2, sq=8, sk=8, h=4, hk=4, d=16, dtype=torch.float32):
         (lambda: (qkv()[0], torch.randn(3, 8, 4, 16), qkv()[2]), ValueError, ["batch sizes differ", "q 2, k 3"]),
         (lambda: (qkv(d=16)[0], *qkv(d=24)[1:]), ValueError, ["k has head_dim 24", "q has 16"]),
         (lambda: qkv(h=6, hk=4), ValueError, ["q has 6 heads", "multiple"]),
-        (lambda: qkv(d=264), ValueError, ["head_dim 264", "multiple of 8 from 8 to 256"]),
-        (lambda: qkv(d=20), ValueError, ["head_dim 20", "multiple of 8"]),
+        (lambda: qkv(d=264), ValueError, ["q has head_dim 264", "accepted: 1 to 256"]),
+        (lambda: (qkv(d=16)[0], qkv(d=16)[1], qkv(d=20)[2]), ValueError, ["v has head_dim 20", "q has 16"]),
+        (lambda: qkv(h=4, hk=0), ValueError, ["q has 4 heads and k/v have 0"]),
         (lambda: (qkv()[0], qkv()[1].to("meta"), qkv()[2]), ValueError, ["k is on meta", "same device"]),
         (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), TypeError, ["k has dtype torch.float16"]),
         (lambda: qkv(dtype=torch.int32) if False else tuple(t.to(torch.int32) for t in qkv()), TypeError, ["accepted: float16"]),
@@ -52,9 +53,15 @@ def test_dropout_out_of_range(p):
         volta_train.flash_attn_func(*qkv(), dropout_p=p)
 
 
-def test_unimplemented_features_raise_not_implemented():
-    with pytest.raises(NotImplementedError, match="softcap"):
-        volta_train.flash_attn_func(*qkv(), softcap=30.0)
+def test_paged_kv_cache_raises_not_implemented_naming_block_table():
+    q, k, v, cu, m = _packed([3, 4])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        volta_train.flash_attn_varlen_func(q, k, v, cu, cu, m, m, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        volta_train.flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16),
+                                            block_table=torch.zeros(1, 1, dtype=torch.int32))
+    # None is flash-attn's default and accepted
+    volta_train.flash_attn_varlen_func(q, k, v, cu, cu, m, m, block_table=None)
 
 
 @pytest.mark.parametrize(

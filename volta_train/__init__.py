@@ -5,6 +5,9 @@ Public API::
     volta_train.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)
     volta_train.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
     volta_train.flash_attn_qkvpacked_func / flash_attn_kvpacked_func
+    volta_train.flash_attn_varlen_qkvpacked_func / flash_attn_varlen_kvpacked_func
+    volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, ...)
+    volta_train.unpad_input / pad_input / index_first_axis   # flash_attn.bert_padding's helpers
     volta_train.patch(model) / volta_train.unpatch(model)      # HuggingFace transformers models
 """
 
@@ -15,7 +18,11 @@ from .interface import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
+from .padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 
 __version__ = "0.1.0"
 
@@ -24,6 +31,13 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "unpad_input",
+    "pad_input",
+    "index_first_axis",
+    "index_put_first_axis",
     "patch",
     "unpatch",
     "__version__",

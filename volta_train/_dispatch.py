@@ -10,13 +10,22 @@ under autograd, ``torch.compile`` and CUDA graphs.
 ``VOLTA_TRAIN_BACKEND`` picks the policy: ``auto`` (default), ``kernel`` (raise
 if the kernel cannot run the call) or ``reference``. Which backend ran, and why,
 is logged once per distinct reason.
+
+Beyond :func:`volta_train.kernels.unsupported_reason`, the dispatcher routes
+flash-attn 2.8 features the kernel does not have yet to the reference backend:
+see :data:`KERNEL_FEATURE_GAPS` and :func:`kernel_supports` (the kernel package
+declares a feature by listing it in ``volta_train.kernels.support.KERNEL_FEATURES``).
+A head_dim the kernel is not built for is zero-padded to the next one it is
+(scale unchanged: the caller's), and the output and gradients sliced back;
+aligned head_dims are passed through without a copy. Empty calls (no query,
+key or head) are answered here, on no backend.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +39,38 @@ BACKEND_CHOICES = ("auto", "kernel", "reference")
 ACCUM_CHOICES = ("fp32", "fp16")
 _INT64_WRAP = 1 << 64
 _logged_reasons: set[tuple[str, str]] = set()
+
+
+# flash-attn 2.8 features the Volta kernel may lack, and the reason logged while it does. The kernel package
+# declares one done by adding its name to volta_train.kernels.support.KERNEL_FEATURES (a frozenset of str);
+# the dispatcher then passes such calls to kernels.forward/backward (softcap travels in params.softcap) or, for
+# "kvcache", to kernels.forward_with_kvcache (see attention_with_kvcache below).
+KERNEL_FEATURE_GAPS = {
+    "softcap": "softcap > 0: the Volta kernel has no logit soft-capping yet",
+    "kvcache": "flash_attn_with_kvcache: the Volta kernel has no KV-cache (decoding) path yet",
+}
+
+
+def kernel_supports(feature: str) -> bool:
+    """True when the Volta kernel declares ``feature`` (a key of KERNEL_FEATURE_GAPS) in kernels.support."""
+    if feature not in KERNEL_FEATURE_GAPS:
+        raise ValueError(f"feature {feature!r}; known: {', '.join(KERNEL_FEATURE_GAPS)}")
+    return feature in getattr(kernels.support, "KERNEL_FEATURES", frozenset())
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The smallest head_dim the kernel is built for that holds ``head_dim`` (inputs are zero-padded to it)."""
+    from .kernels.configs import SUPPORTED_HEAD_DIMS
+
+    fits = [d for d in SUPPORTED_HEAD_DIMS if d >= head_dim]
+    return min(fits) if fits else None
+
+
+def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """t zero-padded in its last axis to head_dim; t itself (no copy) when it already has it."""
+    if t.shape[-1] == head_dim:
+        return t
+    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
 
 
 class BackendUnavailableError(RuntimeError):
@@ -49,13 +90,22 @@ def backend_policy() -> str:
     return policy
 
 
-def choose_backend(call: kernels.CallDescription) -> Choice:
+def choose_backend(call: kernels.CallDescription, features: tuple[str, ...] = (), original_head_dim: int | None = None) -> Choice:
+    """``features``: the KERNEL_FEATURE_GAPS keys this call needs; ``original_head_dim``: the caller's head_dim
+    when ``call.head_dim`` is the padded one."""
     policy = backend_policy()
     if policy == "reference":
         return Choice("reference", f"{BACKEND_ENV}=reference")
     why_not = kernels.unsupported_reason(call)
     if why_not is None:
-        return Choice("kernel", f"fp16 on {call.device_name} (sm_{call.arch}) is supported by the Volta kernel")
+        why_not = next((KERNEL_FEATURE_GAPS[f] for f in features if not kernel_supports(f)), None)
+    if why_not is None:
+        padded = ""
+        if original_head_dim is not None and original_head_dim != call.head_dim:
+            padded = f"; head_dim {original_head_dim} zero-padded to {call.head_dim}"
+        return Choice(
+            "kernel", f"fp16 on {call.device_name} (sm_{call.arch}) is supported by the Volta kernel{padded}"
+        )
     if policy == "kernel":
         raise BackendUnavailableError(f"{BACKEND_ENV}=kernel, but the Volta kernel cannot run this call: {why_not}")
     return Choice("reference", why_not)
@@ -71,11 +121,14 @@ def _log_choice(choice: Choice, pass_name: str, on_gpu: bool) -> None:
 
 
 def _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi, dropout_p, accum, softmax_scale, extra=()):
-    aligned = q.is_cuda and kernels.support.tensors_aligned(q, k, v, *extra)
+    """The call as the kernel would run it: head_dim padded to a kernel head_dim where one holds it."""
+    head_dim = kernel_head_dim(q.shape[-1]) or q.shape[-1]
+    padded = head_dim != q.shape[-1]  # the padded copies are fresh, hence aligned
+    aligned = q.is_cuda and (padded or kernels.support.tensors_aligned(q, k, v, *extra))
     return kernels.CallDescription(
         device=q.device,
         dtype=q.dtype,
-        head_dim=q.shape[-1],
+        head_dim=head_dim,
         varlen=cu_seqlens_q is not None,
         causal=causal,
         window=window,
@@ -87,7 +140,7 @@ def _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi, dropout_p, accu
     )
 
 
-def _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset):
+def _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset, softcap=0.0):
     return reference.AttentionParams(
         softmax_scale=softmax_scale,
         causal=causal,
@@ -96,7 +149,28 @@ def _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, o
         dropout_p=dropout_p,
         seed=seed % _INT64_WRAP,
         offset=offset % _INT64_WRAP,
+        softcap=softcap,
     )
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype: fp64 for fp64 inputs (reference backend), fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No query, no key or no head: nothing to compute (out is empty or zeros, lse +inf, gradients zero)."""
+    return q.numel() == 0 or k.numel() == 0
+
+
+def _empty_forward(q, v, varlen):
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    return out, torch.full(shape, float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
+
+
+def _features(softcap: float) -> tuple[str, ...]:
+    return ("softcap",) if softcap > 0.0 else ()
 
 
 @torch.library.custom_op("volta_train::attention_forward", mutates_args=())
@@ -119,17 +193,23 @@ def attention_forward(
     accum: str,
     bwd_accum: str,
     deterministic: bool,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse); lse is fp32 [B, H, Nq] (dense) or [H, total_q] (varlen)."""
+    """Returns (out, lse); lse is [B, H, Nq] (dense) or [H, total_q] (varlen), fp32 (fp64 for fp64 inputs)."""
+    if _is_empty(q, k):
+        return _empty_forward(q, v, cu_seqlens_q is not None)
     window = (window_left, window_right)
     call = _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, accum, softmax_scale)
-    choice = choose_backend(call)
+    choice = choose_backend(call, _features(softcap), q.shape[-1])
     _log_choice(choice, "forward", q.is_cuda)
-    params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset)
+    params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset, softcap)
     if choice.backend == "kernel":
+        d = q.shape[-1]
+        qp, kp, vp = (pad_head_dim(t, call.head_dim) for t in (q, k, v))
         out, lse = kernels.forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes, accum
+            qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes, accum
         )
+        out = out[..., :d]
     elif cu_seqlens_q is not None:
         out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes)
     else:
@@ -144,9 +224,9 @@ def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     # Contiguous, as the real op returns them (new_empty does not copy q's strides).
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
     else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q.dtype))
     return out, lse
 
 
@@ -172,20 +252,27 @@ def attention_backward(
     offset: int,
     bwd_accum: str,
     deterministic: bool,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _is_empty(q, k):
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     window = (window_left, window_right)
     call = _describe_call(
         q, k, v, cu_seqlens_q, causal, window, alibi_slopes, dropout_p, bwd_accum, softmax_scale, (dout, out)
     )
-    call = kernels.CallDescription(**{**call.__dict__, "backward": True, "deterministic": deterministic})
-    choice = choose_backend(call)
+    call = replace(call, backward=True, deterministic=deterministic)
+    choice = choose_backend(call, _features(softcap), q.shape[-1])
     _log_choice(choice, "backward", q.is_cuda)
-    params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset)
+    params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset, softcap)
     if choice.backend == "kernel":
+        d = q.shape[-1]
+        # out's padded columns are exactly zero (v's are), so padding it again restores the kernel's output
+        dp, qp, kp, vp, op = (pad_head_dim(t, call.head_dim) for t in (dout, q, k, v, out))
         grads = kernels.backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+            dp, qp, kp, vp, op, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
             alibi_slopes, bwd_accum, deterministic,
         )
+        grads = tuple(g[..., :d] for g in grads)
     elif cu_seqlens_q is not None:
         grads = reference.reference_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes
@@ -205,6 +292,7 @@ def _attention_backward_fake(dout, q, k, v, *args):
 _FORWARD_ARGS = (
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
     "window_left", "window_right", "alibi_slopes", "dropout_p", "seed", "offset", "accum", "bwd_accum", "deterministic",
+    "softcap",
 )
 
 
@@ -219,7 +307,7 @@ def _setup_context(ctx, inputs, output):
         name: named[name]
         for name in (
             "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right",
-            "dropout_p", "seed", "offset", "bwd_accum", "deterministic",
+            "dropout_p", "seed", "offset", "bwd_accum", "deterministic", "softcap",
         )
     }
     ctx.mark_non_differentiable(lse)
@@ -231,12 +319,60 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = attention_backward(
         dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         o["max_seqlen_q"], o["max_seqlen_k"], o["softmax_scale"], o["causal"], o["window_left"], o["window_right"],
-        alibi_slopes, o["dropout_p"], o["seed"], o["offset"], o["bwd_accum"], o["deterministic"],
+        alibi_slopes, o["dropout_p"], o["seed"], o["offset"], o["bwd_accum"], o["deterministic"], o["softcap"],
     )
     return (dq, dk, dv) + (None,) * (len(_FORWARD_ARGS) - 3)
 
 
 torch.library.register_autograd("volta_train::attention_forward", _backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("volta_train::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache: appends k/v into the caches in place, returns (out, lse [B, H, Nq]). No backward.
+
+    The kernel path, once kernels.support.KERNEL_FEATURES lists "kvcache", is
+    ``kernels.forward_with_kvcache`` with this op's arguments (its params carry scale, masks and softcap).
+    """
+    if q.numel() == 0:
+        return _empty_forward(q, v_cache, varlen=False)
+    call = kernels.CallDescription(
+        device=q.device, dtype=q.dtype, head_dim=kernel_head_dim(q.shape[-1]) or q.shape[-1], varlen=False,
+        causal=causal, window=(window_left, window_right), alibi=alibi_slopes is not None, dropout=False,
+        accum="fp32", aligned=q.is_cuda, positive_scale=softmax_scale > 0,
+    )
+    choice = choose_backend(call, ("kvcache",) + _features(softcap), q.shape[-1])
+    _log_choice(choice, "with_kvcache", q.is_cuda)
+    params = _params(softmax_scale, causal, window_left, window_right, 0.0, 0, 0, softcap)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
+    if choice.backend == "kernel":
+        out, lse = kernels.forward_with_kvcache(*args, params, alibi_slopes, rotary_interleaved)
+    else:
+        out, lse = reference.reference_kvcache_forward(*args, params, alibi_slopes, rotary_interleaved)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, *args):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q.dtype))
 
 
 def draw_dropout_seed_offset(device: torch.device) -> tuple[int, int]:

@@ -9,8 +9,12 @@ It implements exactly the semantics of the Volta kernels:
 * causal masks aligned to the bottom-right corner, local windows and ALiBi as in
   flash-attn >= 2.1: query ``i`` sees key ``j`` iff
   ``i + sk - sq - left <= j <= i + sk - sq + right``.
+* logit soft-capping as in flash-attn >= 2.6: the scaled score ``x = scale * q.k``
+  becomes ``softcap * tanh(x / softcap)`` before ALiBi and masks (``softcap = 0``: off).
 * rows with no visible key give ``out = 0`` and ``lse = +inf`` (so that
   ``exp(s - lse) = 0`` in the backward), never NaN.
+* the log-sum-exp is fp32, or fp64 for fp64 inputs (so fp64 gradients are not limited
+  by an fp32 log-sum-exp at large scores).
 * dropout from :func:`volta_train._philox.dropout_keep_mask`, a pure function of
   ``(seed, offset, batch, head, row, col)``, regenerated in the backward.
 
@@ -41,6 +45,7 @@ class AttentionParams:
     dropout_p: float = 0.0
     seed: int = 0
     offset: int = 0
+    softcap: float = 0.0  # 0: off; > 0: scores become softcap * tanh(scores / softcap)
 
     @property
     def right_limit(self) -> int:
@@ -90,14 +95,23 @@ def _block_is_empty(params: AttentionParams, col0: int, col1: int, seqlen_q: int
 
 
 def _scores(q, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes):
-    """Scaled, biased and masked scores of one key block: [B, Hkv, G, Nq, bk]."""
+    """Scaled, soft-capped, biased and masked scores of one key block: [B, Hkv, G, Nq, bk].
+
+    Returns (scores, cap_slope): cap_slope is d(capped)/d(scaled) = 1 - tanh^2 with
+    softcap, None without.
+    """
     s = torch.matmul(q, k_blk.transpose(-1, -2)) * params.softmax_scale
+    cap_slope = None
+    if params.softcap > 0.0:
+        t = torch.tanh(s / params.softcap)
+        s = t * params.softcap
+        cap_slope = 1.0 - t * t
     visible, bias = _visible_and_bias(params, rows, cols, seqlen_q, seqlen_k, alibi_slopes, s.dtype)
     if bias is not None:
         s = s + bias
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    return s
+    return s, cap_slope
 
 
 def _dropout_scale(params, batch_index, nheads, q_shape, rows, cols, device, dtype):
@@ -139,7 +153,10 @@ def reference_forward(
     alibi_slopes: torch.Tensor | None = None,
     batch_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocked FlashAttention-2 forward. Returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] fp32.
+    """Blocked FlashAttention-2 forward. Returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq].
+
+    lse is fp32, fp64 for fp64 inputs. Needs at least one q and one k/v head (the dispatcher
+    answers empty calls itself).
 
     ``batch_index`` gives the batch coordinate each of the B entries uses in the
     dropout function (varlen passes the sequence number); default arange(B).
@@ -164,7 +181,7 @@ def reference_forward(
         if _block_is_empty(params, col0, col1, seqlen_q, seqlen_k):
             continue
         cols = torch.arange(col0, col1, device=device)
-        s = _scores(qh, kh[..., col0:col1, :], params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        s, _ = _scores(qh, kh[..., col0:col1, :], params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         safe_max = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max)
@@ -180,8 +197,8 @@ def reference_forward(
     lse = torch.where(
         empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(torch.where(empty, torch.ones_like(row_sum), row_sum))
     )
-    out = out.reshape(batch, nheads, seqlen_q, -1).permute(0, 2, 1, 3).to(q.dtype)
-    lse = lse.reshape(batch, nheads, seqlen_q).to(torch.float32)
+    out = out.reshape(batch, nheads, seqlen_q, vh.shape[-1]).permute(0, 2, 1, 3).to(q.dtype)
+    lse = lse.reshape(batch, nheads, seqlen_q).to(cdt)
     return out, lse
 
 
@@ -207,7 +224,7 @@ def reference_backward(
     if batch_index is None:
         batch_index = torch.arange(batch, device=device)
     rows = torch.arange(seqlen_q, device=device)
-    to_heads = lambda t: t.to(cdt).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, -1)
+    to_heads = lambda t: t.to(cdt).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, t.shape[-1])
     do_h, o_h = to_heads(dout), to_heads(out)
     lse_h = lse.to(cdt).reshape(batch, nheads_kv, group, seqlen_q, 1)
     delta = (do_h * o_h).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
@@ -221,7 +238,7 @@ def reference_backward(
             continue
         cols = torch.arange(col0, col1, device=device)
         k_blk, v_blk = kh[..., col0:col1, :], vh[..., col0:col1, :]
-        s = _scores(qh, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        s, cap_slope = _scores(qh, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
         p = torch.exp(s - lse_h)  # lse = +inf on empty rows gives 0
         dp = torch.matmul(do_h, v_blk.transpose(-1, -2))
         if params.dropout_p > 0.0:
@@ -231,6 +248,8 @@ def reference_backward(
             p_dropped = p
         dv[:, :, col0:col1] = torch.matmul(p_dropped.transpose(-1, -2), do_h).sum(dim=2)
         ds = p * (dp - delta)
+        if cap_slope is not None:  # through softcap * tanh(x / softcap)
+            ds = ds * cap_slope
         dq += torch.matmul(ds, k_blk) * params.softmax_scale
         dk[:, :, col0:col1] = torch.matmul(ds.transpose(-1, -2), qh).sum(dim=2) * params.softmax_scale
 
@@ -248,9 +267,9 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
 
 
 def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None):
-    """Packed [total, H, D] forward, one sequence at a time. lse is [H, total_q] fp32."""
+    """Packed [total, H, D] forward, one sequence at a time. lse is [H, total_q] (fp32; fp64 for fp64 inputs)."""
     out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=_compute_dtype(q.dtype), device=q.device)
     for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue
@@ -277,3 +296,71 @@ def reference_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotary embedding of x [B, N, H, D] at integer positions [B, N]; cos/sin are [seqlen_ro, rotary_dim / 2].
+
+    The first rotary_dim features are rotated in pairs: (0, 1), (2, 3)... when ``interleaved``,
+    (i, i + rotary_dim / 2) otherwise (GPT-NeoX); the others pass through. Computed in fp32 (fp64 for fp64).
+    """
+    cdt = _compute_dtype(x.dtype)
+    half = cos.shape[-1]
+    c = cos.to(cdt)[positions].unsqueeze(2)  # [B, N, 1, half]
+    s = sin.to(cdt)[positions].unsqueeze(2)
+    xr = x[..., : 2 * half].to(cdt)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+def reference_kvcache_forward(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, params,
+    alibi_slopes=None, rotary_interleaved=True,
+):
+    """flash_attn_with_kvcache on the reference backend: out [B, Nq, H, D], lse [B, H, Nq].
+
+    New k/v (rotated when rotary_cos is given) are written into cache row ``cache_batch_idx[b]`` at positions
+    ``cache_seqlens[b]..``; entry b then attends to that row's keys ``[cache_leftpad[b], cache_seqlens[b] +
+    seqlen_new)`` with masks aligned to the bottom right. The caches are read as views (no copy).
+    """
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    device = q.device
+    starts = cache_seqlens.to(device=device, dtype=torch.long)
+    rows = (
+        cache_batch_idx.to(device=device, dtype=torch.long)
+        if cache_batch_idx is not None
+        else torch.arange(batch, device=device)
+    )
+    if k is not None:
+        positions = starts.view(-1, 1) + torch.arange(seqlen_new, device=device).view(1, -1)  # [B, Nnew]
+        if rotary_cos is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        row_index = rows.view(-1, 1).expand_as(positions)
+        k_cache.index_put_((row_index, positions), k.to(k_cache.dtype))
+        v_cache.index_put_((row_index, positions), v.to(v_cache.dtype))
+    if rotary_cos is not None:
+        local = params.window_left >= 0 or params.window_right >= 0
+        offsets = torch.arange(seqlen_q, device=device) if (params.causal or local) else torch.zeros(
+            seqlen_q, dtype=torch.long, device=device
+        )
+        q = apply_rotary(q, rotary_cos, rotary_sin, starts.view(-1, 1) + offsets.view(1, -1), rotary_interleaved)
+    ends = (starts + seqlen_new).tolist()
+    first = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=device)
+    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=_compute_dtype(q.dtype), device=device)
+    for b, row in enumerate(rows.tolist()):
+        slopes = alibi_slopes[b : b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        keys = slice(first[b], ends[b])
+        o, l = reference_forward(
+            q[b : b + 1], k_cache[row, keys].unsqueeze(0), v_cache[row, keys].unsqueeze(0), params, slopes
+        )
+        out[b], lse[b] = o[0], l[0]
+    return out, lse

@@ -13,13 +13,19 @@ Differences from flash-attn, all explicit:
 * ``accum`` ("fp32" or "fp16") picks the forward's tensor-core accumulation and
   ``bwd_accum`` the backward's; both are keyword-only and ignored by the
   reference backend, which always accumulates in fp32 (fp64 for fp64 inputs).
-* ``softcap`` is keyword-only and must be 0.0 (not implemented).
+* A paged KV cache (``block_table`` not None) raises NotImplementedError.
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
+
+The positional order is flash-attn's since 2.6 (``softcap`` before ``alibi_slopes``).
+Any head_dim from 1 to 256 is accepted: the dispatcher zero-pads it to the next
+head_dim the chosen backend runs (docs/flash_attn_api.md says which features run
+where).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +33,8 @@ import torch
 from . import _dispatch, _validation
 
 Window = tuple[int, int]
+logger = logging.getLogger("volta_train")
+_logged_detach: list[bool] = []
 
 
 def _autocast_inputs(q, k, v):
@@ -43,11 +51,17 @@ def _autocast_inputs(q, k, v):
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
 
 
+def _require_tensors(**tensors) -> None:
+    for name, t in tensors.items():
+        _validation.require_tensor(name, t)
+
+
 def _prepare(q, dropout_p, softmax_scale, accum, bwd_accum):
     if accum not in _dispatch.ACCUM_CHOICES:
         raise ValueError(f"accum is {accum!r}; accepted: {', '.join(_dispatch.ACCUM_CHOICES)}")
     if bwd_accum not in _dispatch.ACCUM_CHOICES:
         raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(_dispatch.ACCUM_CHOICES)}")
+    # from the caller's head_dim: padding for the kernel (in the dispatcher) never changes the scale
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     seed, offset = (0, 0)
     if dropout_p > 0.0:
@@ -63,11 +77,11 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Window = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
-    softcap: float = 0.0,
     accum: str = "fp32",
     bwd_accum: str = "fp16",
 ):
@@ -77,20 +91,23 @@ def flash_attn_func(
     Causal masking with seqlen_q != seqlen_k is aligned to the bottom-right
     corner; query rows that see no key output zeros. ``window_size=(left, right)``
     limits query i to keys in [i + sk - sq - left, i + sk - sq + right] (-1 =
-    unbounded); ``alibi_slopes`` (fp32, [heads] or [batch, heads]) adds
-    ``-slope * |i + sk - sq - j|``. Dropout is applied during training only if
+    unbounded); ``softcap > 0`` turns each scaled score x into
+    ``softcap * tanh(x / softcap)``; ``alibi_slopes`` (fp32, [heads] or [batch, heads])
+    then adds ``-slope * |i + sk - sq - j|``. Dropout is applied during training only if
     you pass ``dropout_p > 0``: its Philox seed and offset come from PyTorch's
-    generator, so ``torch.manual_seed`` reproduces it.
+    generator, so ``torch.manual_seed`` reproduces it. Empty inputs (batch, seqlen or
+    heads 0) give empty outputs; seqlen_k 0 gives zeros.
     """
+    _require_tensors(q=q, k=k, v=v)
     q, k, v = _autocast_inputs(q, k, v)
     _validation.check_dense(q, k, v)
-    left, right = _validation.check_options(
+    left, right, softcap = _validation.check_options(
         q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
     )
     scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
     out, lse = _dispatch.attention_forward(
         q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal), left, right, alibi_slopes,
-        float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic),
+        float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -107,11 +124,12 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Window = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
     *,
-    softcap: float = 0.0,
     accum: str = "fp32",
     bwd_accum: str = "fp16",
 ):
@@ -120,21 +138,35 @@ def flash_attn_varlen_func(
     ``cu_seqlens_q``/``cu_seqlens_k`` are int32 cumulative lengths (batch + 1
     entries, starting at 0, ending at the token count). Sequence ``b`` is
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``; no token attends across sequences.
-    The other arguments mean what they mean in :func:`flash_attn_func`; the
+    ``max_seqlen_q``/``max_seqlen_k``: ints (Python, NumPy or 0-d tensors) >= every
+    length. The other arguments mean what they mean in :func:`flash_attn_func`; the
     dropout mask of sequence ``b`` is the dense mask of batch entry ``b``.
+    ``block_table`` (paged KV) must be None.
     """
+    _require_tensors(q=q, k=k, v=v)
+    _validation.check_block_table(block_table)
     q, k, v = _autocast_inputs(q, k, v)
-    _validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = _validation.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
     batch = cu_seqlens_q.numel() - 1
-    left, right = _validation.check_options(
+    left, right, softcap = _validation.check_options(
         q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, batch, q.shape[1]
     )
     scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
     out, lse = _dispatch.attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,
-        alibi_slopes, float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
+        alibi_slopes, float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
     )
     return (out, lse, None) if return_attn_probs else out
+
+
+def _unbind_packed(name: str, packed, axis: int, count: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Strided views (no copies) of a packed tensor along ``axis``, which must hold ``count`` entries."""
+    _validation.require_tensor(name, packed)
+    if packed.dim() != len(layout.split(",")) or packed.shape[axis] != count:
+        raise ValueError(f"{name} must be [{layout}], got shape {tuple(packed.shape)}")
+    return packed.unbind(axis)
 
 
 def flash_attn_qkvpacked_func(
@@ -143,18 +175,19 @@ def flash_attn_qkvpacked_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Window = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    **kwargs,
+    *,
+    accum: str = "fp32",
+    bwd_accum: str = "fp16",
 ):
     """qkv: [batch, seqlen, 3, heads, head_dim]; q, k and v are strided views of it (no copies)."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise ValueError(f"qkv must be [batch, seqlen, 3, heads, head_dim], got {shape}")
+    q, k, v = _unbind_packed("qkv", qkv, 2, 3, "batch, seqlen, 3, heads, head_dim")
     return flash_attn_func(
-        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-        deterministic, return_attn_probs, **kwargs,
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, accum=accum, bwd_accum=bwd_accum,
     )
 
 
@@ -165,16 +198,132 @@ def flash_attn_kvpacked_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Window = (-1, -1),
+    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    **kwargs,
+    *,
+    accum: str = "fp32",
+    bwd_accum: str = "fp16",
 ):
     """q: [batch, seqlen_q, heads, head_dim]; kv: [batch, seqlen_k, 2, kv_heads, head_dim]."""
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
-        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise ValueError(f"kv must be [batch, seqlen_k, 2, kv_heads, head_dim], got {shape}")
+    k, v = _unbind_packed("kv", kv, 2, 2, "batch, seqlen_k, 2, kv_heads, head_dim")
     return flash_attn_func(
-        q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-        deterministic, return_attn_probs, **kwargs,
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, accum=accum, bwd_accum=bwd_accum,
     )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    accum: str = "fp32",
+    bwd_accum: str = "fp16",
+):
+    """qkv: [total, 3, heads, head_dim], packed as in :func:`flash_attn_varlen_func`; one cu_seqlens for q and k."""
+    q, k, v = _unbind_packed("qkv", qkv, 1, 3, "total, 3, heads, head_dim")
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs, accum=accum, bwd_accum=bwd_accum,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    accum: str = "fp32",
+    bwd_accum: str = "fp16",
+):
+    """q: [total_q, heads, head_dim]; kv: [total_k, 2, kv_heads, head_dim] (see :func:`flash_attn_varlen_func`)."""
+    k, v = _unbind_packed("kv", kv, 1, 2, "total_k, 2, kv_heads, head_dim")
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, accum=accum, bwd_accum=bwd_accum,
+    )
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of q against a KV cache, appending new keys/values to it in place (incremental decoding).
+
+    q: [batch, seqlen_q, heads, head_dim]; k_cache/v_cache: [batch_cache, seqlen_cache, kv_heads, head_dim].
+    Batch entry b reads cache row ``cache_batch_idx[b]`` (default b), whose first ``cache_seqlens[b]``
+    positions (an int, or an integer [batch] tensor; None = the whole cache) hold its past keys. If ``k``/``v``
+    ([batch, seqlen_new, kv_heads, head_dim]) are given they are written into the cache at positions
+    ``cache_seqlens[b] ..`` (in place; ``cache_seqlens`` itself is not advanced) and attended to. Keys before
+    ``cache_leftpad[b]`` are ignored. Causal masks and windows are aligned to the bottom right: the last query
+    sees the last key (seqlen_k = cache_seqlens + seqlen_new).
+
+    ``rotary_cos``/``rotary_sin`` ([seqlen_ro, rotary_dim / 2]) rotate the first rotary_dim features of the new
+    keys at positions ``cache_seqlens[b] + j``, and of q at ``cache_seqlens[b] + i`` when causal or windowed, at
+    ``cache_seqlens[b]`` otherwise; ``rotary_interleaved`` pairs features (0, 1), (2, 3)... (True) or
+    (i, i + rotary_dim / 2) (False, GPT-NeoX). ``num_splits`` is accepted and ignored; ``block_table`` (paged
+    KV cache) must be None. No backward, as in flash-attn: the output carries no gradient (logged once when an
+    input requires one). Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
+    """
+    _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
+    _validation.check_block_table(block_table)
+    cache_seqlens = _validation.check_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        causal, window_size,
+    )
+    _validation.as_int("num_splits", num_splits)
+    left, right, softcap = _validation.check_options(
+        q, 0.0, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
+    )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        if not _logged_detach:
+            _logged_detach.append(True)
+            logger.warning(
+                "volta_train flash_attn_with_kvcache: q/k/v require grad but the call has no backward (as in "
+                "flash-attn): its output carries no gradient; train with flash_attn_func"
+            )
+        q, k, v = (t.detach() if t is not None else None for t in (q, k, v))
+    out, lse = _dispatch.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved),
+    )
+    return (out, lse) if return_softmax_lse else out

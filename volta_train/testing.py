@@ -51,10 +51,12 @@ def _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, device):
 
 
 def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
-                    keep_mask=None, dropout_p=0.0):
-    """float64 attention on [B, N, H, D]; returns (out [B, Nq, H, D] float64, lse [B, H, Nq] float64).
+                    keep_mask=None, dropout_p=0.0, softcap=0.0, return_probs=False):
+    """float64 attention on [B, N, H, D]; returns (out [B, Nq, H, D] float64, lse [B, H, Nq] float64), and the
+    softmax probabilities [B, H, Nq, Nk] (before dropout) third when return_probs.
 
     keep_mask: optional bool [B, H, Nq, Nk] dropout keep mask (scaled by 1/(1-p)).
+    softcap > 0: scaled scores s become softcap * tanh(s / softcap), before ALiBi and masks (flash-attn >= 2.6).
     Rows with no visible key give out 0 and lse +inf.
     """
     q, k, v = (t.double() for t in (q, k, v))
@@ -65,6 +67,8 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         s = s + _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, q.device)
     ok = visible_mask(seqlen_q, seqlen_k, causal, window_size, device=q.device)
@@ -73,15 +77,16 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     empty = torch.isneginf(lse)
     p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
     p = torch.where(empty.unsqueeze(-1), torch.zeros_like(p), p)
+    probs = p
     if keep_mask is not None:
         p = p * keep_mask.to(p.device).double() / (1.0 - dropout_p)
     out = torch.einsum("bhij,bjhd->bihd", p, v)
     lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
-    return out, lse
+    return (out, lse, probs) if return_probs else (out, lse)
 
 
 def torch_fp16_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
-                         keep_mask=None, dropout_p=0.0):
+                         keep_mask=None, dropout_p=0.0, softcap=0.0):
     """PyTorch's fp16 eager attention on [B, N, H, D] inputs (the yardstick), differentiable.
 
     Scores and P V as fp16 matmuls, the softmax in fp32 rounded to fp16; rows with no visible key give zeros.
@@ -91,6 +96,8 @@ def torch_fp16_attention(q, k, v, causal=False, softmax_scale=None, window_size=
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bihd,bjhd->bhij", q, kk).float() * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         s = s + _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, q.device).float()
     ok = visible_mask(seqlen_q, seqlen_k, causal, window_size, device=q.device)
@@ -128,7 +135,33 @@ class YardstickError:
                 f"ratio {self.ratio:.2f}); rel-norm {self.rel_norm:.2e} vs {self.yardstick_rel_norm:.2e}")
 
 
-def error_vs_yardstick(got: torch.Tensor, yardstick: torch.Tensor, truth: torch.Tensor) -> YardstickError:
+FP16_UNIT_ROUNDOFF = 2.0**-11
+
+
+def saved_output_floors(q, k, out, dout, probs, softmax_scale, dropout_p=0.0) -> tuple[float, float]:
+    """Extra floors for dQ and dK: the error that rounding the saved output O to fp16 causes through
+    D = rowsum(dO * O), which FlashAttention's backward (flash-attn's and ours) takes instead of rowsum(P * dP).
+
+    Where the truth is exactly 0 by cancellation (every row sees one key: dS = P (dP - D) = 0), PyTorch's autograd
+    gets 0 too, so "twice its error" would demand exact zeros that no FlashAttention backward can give. Each row's
+    error in D is about u * ||dO_i * O_i|| (u = 2^-11, rounding errors of random sign); it reaches
+    dQ_i = scale * sum_j dS_ij K_j through sum_j P_ij = 1 (1 / (1 - p) under dropout), and
+    dK_j = scale * sum_i dS_ij Q_i through sqrt(sum_i P_ij^2 eps_i^2) over the rows of every head of its group.
+    probs: the float64 softmax [B, H, Nq, Nk] (naive_attention(..., return_probs=True)).
+    """
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    eps = FP16_UNIT_ROUNDOFF * (dout.double() * out.double()).pow(2).sum(-1).sqrt()  # [B, Nq, H]
+    eps = eps.transpose(1, 2)  # [B, H, Nq]
+    dq_floor = softmax_scale * keep_scale * eps.max().item() * k.double().abs().max().item() if eps.numel() else 0.0
+    per_key = (probs.pow(2) * eps.pow(2).unsqueeze(-1)).sum(2)  # [B, H, Nk]
+    group = q.shape[2] // k.shape[2]
+    per_key = per_key.view(per_key.shape[0], k.shape[2], group, -1).sum(2).sqrt()
+    dk_floor = softmax_scale * keep_scale * (per_key.max().item() if per_key.numel() else 0.0) * q.double().abs().max().item()
+    return dq_floor, dk_floor
+
+
+def error_vs_yardstick(got: torch.Tensor, yardstick: torch.Tensor, truth: torch.Tensor,
+                       extra_floor: float = 0.0) -> YardstickError:
     truth = truth.double()
     got_err = got.double() - truth
     yard_err = yardstick.double() - truth
@@ -139,7 +172,7 @@ def error_vs_yardstick(got: torch.Tensor, yardstick: torch.Tensor, truth: torch.
         yardstick_max_abs=yard_err.abs().max().item() if truth.numel() else 0.0,
         rel_norm=(got_err.norm() / norm).item(),
         yardstick_rel_norm=(yard_err.norm() / norm).item(),
-        floor=YARDSTICK_FLOOR * scale + 1e-7,
+        floor=YARDSTICK_FLOOR * scale + 1e-7 + extra_floor,
     )
 
 

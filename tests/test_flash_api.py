@@ -1,0 +1,780 @@
+"""flash-attn 2.8's API on volta_train: positional order, softcap, any head_dim, packed varlen, KV cache,
+bert_padding helpers and the API edge cases of issue 14. CPU tests against float64 oracles; the gpu-marked
+tests at the end check the dispatcher's head_dim padding on the kernel."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import volta_train
+from volta_train import _dispatch, _philox, kernels
+from volta_train.kernels import configs
+from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-8)).item()
+
+
+def _randn(*shape, rng, dtype=torch.float64, scale=1.0, requires_grad=False):
+    return (torch.randn(*shape, generator=rng, dtype=dtype) * scale).requires_grad_(requires_grad)
+
+
+def _qkv(rng, b, sq, sk, h, hk, d, dtype=torch.float64, requires_grad=True, scale=1.0):
+    return (
+        _randn(b, sq, h, d, rng=rng, dtype=dtype, scale=scale, requires_grad=requires_grad),
+        _randn(b, sk, hk, d, rng=rng, dtype=dtype, scale=scale, requires_grad=requires_grad),
+        _randn(b, sk, hk, d, rng=rng, dtype=dtype, requires_grad=requires_grad),
+    )
+
+
+def _check_grads(out, ref, inputs, rng, bound=1e-6):
+    dout = torch.randn(out.shape, generator=rng, dtype=out.dtype)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, inputs, dout)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all()
+        assert _rel(g, r) < bound, (name, _rel(g, r), rng.initial_seed())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# positional order: flash-attn >= 2.6 (softcap before alibi_slopes), as in flash-attn 2.8.3's flash_attn_interface
+# ---------------------------------------------------------------------------------------------------------------
+
+_COMMON_TAIL = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                "return_attn_probs"]
+FLASH_ATTN_2_8_ORDER = {
+    "flash_attn_func": ["q", "k", "v"] + _COMMON_TAIL,
+    "flash_attn_qkvpacked_func": ["qkv"] + _COMMON_TAIL,
+    "flash_attn_kvpacked_func": ["q", "kv"] + _COMMON_TAIL,
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    + _COMMON_TAIL + ["block_table"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen"] + _COMMON_TAIL,
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    + _COMMON_TAIL,
+    "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                                "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                                "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                                "return_softmax_lse"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN_2_8_ORDER))
+def test_positional_parameters_in_flash_attn_2_8_order(name):
+    params = inspect.signature(getattr(volta_train, name)).parameters.values()
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    assert positional == FLASH_ATTN_2_8_ORDER[name]
+    assert set(keyword_only) <= {"accum", "bwd_accum"}
+
+
+def test_eleven_positional_arguments_mean_what_flash_attn_2_8_means(rng):
+    q, k, v = _qkv(rng, 2, 13, 17, 4, 2, 16)
+    slopes = torch.rand(4, generator=rng)
+    out, lse, probs = volta_train.flash_attn_func(q, k, v, 0.0, 0.4, True, (5, -1), 2.5, slopes, False, True)
+    ref, ref_lse = naive_attention(q, k, v, causal=True, softmax_scale=0.4, window_size=(5, -1), alibi_slopes=slopes,
+                                   softcap=2.5)
+    assert probs is None
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    assert torch.allclose(lse, ref_lse, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    # the varlen form with all 16 positional arguments, block_table=None included
+    cu = torch.tensor([0, 13, 26], dtype=torch.int32)
+    cu_k = torch.tensor([0, 17, 34], dtype=torch.int32)
+    out_v = volta_train.flash_attn_varlen_func(
+        q.reshape(26, 4, 16), k.reshape(34, 2, 16), v.reshape(34, 2, 16), cu, cu_k, 13, 17, 0.0, 0.4, True, (5, -1),
+        2.5, slopes, False, False, None,
+    )
+    assert torch.allclose(out_v.view_as(out), ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# softcap on the reference backend
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal, window, alibi", [(False, (-1, -1), False), (True, (-1, -1), True),
+                                                   (False, (7, 3), True), (True, (4, 0), False)])
+@pytest.mark.parametrize("softcap", [0.7, 5.0, 50.0])
+def test_softcap_forward_and_backward_match_float64(softcap, causal, window, alibi, rng):
+    q, k, v = _qkv(rng, 2, 37, 300, 6, 2, 24, scale=2.0)  # 300 keys: two key blocks; |scores| up to ~20
+    slopes = torch.rand(2, 6, generator=rng) if alibi else None
+    out, lse, _ = volta_train.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                              alibi_slopes=slopes, return_attn_probs=True)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes, softcap=softcap)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~finite)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=FLOAT64_RTOL)
+    _check_grads(out, ref, (q, k, v), rng)
+
+
+def test_softcap_changes_the_result_and_large_softcap_tends_to_none(rng):
+    q, k, v = _qkv(rng, 1, 20, 20, 2, 2, 32, requires_grad=False, scale=3.0)
+    plain = volta_train.flash_attn_func(q, k, v)
+    capped = volta_train.flash_attn_func(q, k, v, softcap=1.0)
+    assert _rel(capped, plain) > 1e-2  # the test can fail if softcap were ignored
+    assert _rel(volta_train.flash_attn_func(q, k, v, softcap=1e6), plain) < 1e-6
+
+
+def test_softcap_with_dropout_matches_float64_with_the_same_mask(rng):
+    q, k, v = _qkv(rng, 2, 19, 45, 3, 3, 16, scale=2.0)
+    torch.manual_seed(1234)
+    out = volta_train.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, softcap=3.0)
+    torch.manual_seed(1234)
+    seed, offset = _dispatch.draw_dropout_seed_offset(q.device)
+    keep = _philox.dropout_keep_mask(seed, offset, 0.25, torch.arange(2 * 3), torch.arange(19), torch.arange(45))
+    ref, _ = naive_attention(q, k, v, causal=True, keep_mask=keep.view(2, 3, 19, 45), dropout_p=0.25, softcap=3.0)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    _check_grads(out, ref, (q, k, v), rng)
+
+
+def test_softcap_varlen_matches_dense(rng):
+    lengths = [5, 31, 1]
+    q = _randn(sum(lengths), 4, 16, rng=rng, requires_grad=True)
+    k = _randn(sum(lengths), 4, 16, rng=rng, requires_grad=True)
+    v = _randn(sum(lengths), 4, 16, rng=rng, requires_grad=True)
+    cu = torch.tensor([0, 5, 36, 37], dtype=torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, k, v, cu, cu, 31, 31, causal=True, softcap=2.0)
+    for b in range(3):
+        s = slice(cu[b].item(), cu[b + 1].item())
+        ref, _ = naive_attention(q[None, s], k[None, s], v[None, s], causal=True, softcap=2.0)
+        assert torch.allclose(out[s], ref[0], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+@pytest.mark.parametrize("bad, error", [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+                                        ("30", TypeError)])
+def test_softcap_refuses_negative_and_non_finite(bad, error):
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(error, match="softcap"):
+        volta_train.flash_attn_func(q, q, q, softcap=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# any head_dim from 1 to 256
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", [1, 7, 59, 111, 200, 256])
+def test_odd_head_dims_match_float64(head_dim, rng):
+    q, k, v = _qkv(rng, 2, 21, 34, 4, 2, head_dim)
+    out = volta_train.flash_attn_func(q, k, v, causal=True)
+    ref, _ = naive_attention(q, k, v, causal=True)  # default scale 1/sqrt(head_dim)
+    assert out.shape == q.shape
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
+    _check_grads(out, ref, (q, k, v), rng)
+
+
+def test_kernel_head_dim_is_the_next_one_built():
+    built = configs.SUPPORTED_HEAD_DIMS
+    for d in range(1, 257):
+        padded = _dispatch.kernel_head_dim(d)
+        if d <= max(built):
+            assert padded in built and padded >= d and all(not d <= b < padded for b in built)
+        else:
+            assert padded is None
+    t = torch.randn(2, 3, 4, 64)
+    assert _dispatch.pad_head_dim(t, 64) is t  # aligned: no copy
+    padded = _dispatch.pad_head_dim(t[..., :59], 64)
+    assert padded.shape[-1] == 64 and torch.equal(padded[..., :59], t[..., :59])
+    assert torch.equal(padded[..., 59:], torch.zeros(2, 3, 4, 5))
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """The dispatcher believes a kernel is present; kernels.forward/backward run the reference backend but
+    assert they only see head_dims the kernel is built for. Records the calls."""
+    from volta_train import _reference
+
+    calls = []
+    monkeypatch.setattr(_dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(kernels.support.CallDescription, "arch", property(lambda self: 70))
+    monkeypatch.setattr(kernels.support.CallDescription, "device_name", property(lambda self: "FakeV100"))
+    monkeypatch.setattr(kernels, "unsupported_reason",
+                        lambda call: None if call.head_dim in configs.SUPPORTED_HEAD_DIMS else "head_dim")
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, params, alibi, accum):
+        assert q.shape[-1] in configs.SUPPORTED_HEAD_DIMS and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        calls.append(("forward", q.shape[-1], params))
+        return _reference.reference_forward(q, k, v, params, alibi)
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, params, alibi, bwd_accum, deterministic):
+        assert all(t.shape[-1] in configs.SUPPORTED_HEAD_DIMS for t in (dout, q, k, v, out))
+        padded_columns = (v == 0).flatten(0, -2).all(0)  # zero-padded features: out and dout must be 0 there
+        assert not out[..., padded_columns].any() and not dout[..., padded_columns].any()
+        calls.append(("backward", q.shape[-1], params))
+        return _reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
+
+    monkeypatch.setattr(kernels, "forward", forward)
+    monkeypatch.setattr(kernels, "backward", backward)
+    return calls
+
+
+@pytest.mark.parametrize("head_dim, padded", [(59, 64), (7, 16), (111, 112), (64, 64)])
+def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded, rng, caplog):
+    q, k, v = _qkv(rng, 2, 19, 23, 4, 2, head_dim)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        out = volta_train.flash_attn_func(q, k, v, causal=True)
+    ref, _ = naive_attention(q, k, v, causal=True)
+    assert out.shape == q.shape
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)  # scale from the original head_dim
+    _check_grads(out, ref, (q, k, v), rng)
+    assert [c[:2] for c in fake_kernel] == [("forward", padded), ("backward", padded)]
+    if head_dim != padded:
+        assert any(f"head_dim {head_dim} zero-padded to {padded}" in r.getMessage() for r in caplog.records)
+
+
+def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel, monkeypatch, rng, caplog):
+    q, k, v = _qkv(rng, 1, 9, 9, 2, 2, 16)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        out = volta_train.flash_attn_func(q, k, v, softcap=4.0)
+    assert fake_kernel == []
+    assert any("reference backend (softcap > 0: the Volta kernel has no logit soft-capping yet)" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    with pytest.raises(_dispatch.BackendUnavailableError, match="softcap"):
+        volta_train.flash_attn_func(q, k, v, softcap=4.0)
+    # the lead's switch: the kernel package lists the feature
+    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}), raising=False)
+    assert _dispatch.kernel_supports("softcap") and not _dispatch.kernel_supports("kvcache")
+    out_kernel = volta_train.flash_attn_func(q, k, v, softcap=4.0)
+    assert fake_kernel[-1][0] == "forward" and fake_kernel[-1][2].softcap == 4.0
+    assert torch.allclose(out_kernel, out, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, rng, caplog):
+    q, k, v = _qkv(rng, 1, 5, 5, 2, 2, 200, requires_grad=False)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        volta_train.flash_attn_func(q, k, v)
+    assert fake_kernel == []
+    assert any("reference backend (head_dim" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="feature 'paged'"):
+        _dispatch.kernel_supports("paged")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packed varlen functions
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cu(lengths):
+    return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def test_varlen_packed_functions_equal_unpacked(rng):
+    lengths_q, lengths_k = [4, 0, 19, 7], [9, 3, 19, 1]
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    slopes = torch.rand(4, 4, generator=rng)
+    options = dict(causal=True, window_size=(6, 2), softcap=3.0, alibi_slopes=slopes)
+
+    qkv = _randn(sum(lengths_q), 3, 4, 24, rng=rng, requires_grad=True)
+    out = volta_train.flash_attn_varlen_qkvpacked_func(qkv, cu_q, max(lengths_q), **options)
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    ref = volta_train.flash_attn_varlen_func(q, k, v, cu_q, cu_q, max(lengths_q), max(lengths_q), **options)
+    assert torch.equal(out, ref)
+    dout = torch.randn(out.shape, generator=rng, dtype=out.dtype)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), dout), dim=1))
+
+    q = _randn(sum(lengths_q), 4, 24, rng=rng, requires_grad=True)
+    kv = _randn(sum(lengths_k), 2, 2, 24, rng=rng, requires_grad=True)
+    out = volta_train.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
+    k, v = (kv.detach()[:, i].clone().requires_grad_() for i in range(2))
+    ref = volta_train.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
+    assert torch.equal(out, ref)
+    dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q, k, v), dout)
+    assert torch.equal(dq, ref_dq) and torch.equal(dkv, torch.stack((ref_dk, ref_dv), dim=1))
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: volta_train.flash_attn_varlen_qkvpacked_func(torch.randn(5, 2, 2, 16), _cu([5]), 5), "qkv must be [total, 3"),
+    (lambda: volta_train.flash_attn_varlen_kvpacked_func(torch.randn(5, 2, 16), torch.randn(5, 3, 2, 16), _cu([5]),
+                                                         _cu([5]), 5, 5), "kv must be [total_k, 2"),
+    (lambda: volta_train.flash_attn_qkvpacked_func([[1.0]]), "qkv must be a torch.Tensor"),
+])
+def test_packed_shape_errors(call, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert words in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rotary_oracle(x, cos, sin, positions, interleaved):
+    """Rotation as complex multiplication: pairs (x_a, x_b) -> (x_a + i x_b) * exp(i theta)."""
+    half = cos.shape[-1]
+    x = x.double()
+    xr = x[..., : 2 * half]
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:])
+    theta = torch.atan2(sin.double(), cos.double())[positions].unsqueeze(2)  # [B, N, 1, half]
+    z = z * torch.polar(torch.ones_like(theta), theta)
+    if interleaved:
+        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+
+
+def _kvcache_case(rng, seqlen_q, new, rotary_dim, interleaved, causal, window, batch_idx, leftpad, softcap, alibi):
+    batch, batch_cache, seqlen_cache, h, hk, d = 3, 5, 40, 4, 2, 32
+    q = _randn(batch, seqlen_q, h, d, rng=rng)
+    k_cache = _randn(batch_cache, seqlen_cache, hk, d, rng=rng)
+    v_cache = _randn(batch_cache, seqlen_cache, hk, d, rng=rng)
+    k_new = _randn(batch, new, hk, d, rng=rng) if new else None
+    v_new = _randn(batch, new, hk, d, rng=rng) if new else None
+    span = max(new, seqlen_q)
+    seqlens = torch.randint(0, seqlen_cache - span + 1, (batch,), generator=rng, dtype=torch.int32)
+    rows = torch.randperm(batch_cache, generator=rng)[:batch].to(torch.int32) if batch_idx else None
+    pads = torch.stack([torch.randint(0, int(n) + 1, (), generator=rng) for n in seqlens]).to(torch.int32) \
+        if leftpad else None
+    cos = sin = None
+    if rotary_dim:
+        angle = torch.rand(seqlen_cache, rotary_dim // 2, generator=rng, dtype=torch.float64) * 2 * math.pi
+        cos, sin = angle.cos(), angle.sin()
+    slopes = torch.rand(batch, h, generator=rng) if alibi else None
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                cache_seqlens=seqlens, cache_batch_idx=rows, cache_leftpad=pads, causal=causal, window_size=window,
+                softcap=softcap, rotary_interleaved=interleaved, alibi_slopes=slopes)
+
+
+def _kvcache_oracle(case):
+    """Appends (rotated) k/v to a copy of the cache and runs naive attention per batch entry."""
+    q, k_cache, v_cache = case["q"], case["k_cache"].clone(), case["v_cache"].clone()
+    batch, seqlen_q = q.shape[:2]
+    seqlens = case["cache_seqlens"].long()
+    rows = case["cache_batch_idx"].long() if case["cache_batch_idx"] is not None else torch.arange(batch)
+    pads = case["cache_leftpad"].long() if case["cache_leftpad"] is not None else torch.zeros(batch, dtype=torch.long)
+    new = 0 if case["k"] is None else case["k"].shape[1]
+    cos, sin, interleaved = case["rotary_cos"], case["rotary_sin"], case["rotary_interleaved"]
+    local = tuple(case["window_size"]) != (-1, -1)
+    outs = []
+    for b in range(batch):
+        r, n = rows[b].item(), seqlens[b].item()
+        if new:
+            k_b = case["k"][b : b + 1]
+            if cos is not None:
+                k_b = _rotary_oracle(k_b, cos, sin, (n + torch.arange(new)).view(1, -1), interleaved)
+            k_cache[r, n : n + new] = k_b[0]
+            v_cache[r, n : n + new] = case["v"][b]
+        q_b = q[b : b + 1]
+        if cos is not None:
+            offsets = torch.arange(seqlen_q) if (case["causal"] or local) else torch.zeros(seqlen_q, dtype=torch.long)
+            q_b = _rotary_oracle(q_b, cos, sin, (n + offsets).view(1, -1), interleaved)
+        keys = slice(pads[b].item(), n + new)
+        slopes = case["alibi_slopes"][b] if case["alibi_slopes"] is not None else None
+        out, _ = naive_attention(q_b, k_cache[r : r + 1, keys], v_cache[r : r + 1, keys], causal=case["causal"],
+                                 window_size=case["window_size"], alibi_slopes=slopes, softcap=case["softcap"])
+        outs.append(out[0])
+    return torch.stack(outs), k_cache, v_cache
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2, 5, 16])
+@pytest.mark.parametrize(
+    "new, rotary_dim, interleaved, causal, window, batch_idx, leftpad, softcap, alibi",
+    [
+        (1, 0, True, True, (-1, -1), False, False, 0.0, False),
+        (3, 16, True, True, (-1, -1), True, False, 0.0, False),
+        (16, 32, False, True, (6, 0), True, True, 0.0, True),
+        (2, 8, False, False, (-1, -1), False, True, 5.0, False),  # non-causal: q rotated at cache_seqlens only
+        (0, 0, True, False, (3, 2), True, False, 2.0, True),  # no new keys: attention over the cache only
+        (5, 16, True, False, (-1, -1), True, True, 0.0, True),
+    ],
+)
+def test_kvcache_matches_naive_attention_over_the_appended_cache(
+    seqlen_q, new, rotary_dim, interleaved, causal, window, batch_idx, leftpad, softcap, alibi, rng
+):
+    case = _kvcache_case(rng, seqlen_q, new, rotary_dim, interleaved, causal, window, batch_idx, leftpad, softcap,
+                         alibi)
+    ref, ref_k_cache, ref_v_cache = _kvcache_oracle(case)
+    k_cache_ptr = case["k_cache"].data_ptr()
+    out, lse = volta_train.flash_attn_with_kvcache(**case, return_softmax_lse=True)
+    assert case["k_cache"].data_ptr() == k_cache_ptr  # appended in place
+    assert torch.allclose(case["k_cache"], ref_k_cache, rtol=1e-12, atol=1e-12), rng.initial_seed()
+    assert torch.equal(case["v_cache"], ref_v_cache)  # v is never rotated: untouched rows and values bit-equal
+    assert out.shape == case["q"].shape and lse.shape == (3, 4, seqlen_q) and lse.dtype == torch.float64
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
+
+
+def test_kvcache_decode_loop_equals_full_causal_attention(rng):
+    """Prefill 9 tokens then decode 6 one at a time with an int cache_seqlens: the last step equals causal
+    attention over all 15 tokens."""
+    b, h, d, total = 2, 4, 16, 15
+    q, k, v = (_randn(b, total, h, d, rng=rng) for _ in range(3))
+    k_cache, v_cache = torch.zeros(b, 32, h, d, dtype=torch.float64), torch.zeros(b, 32, h, d, dtype=torch.float64)
+    outs = [volta_train.flash_attn_with_kvcache(q[:, :9], k_cache, v_cache, k[:, :9], v[:, :9], cache_seqlens=0,
+                                                causal=True, num_splits=4)]
+    for t in range(9, total):
+        outs.append(volta_train.flash_attn_with_kvcache(
+            q[:, t : t + 1], k_cache, v_cache, k[:, t : t + 1], v[:, t : t + 1], cache_seqlens=np.int64(t),
+            causal=True))
+    ref, _ = naive_attention(q, k, v, causal=True)
+    assert torch.allclose(torch.cat(outs, dim=1), ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    assert torch.equal(k_cache[:, :total], k) and torch.equal(k_cache[:, total:], torch.zeros_like(k_cache[:, total:]))
+
+
+def test_kvcache_without_cache_seqlens_reads_the_whole_cache(rng):
+    q = _randn(2, 3, 2, 8, rng=rng)
+    k_cache, v_cache = _randn(2, 11, 2, 8, rng=rng), _randn(2, 11, 2, 8, rng=rng)
+    out = volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    ref, _ = naive_attention(q, k_cache, v_cache, causal=True)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(k=torch.randn(1, 2, 2, 8)), ValueError, "k and v go together"),
+    (dict(k=torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 2, 8)), ValueError, "cache_seqlens is None"),
+    (dict(k=torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 2, 8), cache_seqlens=9), ValueError,
+     "cache_seqlens[0] is 9 with 2 new tokens, but the cache holds 10"),
+    (dict(cache_seqlens=torch.tensor([1.0])), TypeError, "cache_seqlens must be an integer tensor"),
+    (dict(cache_seqlens=2.5), TypeError, "cache_seqlens is 2.5"),
+    (dict(cache_seqlens=3, cache_batch_idx=torch.tensor([4], dtype=torch.int32)), ValueError, "cache_batch_idx has 4"),
+    (dict(cache_seqlens=3, cache_leftpad=torch.tensor([5], dtype=torch.int32)), ValueError, "cache_leftpad[0] is 5"),
+    (dict(cache_seqlens=3, rotary_cos=torch.ones(10, 4)), ValueError, "rotary_cos and rotary_sin go together"),
+    (dict(cache_seqlens=3, rotary_cos=torch.ones(10, 4), rotary_sin=torch.ones(10, 4)), ValueError, "without k/v"),
+    (dict(cache_seqlens=3, k=torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 2, 8), rotary_cos=torch.ones(10, 5),
+          rotary_sin=torch.ones(10, 5)), ValueError, "rotary_cos has shape (10, 5)"),
+    (dict(cache_seqlens=3, k=torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 2, 8), rotary_cos=torch.ones(4, 4),
+          rotary_sin=torch.ones(4, 4)), ValueError, "accepted: seqlen_ro >= 5"),
+    (dict(cache_seqlens=3, k=torch.randn(1, 2, 3, 8), v=torch.randn(1, 2, 3, 8)), ValueError, "k has shape (1, 2, 3, 8)"),
+    (dict(cache_seqlens=3, num_splits=1.5), TypeError, "num_splits"),
+    (dict(cache_seqlens=3, window_size=(1.5, 0)), TypeError, "window_size"),
+    (dict(cache_seqlens=3, softmax_scale=float("inf")), ValueError, "softmax_scale"),
+])
+def test_kvcache_errors_name_the_argument(kwargs, error, words):
+    q, k_cache, v_cache = torch.randn(1, 1, 4, 8), torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    with pytest.raises(error) as info:
+        volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+    assert words in str(info.value), str(info.value)
+
+
+def test_kvcache_repeated_batch_idx_with_append_is_refused():
+    q, k_cache, v_cache = torch.randn(2, 1, 2, 8), torch.randn(3, 10, 2, 8), torch.randn(3, 10, 2, 8)
+    with pytest.raises(ValueError, match="cache_batch_idx repeats"):
+        volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8),
+                                            cache_seqlens=1, cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
+
+
+def test_kvcache_has_no_backward_and_says_so(monkeypatch, caplog):
+    from volta_train import interface
+
+    monkeypatch.setattr(interface, "_logged_detach", [])
+    q = torch.randn(1, 1, 2, 8, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="volta_train"):
+        out = volta_train.flash_attn_with_kvcache(q, torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), cache_seqlens=2)
+    assert not out.requires_grad
+    assert any("has no backward" in r.getMessage() for r in caplog.records)
+
+
+def test_kvcache_logs_why_it_runs_on_the_reference(fake_kernel, rng, caplog):
+    q = _randn(1, 1, 2, 16, rng=rng)
+    cache = _randn(1, 8, 2, 16, rng=rng)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4)
+    assert any("with_kvcache: reference backend (flash_attn_with_kvcache: the Volta kernel has no KV-cache"
+               in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# unpad_input / pad_input (flash_attn.bert_padding)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_unpad_pad_round_trip_and_varlen_equals_padded_attention(rng):
+    batch, seqlen, h, d = 4, 12, 2, 16
+    lengths = torch.tensor([12, 1, 7, 0])
+    mask = torch.arange(seqlen).view(1, -1) < lengths.view(-1, 1)
+    x = _randn(batch, seqlen, h, d, rng=rng, requires_grad=True)
+    x_unpad, indices, cu, max_seqlen, used = volta_train.unpad_input(x, mask)
+    assert x_unpad.shape == (int(lengths.sum()), h, d)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 12, 13, 20, 20]
+    assert max_seqlen == 12 and isinstance(max_seqlen, int) and used.tolist() == lengths.tolist()
+    assert indices.dtype == torch.int64
+    back = volta_train.pad_input(x_unpad, indices, batch, seqlen)
+    assert torch.equal(back[mask], x[mask]) and torch.equal(back[~mask], torch.zeros_like(back[~mask]))
+    (grad,) = torch.autograd.grad(back.sum(), x)
+    assert torch.equal(grad, mask[..., None, None].expand_as(x).double())
+    # attention on the packed tokens equals per-row attention on the unpadded prefixes
+    out = volta_train.pad_input(
+        volta_train.flash_attn_varlen_func(x_unpad, x_unpad, x_unpad, cu, cu, max_seqlen, max_seqlen, causal=True),
+        indices, batch, seqlen)
+    for b, n in enumerate(lengths.tolist()):
+        if n:
+            ref, _ = naive_attention(x[b : b + 1, :n], x[b : b + 1, :n], x[b : b + 1, :n], causal=True)
+            assert torch.allclose(out[b, :n], ref[0], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+
+
+def test_unpad_with_unused_mask_and_non_prefix_masks(rng):
+    x = _randn(2, 6, 3, rng=rng)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0]])  # int mask, holes allowed
+    unused = torch.tensor([[0, 0, 0, 0, 0, 1], [0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    x_unpad, indices, cu, max_seqlen, used = volta_train.unpad_input(x, mask, unused)
+    assert indices.tolist() == [1, 2, 4, 5, 6, 7, 8]
+    assert cu.tolist() == [0, 4, 7] and max_seqlen == 4 and used.tolist() == [3, 2]
+    assert torch.equal(x_unpad, x.reshape(12, 3)[indices])
+    with pytest.raises(ValueError, match="overlap"):
+        volta_train.unpad_input(x, mask, mask.bool())
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\)"):
+        volta_train.unpad_input(x, mask[:, :5])
+    with pytest.raises(ValueError, match="0/1"):
+        volta_train.unpad_input(x, mask * 2)
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor"):
+        volta_train.unpad_input(x, mask.tolist())
+
+
+def test_unpad_for_concatenated_sequences(rng):
+    from volta_train.padding import unpad_input_for_concatenated_sequences
+
+    x = _randn(2, 6, 4, rng=rng)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    x_unpad, indices, cu, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert cu.tolist() == [0, 2, 5, 11] and max_seqlen == 6
+    assert torch.equal(x_unpad, x.reshape(12, 4)[indices])
+
+
+def test_index_helpers_errors():
+    with pytest.raises(ValueError, match="indices run from 0 to 7; accepted: 0 to 4"):
+        volta_train.index_first_axis(torch.randn(5, 2), torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="values has 2 rows but indices 3"):
+        volta_train.index_put_first_axis(torch.randn(2, 2), torch.tensor([0, 1, 2]), 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 14's API edge cases
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("b, sq, sk, h, hk", [(0, 5, 5, 2, 2), (2, 0, 5, 2, 2), (2, 5, 5, 0, 0), (2, 5, 0, 2, 2),
+                                             (2, 0, 0, 2, 1)])
+def test_empty_dense_inputs_give_empty_outputs_and_gradients(b, sq, sk, h, hk):
+    q = torch.randn(b, sq, h, 16, requires_grad=True)
+    k = torch.randn(b, sk, hk, 16, requires_grad=True)
+    v = torch.randn(b, sk, hk, 16, requires_grad=True)
+    out, lse, _ = volta_train.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (b, h, sq)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()  # seqlen_k 0: zeros, lse +inf
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.equal(t.grad, torch.zeros_like(t))
+    packed = volta_train.flash_attn_qkvpacked_func(torch.randn(b, sq, 3, h, 16)) if sq == sk and h == hk else None
+    assert packed is None or packed.shape == (b, sq, h, 16)
+
+
+def test_empty_varlen_inputs():
+    q = torch.randn(0, 2, 16, requires_grad=True)
+    cu = torch.zeros(3, dtype=torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, q, q, cu, cu, 0, 0)
+    assert out.shape == (0, 2, 16)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_softmax_scale_is_refused(scale):
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="softmax_scale is .*accepted: None .* or a finite float"):
+        volta_train.flash_attn_func(q, q, q, softmax_scale=scale)
+
+
+def test_softmax_scale_accepts_numpy_and_0d_tensors(rng):
+    q, k, v = _qkv(rng, 1, 6, 6, 2, 2, 8, requires_grad=False)
+    a = volta_train.flash_attn_func(q, k, v, softmax_scale=0.5)
+    assert torch.equal(a, volta_train.flash_attn_func(q, k, v, softmax_scale=np.float32(0.5)))
+    assert torch.equal(a, volta_train.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.5)))
+
+
+@pytest.mark.parametrize("window", [(1.5, 0.7), (2.0, 0), (True, 0), ("1", 0)])
+def test_non_integer_window_is_refused_not_truncated(window):
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(TypeError, match=r"window_size is .*accepted: a pair \(left, right\) of ints"):
+        volta_train.flash_attn_func(q, q, q, window_size=window)
+
+
+def test_integer_like_windows_are_accepted(rng):
+    q, k, v = _qkv(rng, 1, 9, 9, 2, 2, 8, requires_grad=False)
+    a = volta_train.flash_attn_func(q, k, v, window_size=(3, 1))
+    for window in [(np.int64(3), np.int32(1)), (torch.tensor(3), torch.tensor(1)), [3, 1]]:
+        assert torch.equal(a, volta_train.flash_attn_func(q, k, v, window_size=window))
+
+
+@pytest.mark.parametrize("max_seqlen", [5, np.int64(5), np.int32(7), torch.tensor(5), torch.tensor(6, dtype=torch.int32)])
+def test_integer_like_max_seqlen_is_accepted(max_seqlen, rng):
+    q = _randn(8, 2, 16, rng=rng)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, q, q, cu, cu, max_seqlen, max_seqlen, causal=True)
+    ref = volta_train.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (5.0, TypeError, "max_seqlen_q is 5.0 (float); accepted: an int"),
+    (torch.tensor([5]), TypeError, "max_seqlen_q is tensor([5]); accepted: an int"),
+    (torch.tensor(5.0), TypeError, "max_seqlen_q is tensor(5.) (Tensor); accepted: an int"),
+    (True, TypeError, "max_seqlen_q is True"),
+    (4, ValueError, "max_seqlen_q is 4 but the longest sequence in cu_seqlens_q has 5 tokens"),
+])
+def test_bad_max_seqlen_messages(bad, error, words):
+    q = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(error) as info:
+        volta_train.flash_attn_varlen_func(q, q, q, cu, cu, bad, 5)
+    assert words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_non_tensors_get_a_type_error_naming_the_argument(position):
+    args = [torch.randn(1, 4, 2, 16) for _ in range(3)]
+    args[position] = args[position].tolist()
+    name = "qkv"[position]
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor, got list"):
+        volta_train.flash_attn_func(*args)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    packed = [torch.randn(4, 2, 16) for _ in range(3)]
+    packed[position] = packed[position].tolist()
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor, got list"):
+        volta_train.flash_attn_varlen_func(*packed, cu, cu, 4, 4)
+    with pytest.raises(TypeError, match="^cu_seqlens_k must be a torch.Tensor, got list"):
+        volta_train.flash_attn_varlen_func(*[torch.randn(4, 2, 16) for _ in range(3)], cu, [0, 4], 4, 4)
+    with pytest.raises(TypeError, match="^k_cache must be a torch.Tensor"):
+        volta_train.flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), None, torch.randn(1, 4, 2, 16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 14 item 7: fp64 inputs keep an fp64 log-sum-exp
+# ---------------------------------------------------------------------------------------------------------------
+
+def _large_score_inputs(rng, n=48, heads=2, d=64, magnitude=60.0, noise=0.02):
+    """q and k = magnitude * (one shared unit direction) + small noise: every score is ~magnitude^2 (3600) while
+    the scores of a row differ by O(1), so the softmax is far from one-hot and every gradient is meaningful."""
+    u = torch.randn(d, generator=rng, dtype=torch.float64)
+    u = u / u.norm()
+    q = magnitude * u + noise * torch.randn(1, n, heads, d, generator=rng, dtype=torch.float64)
+    k = magnitude * u + noise * torch.randn(1, n, heads, d, generator=rng, dtype=torch.float64)
+    v = torch.randn(1, n, heads, d, generator=rng, dtype=torch.float64)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp64_gradients_at_large_scores_reach_1e6(causal, rng):
+    q, k, v = _large_score_inputs(rng)
+    out, lse, _ = volta_train.flash_attn_func(q, k, v, softmax_scale=1.0, causal=causal, return_attn_probs=True)
+    ref, ref_lse = naive_attention(q, k, v, softmax_scale=1.0, causal=causal)
+    assert lse.dtype == torch.float64
+    assert 3000 < ref_lse.min().item() and ref_lse.max().item() < 4000
+    assert (lse - ref_lse).abs().max().item() < 1e-9  # fp32 could not hold 3600 closer than ~1e-4
+    _check_grads(out, ref, (q, k, v), rng, bound=1e-6)
+
+
+def test_fp32_log_sum_exp_would_fail_the_large_score_bound(rng):
+    """The bound above can fail: the same backward fed an fp32-rounded log-sum-exp misses 1e-6."""
+    from volta_train import _reference
+
+    q, k, v = (t.detach() for t in _large_score_inputs(rng))
+    params = _reference.AttentionParams(softmax_scale=1.0)
+    out, lse = _reference.reference_forward(q, k, v, params)
+    dout = torch.randn(out.shape, generator=rng, dtype=torch.float64)
+    exact = _reference.reference_backward(dout, q, k, v, out, lse, params)
+    rounded = _reference.reference_backward(dout, q, k, v, out, lse.float(), params)
+    assert max(_rel(r, e) for r, e in zip(rounded, exact)) > 1e-6
+
+
+def test_fp64_lse_dtype_in_every_layout(rng):
+    q = _randn(6, 2, 8, rng=rng)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    _, lse, _ = volta_train.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, return_attn_probs=True)
+    assert lse.dtype == torch.float64
+    _, lse, _ = volta_train.flash_attn_func(q[None].float(), q[None].float(), q[None].float(), return_attn_probs=True)
+    assert lse.dtype == torch.float32
+
+
+def test_torch_compile_with_softcap_and_odd_head_dim(rng):
+    q, k, v = _qkv(rng, 1, 17, 17, 2, 2, 37, dtype=torch.float32)
+
+    def f(q, k, v):
+        return volta_train.flash_attn_func(q, k, v, causal=True, softcap=3.0).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    ref_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the kernel path with head_dim padding (run by the lead on an H100 / V100)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _torch_fp16_eager(q, k, v, causal):
+    """PyTorch fp16 attention (fp16 matmuls, fp32 softmax) and its gradients: the error yardstick."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * q.shape[-1] ** -0.5
+    if causal:
+        n_q, n_k = q.shape[1], k.shape[1]
+        i = torch.arange(n_q, device=q.device).view(-1, 1)
+        j = torch.arange(n_k, device=q.device).view(1, -1)
+        s = s.masked_fill(j > i + n_k - n_q, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).half()
+    return q, k, v, torch.einsum("bhij,bjhd->bihd", p, vv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [59, 111, 7, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kernel_pads_odd_head_dims_within_twice_pytorch_fp16_error(head_dim, causal, monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 7:
+        pytest.skip("needs sm_70 or newer")
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")  # raises if the kernel cannot run it
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    shape_q, shape_kv = (2, 333, 8, head_dim), (2, 517, 2, head_dim)
+    q = torch.randn(shape_q, generator=gen, device="cuda").half().requires_grad_()
+    k = torch.randn(shape_kv, generator=gen, device="cuda").half().requires_grad_()
+    v = torch.randn(shape_kv, generator=gen, device="cuda").half().requires_grad_()
+    out = volta_train.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").half()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(q64, k64, v64, causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tq, tk, tv, tout = _torch_fp16_eager(q, k, v, causal)
+    torch_grads = torch.autograd.grad(tout, (tq, tk, tv), dout)
+    err = lambda a, b: (a.double() - b).abs().max().item()
+    assert err(out, ref) <= 2 * err(tout, ref) + 1e-4, (err(out, ref), err(tout, ref))
+    for name, g, t, r in zip("qkv", grads, torch_grads, ref_grads):
+        assert g.shape == r.shape and torch.isfinite(g).all()
+        assert err(g, r) <= 2 * err(t, r) + 1e-4, (name, err(g, r), err(t, r))
+
+
+@pytest.mark.gpu
+def test_gpu_aligned_head_dim_is_not_copied(monkeypatch):
+    """head_dim 64 reaches kernels.forward as the caller's tensors (no padding copy)."""
+    seen = []
+    original = kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda q, *a: seen.append(q.data_ptr()) or original(q, *a))
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    q = torch.randn(1, 64, 4, 64, device="cuda").half()
+    volta_train.flash_attn_func(q, q, q)
+    assert seen == [q.data_ptr()]
+
+
+@pytest.mark.gpu
+def test_gpu_softcap_and_kvcache_run_on_gpu_tensors_via_the_reference():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, generator=gen, device="cuda").half()
+    k_cache = torch.randn(2, 300, 2, 64, generator=gen, device="cuda").half()
+    v_cache = torch.randn(2, 300, 2, 64, generator=gen, device="cuda").half()
+    k_new = torch.randn(2, 1, 2, 64, generator=gen, device="cuda").half()
+    out = volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=200, causal=True,
+                                              softcap=30.0)
+    ref, _ = naive_attention(q, k_cache[:, :201], v_cache[:, :201], causal=True, softcap=30.0)
+    assert torch.equal(k_cache[:, 200], k_new[:, 0])
+    assert _rel(out, ref) < 2e-3
