@@ -28,7 +28,7 @@ from torch import nn
 from ... import interface
 from .base import ATTN_IMPLEMENTATION
 from .families import check_head_dim, is_cross_attention, refuse_softcap, require_family, softcap_supported
-from .masks import Packing, packing_from_starts, starts_from_ids, starts_from_positions
+from .masks import Packing, Windowed, packing_from_starts, starts_from_ids, starts_from_positions
 
 # kwargs of transformers' attention call whose meaning this implementation does not have: silently ignoring any of
 # them would compute something else than the model asks for.
@@ -320,6 +320,21 @@ def _attend(
     return interface.flash_attn_func(q, k, v, **options)
 
 
+def _mask_window(
+    model_type: Any, from_mask: tuple[int, int], from_kwarg: tuple[int, int] | None, causal: bool, seqlen_k: int
+) -> tuple[int, int] | None:
+    """The window the mask function saw (what eager computes), checked against the ``sliding_window`` kwarg."""
+    left, right = from_mask
+    right = 0 if causal else right
+    effective = None if left >= seqlen_k - 1 and right >= (0 if causal else seqlen_k - 1) else (left, right)
+    if from_kwarg is not None and from_kwarg != effective:
+        raise ValueError(
+            f"{model_type}: the mask has a sliding window of window_size={effective} but the attention module passed "
+            f"sliding_window giving {from_kwarg}: volta_train cannot tell which one the model means"
+        )
+    return effective
+
+
 def _check_shapes(model_type: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     head_dim = query.shape[-1]
     if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
@@ -343,7 +358,7 @@ def hf_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | Packing | None,
+    attention_mask: torch.Tensor | Packing | Windowed | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -375,6 +390,9 @@ def hf_attention_forward(
     if softcap is not None:
         options["softcap"] = softcap  # the kernel has no soft-capping: _dispatch runs the reference backend
     window = _window_size(kwargs.get("sliding_window"), causal, key.shape[2])
+    if isinstance(attention_mask, Windowed):
+        window = _mask_window(model_type, attention_mask.window_size, window, causal, key.shape[2])
+        attention_mask = attention_mask.inner
     if window is not None:
         options["window_size"] = window
     cross = is_cross_attention(module) or (not causal and query.shape[2] != key.shape[2])

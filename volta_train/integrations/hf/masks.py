@@ -118,10 +118,28 @@ def _mask_parts(function: Callable, part: Callable | None = None) -> list[tuple[
     raise _unexpressible(function, part)
 
 
-def _packing_of(mask_function: Callable | None) -> torch.Tensor | None:
-    """transformers' packed_sequence_mask inside mask_function, or None; refuses patterns we cannot express."""
+@dataclass(frozen=True)
+class Windowed:
+    """A mask whose mask function carried a sliding window, as flash-attn's ``window_size`` (left, right).
+
+    What eager and sdpa compute is this mask, so the attention function applies the
+    window from here even where a model does not pass its ``sliding_window`` kwarg
+    (Qwen2-MoE), and refuses a kwarg that disagrees with it.
+    """
+
+    inner: torch.Tensor | Packing | None
+    window_size: tuple[int, int]
+
+
+def _pattern_of(mask_function: Callable | None) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+    """(transformers' packed_sequence_mask or None, window_size or None) of mask_function.
+
+    Refuses patterns it cannot express. ``sliding_window_overlay(w)`` (causal: the
+    query and the w - 1 keys before it) is (w - 1, 0); ``sliding_window_bidirectional_overlay(w)``
+    (|q - kv| <= w) is (w, w).
+    """
     if mask_function is None:
-        return None
+        return None, None
     parts = _mask_parts(mask_function)
     kinds = [kind for kind, _ in parts]
     bases = [kind for kind in kinds if kind in ("causal", "bidirectional")]
@@ -129,7 +147,12 @@ def _packing_of(mask_function: Callable | None) -> torch.Tensor | None:
         "remapped" in kinds and "packed" not in kinds
     ):
         raise _unexpressible(mask_function, mask_function)
-    return next((value for kind, value in parts if kind == "packed"), None)
+    packed = next((value for kind, value in parts if kind == "packed"), None)
+    window = next((value for kind, value in parts if kind == "window"), None)
+    if window is None:
+        return packed, None
+    window = int(window)
+    return packed, ((window - 1, 0) if bases[0] == "causal" else (window, window))
 
 
 def _tokens_written(kv_length: int, kv_offset: int, kwargs: dict[str, Any]) -> tuple[int, torch.device | None] | None:
@@ -168,18 +191,32 @@ def padding_mask(
     mask_function: Callable | None = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
-) -> torch.Tensor | Packing | None:
+) -> torch.Tensor | Packing | Windowed | None:
     """transformers mask function: the 2-D [batch, kv_len] bool padding mask, a :class:`Packing`, or None.
 
     Called by ``create_causal_mask`` / ``create_sliding_window_causal_mask`` /
-    ``create_bidirectional_mask``; the attention function receives its result as
-    ``attention_mask``. Causality and the sliding window are not in the mask: the
-    attention function takes them from the module and its ``sliding_window`` kwarg,
-    as transformers' flash_attention_2 does. With a cache that drops old tokens
+    ``create_bidirectional_mask`` / ``create_bidirectional_sliding_window_mask``; the
+    attention function receives its result as ``attention_mask``. Causality is not in
+    the mask (the attention function takes it from the module); a sliding window is
+    carried along as :class:`Windowed`. With a cache that drops old tokens
     (``kv_offset > 0``) the keys are the last ``kv_length`` tokens: the padding mask
     is sliced from the right, like ``flash_attention_mask`` does.
     """
-    packed = _packing_of(mask_function)
+    packed, window = _pattern_of(mask_function)
+    inner = _padding_or_packing(batch_size, kv_length, kv_offset, mask_function, attention_mask, _packed=packed, **kwargs)
+    return inner if window is None else Windowed(inner, window)
+
+
+def _padding_or_packing(
+    batch_size: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | Packing | None:
+    """The padding mask, the Packing of packed rows, or None (see :func:`padding_mask`)."""
+    packed = kwargs.pop("_packed", None)
     if packed is not None:
         if attention_mask is not None:
             raise NotImplementedError(
