@@ -6,6 +6,7 @@ Public API::
     volta_train.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
     volta_train.flash_attn_qkvpacked_func / flash_attn_kvpacked_func
     volta_train.patch(model) / volta_train.unpatch(model)      # HuggingFace transformers models
+    volta_train.install_flash_attn()                            # `import flash_attn` resolves to volta_train
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "patch",
     "unpatch",
+    "install_flash_attn",
     "__version__",
 ]
 
@@ -36,4 +38,8 @@ def __getattr__(name: str):
         from .integrations import hf
 
         return getattr(hf, name)
+    if name == "install_flash_attn":
+        from .flash_attn_compat import install_flash_attn
+
+        return install_flash_attn
     raise AttributeError(f"module 'volta_train' has no attribute {name!r}")
