@@ -683,10 +683,11 @@ def test_mask_functions_it_cannot_express_are_refused():
     # what it does accept: plain, sliding window, packed sequences (found in transformers' closures)
     assert hf.padding_mask(batch_size=1, kv_length=4, mask_function=masking_utils.causal_mask_function) is None
     window = masking_utils.sliding_window_causal_mask_function(2)
-    assert hf.padding_mask(batch_size=1, kv_length=4, mask_function=window) is None
+    windowed = hf.padding_mask(batch_size=1, kv_length=4, mask_function=window)
+    assert windowed.inner is None and windowed.window_size == (1, 0)  # the window travels with the mask
     ids = torch.tensor([[0, 0, 1, 1]])
     packed = masking_utils.and_masks(window, masking_utils.packed_sequence_mask_function(ids))
-    packing = hf.padding_mask(batch_size=1, kv_length=4, mask_function=packed)
+    packing = hf.padding_mask(batch_size=1, kv_length=4, mask_function=packed).inner
     assert packing.cu_seqlens_q.tolist() == [0, 2, 4] and packing.max_seqlen_q == 2
 
 

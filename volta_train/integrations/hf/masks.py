@@ -130,6 +130,11 @@ class Windowed:
     inner: torch.Tensor | Packing | None
     window_size: tuple[int, int]
 
+    def contiguous(self) -> "Windowed":
+        # generate() with a static cache makes the masks it keeps contiguous
+        inner = self.inner.contiguous() if isinstance(self.inner, torch.Tensor) else self.inner
+        return Windowed(inner, self.window_size)
+
 
 def _pattern_of(mask_function: Callable | None) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
     """(transformers' packed_sequence_mask or None, window_size or None) of mask_function.
