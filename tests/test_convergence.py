@@ -155,11 +155,50 @@ def _bert() -> torch.nn.Module:
     return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
 
 
+def _decoder_config(name: str, **settings):
+    import transformers as tf
+
+    return getattr(tf, name)(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ, pad_token_id=PAD,
+        bos_token_id=2, eos_token_id=2, head_dim=HIDDEN // HEADS, **settings,
+    )
+
+
+def _qwen3() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_config(_decoder_config("Qwen3Config"), attn_implementation="sdpa")
+
+
+def _gemma2() -> torch.nn.Module:  # alternating sliding-window / full layers, query_pre_attn_scalar scaling
+    config = _decoder_config(
+        "Gemma2Config", sliding_window=SEQ // 4, attn_logit_softcapping=None, final_logit_softcapping=None,
+        query_pre_attn_scalar=HIDDEN // HEADS,
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _modernbert() -> torch.nn.Module:  # local (bidirectional window) and global layers
+    import transformers as tf
+
+    config = tf.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=SEQ, global_attn_every_n_layers=2,
+        local_attention=SEQ // 4, attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, pad_token_id=PAD,
+        bos_token_id=2, eos_token_id=2, cls_token_id=2, sep_token_id=2,
+    )
+    return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
+
+
 CASES = {
     "gpt2": Case("gpt2", _gpt2, lambda sequences, step: padded_batch(sequences, "right"), {"use_cache": False}),
     # packed: stock sdpa sees the packing only without a cache, so both runs pass use_cache=False
     "llama": Case("llama", _llama, lambda sequences, step: packed_batch(sequences), {"use_cache": False}),
     "bert": Case("bert", _bert, lambda sequences, step: masked_lm_batch(sequences, seed=1000 + step), {}),
+    "qwen3": Case("qwen3", _qwen3, lambda sequences, step: padded_batch(sequences, "left"), {"use_cache": False}),
+    "gemma2": Case("gemma2", _gemma2, lambda sequences, step: packed_batch(sequences), {"use_cache": False}),
+    "modernbert": Case(
+        "modernbert", _modernbert, lambda sequences, step: masked_lm_batch(sequences, seed=2000 + step), {}
+    ),
 }
 
 
@@ -256,8 +295,11 @@ def one_cpu_thread():
     torch.set_num_threads(threads)
 
 
+CPU_CASES = ["gpt2", "llama", "bert"]  # the newer families (qwen3, gemma2, modernbert) run on the GPU only
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", CPU_CASES)
 def test_convergence_cpu_fp32(name):
     case = CASES[name]
     _skip_unless_supported(case)

@@ -30,7 +30,6 @@ from transformers import (  # noqa: E402
     DataCollatorWithFlattening,
     DistilBertConfig,
     ElectraConfig,
-    GemmaConfig,
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
@@ -45,6 +44,11 @@ from transformers import (  # noqa: E402
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
+from volta_train.integrations.hf import attention as hf_attention  # noqa: E402
+from volta_train.integrations.hf import base as hf_base  # noqa: E402
+from volta_train.integrations.hf import masks as hf_masks  # noqa: E402
+from volta_train.integrations.hf.families import GPT2_ENCODER_MASK_FIXED, interface_modules  # noqa: E402
+from volta_train.integrations.hf.patching import _PATCH_ATTR  # noqa: E402
 
 VOCAB, BATCH, SEQ, LAYERS, HEADS, HIDDEN = 97, 3, 9, 2, 4, 32
 LENGTHS = (SEQ, 6, 3)  # tokens per row when padded
@@ -108,11 +112,11 @@ KV_HEADS = {"llama": 2, "mistral": 1, "qwen2": 2}
 
 def supported_here(family: str) -> bool:
     """Whether the installed transformers is recent enough for this family (else patch() refuses it)."""
-    return hf._release(hf._installed_transformers()) >= hf._release(hf.FAMILIES[family].min_transformers)
+    return hf.release(hf_base.installed_transformers()) >= hf.release(hf.FAMILIES[family].min_transformers)
 
 
 def register_or_skip() -> None:
-    if not any(supported_here(family) for family in hf.FAMILIES):
+    if hf.release(hf_base.installed_transformers()) < hf.release(hf.MIN_TRANSFORMERS):
         pytest.skip(f"transformers {transformers.__version__} is older than every supported family needs")
     hf.register()
 
@@ -184,8 +188,9 @@ def run(model, ids, mask, forward=None, **kwargs):
 @contextlib.contextmanager
 def spies():
     """Wrap the public volta_train entry points the integration must call."""
-    with mock.patch.object(volta_train, "flash_attn_func", wraps=volta_train.flash_attn_func) as dense, \
-            mock.patch.object(volta_train, "flash_attn_varlen_func", wraps=volta_train.flash_attn_varlen_func) as varlen:
+    api = volta_train.interface  # what the integration calls (not the package root)
+    with mock.patch.object(api, "flash_attn_func", wraps=api.flash_attn_func) as dense, \
+            mock.patch.object(api, "flash_attn_varlen_func", wraps=api.flash_attn_varlen_func) as varlen:
         yield dense, varlen
 
 
@@ -201,7 +206,7 @@ def shapes(dense, varlen) -> list[tuple[int, int]]:
 
 
 def first_attention(model, family: str):
-    return hf.FAMILIES[family].prepare(model)[0]
+    return interface_modules(model)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,7 +292,7 @@ def test_gpt2_scale_attn_by_inverse_layer_idx():
 @pytest.mark.parametrize("family", ["gpt2", "bert", "roberta", "electra"])
 def test_cross_attention_pads_keys_only(family):
     """Encoder padding must mask keys, never decoder queries (same lengths, so a mix-up would show)."""
-    if family == "gpt2" and hf._release(hf._installed_transformers()) < hf._release(hf.GPT2_ENCODER_MASK_FIXED):
+    if family == "gpt2" and hf.release(hf_base.installed_transformers()) < hf.release(GPT2_ENCODER_MASK_FIXED):
         pytest.skip("this transformers drops GPT-2's encoder_attention_mask (patch refuses, see the next test)")
     decoder = dict(is_decoder=True) if family != "gpt2" else {}
     model = build(family, auto=AutoModelForCausalLM, add_cross_attention=True, **decoder)
@@ -306,7 +311,7 @@ def test_cross_attention_pads_keys_only(family):
 
 def test_gpt2_cross_attention_refused_where_transformers_drops_the_encoder_mask(monkeypatch):
     model = build("gpt2", add_cross_attention=True)
-    monkeypatch.setattr(hf, "_installed_transformers", lambda: "5.8.1")
+    monkeypatch.setattr(hf_base, "installed_transformers", lambda: "5.8.1")
     with pytest.raises(hf.TransformersVersionError, match="encoder_attention_mask.*5.16.0"):
         volta_train.patch(model)
     assert model.config._attn_implementation == "sdpa"
@@ -410,10 +415,10 @@ def test_packed_kwargs_must_come_in_pairs():
     q = torch.randn(1, 2, 6, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seq_lens_q was passed without cu_seq_lens_k"):
-        hf.attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, cu_seq_lens_q=cu)
+        hf.hf_attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, cu_seq_lens_q=cu)
     with pytest.raises(ValueError, match="cu_seqlens_q ends at 5 but there are 6"):
         short = cu - cu.clamp(max=1)  # [0, 1, 5]: one token short
-        hf.attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, cu_seq_lens_q=short, cu_seq_lens_k=cu)
+        hf.hf_attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, cu_seq_lens_q=short, cu_seq_lens_k=cu)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -526,9 +531,9 @@ def test_torch_compile(family):
 def test_patch_is_idempotent():
     model = build("gpt2")
     volta_train.patch(model)
-    record = model.__dict__[hf._PATCH_ATTR]
+    record = model.__dict__[_PATCH_ATTR]
     assert volta_train.patch(model) is model
-    assert model.__dict__[hf._PATCH_ATTR] is record
+    assert model.__dict__[_PATCH_ATTR] is record
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
     volta_train.unpatch(model)
     assert model.config._attn_implementation == "sdpa"  # the original, not volta_train
@@ -553,16 +558,16 @@ def test_unpatch_restores_stock(family, previous):
     assert torch.equal(restored, stock)
 
 
-def test_unsupported_family_raises_listing_supported():
+def test_family_transformers_does_not_declare_flash_capable_is_refused():
     torch.manual_seed(0)
     config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=1, num_heads=HEADS)
     model = T5ForConditionalGeneration._from_config(config, attn_implementation="eager")
     with pytest.raises(hf.UnsupportedModelError) as info:
         volta_train.patch(model)
     message = str(info.value)
-    assert "'t5'" in message and ", ".join(sorted(ALL)) in message
+    assert "'t5'" in message and "does not declare T5ForConditionalGeneration flash-attention capable" in message
     assert model.config._attn_implementation == "eager"  # untouched, no half-patched state
-    assert hf._PATCH_ATTR not in model.__dict__
+    assert _PATCH_ATTR not in model.__dict__
 
 
 def test_gptj_is_refused_with_the_reason():
@@ -577,13 +582,10 @@ def test_gptj_is_refused_with_the_reason():
 def test_load_time_implementation_on_unsupported_family_refuses_to_run():
     register_or_skip()
     torch.manual_seed(0)
-    config = GemmaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=HEADS,
-        num_key_value_heads=2, head_dim=8,
-    )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=hf.ATTN_IMPLEMENTATION)
-    with pytest.raises(hf.UnsupportedModelError, match="'gemma'.*supported model_type values: albert, bert"):
-        model(tokens())
+    config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=1, num_heads=HEADS)
+    model = T5ForConditionalGeneration._from_config(config, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(hf.UnsupportedModelError, match="'t5'.*flash-attention capable"):
+        model(tokens(), decoder_input_ids=tokens())
 
 
 @pytest.mark.parametrize("family", ALL)
@@ -629,14 +631,14 @@ def test_family_on_too_old_transformers_is_refused(family, monkeypatch):
     model = auto.from_config(config_of(family), attn_implementation="eager")  # 4.x has no sdpa for some families
     simulated = supported_here(family)  # recent enough: play an old release (on an old one, this runs for real)
     if simulated:
-        monkeypatch.setattr(hf, "_installed_transformers", lambda: "4.57.6")
-    installed, minimum = hf._installed_transformers(), hf.FAMILIES[family].min_transformers
+        monkeypatch.setattr(hf_base, "installed_transformers", lambda: "4.57.6")
+    installed, minimum = hf_base.installed_transformers(), hf.FAMILIES[family].min_transformers
     with pytest.raises(hf.TransformersVersionError, match=rf"{re.escape(installed)}.*transformers>={re.escape(minimum)}"):
         volta_train.patch(model)
     assert model.config._attn_implementation == "eager"
     if simulated:
         with pytest.raises(hf.TransformersVersionError):  # the load-time route checks too
-            hf.attention_forward(first_attention(model, family), *[torch.randn(1, 1, 2, 8)] * 3, None)
+            hf.hf_attention_forward(first_attention(model, family), *[torch.randn(1, 1, 2, 8)] * 3, None)
 
 
 def test_transformers_without_mask_interface_is_refused(monkeypatch):
@@ -644,7 +646,7 @@ def test_transformers_without_mask_interface_is_refused(monkeypatch):
         monkeypatch.delattr(importlib.import_module("transformers.masking_utils"), "AttentionMaskInterface")
     except (ImportError, AttributeError):
         pass
-    minimum = max((f.min_transformers for f in hf.FAMILIES.values()), key=hf._release)
+    minimum = hf.MIN_TRANSFORMERS
     with pytest.raises(hf.TransformersVersionError, match=rf"AttentionMaskInterface.*4\.53\.0.*>={re.escape(minimum)}"):
         hf.register()
 
@@ -673,7 +675,7 @@ def test_mask_functions_it_cannot_express_are_refused():
     from transformers import masking_utils
 
     chunked = masking_utils.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="chunked_overlay"):
+    with pytest.raises(NotImplementedError, match="chunked attention"):
         hf.padding_mask(batch_size=1, kv_length=4, mask_function=chunked)
     extra = masking_utils.and_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv != 0)
     with pytest.raises(NotImplementedError, match="lambda"):
@@ -681,10 +683,11 @@ def test_mask_functions_it_cannot_express_are_refused():
     # what it does accept: plain, sliding window, packed sequences (found in transformers' closures)
     assert hf.padding_mask(batch_size=1, kv_length=4, mask_function=masking_utils.causal_mask_function) is None
     window = masking_utils.sliding_window_causal_mask_function(2)
-    assert hf.padding_mask(batch_size=1, kv_length=4, mask_function=window) is None
+    windowed = hf.padding_mask(batch_size=1, kv_length=4, mask_function=window)
+    assert windowed.inner is None and windowed.window_size == (1, 0)  # the window travels with the mask
     ids = torch.tensor([[0, 0, 1, 1]])
     packed = masking_utils.and_masks(window, masking_utils.packed_sequence_mask_function(ids))
-    packing = hf.padding_mask(batch_size=1, kv_length=4, mask_function=packed)
+    packing = hf.padding_mask(batch_size=1, kv_length=4, mask_function=packed).inner
     assert packing.cu_seqlens_q.tolist() == [0, 2, 4] and packing.max_seqlen_q == 2
 
 
@@ -692,12 +695,12 @@ def test_packed_mask_is_built_once_per_forward():
     """Without a cache transformers finds the packing; the mask function turns it into cu_seqlens once."""
     model = volta_train.patch(build("gpt2"))
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    with mock.patch.object(hf, "_packing_from_starts", wraps=hf._packing_from_starts) as build_packing:
-        model(tokens(batch=1, seqlen=8), position_ids=position_ids, use_cache=False)
-    assert build_packing.call_count == 1
-    with mock.patch.object(hf, "_packing_from_starts", wraps=hf._packing_from_starts) as build_packing:
-        model(tokens(batch=1, seqlen=8), position_ids=position_ids, use_cache=True)
-    assert build_packing.call_count == 1  # from position_ids in the first layer, remembered for the others
+    original = hf_masks.packing_from_starts
+    for use_cache in (False, True):
+        with mock.patch.object(hf_masks, "packing_from_starts", wraps=original) as in_mask, \
+                mock.patch.object(hf_attention, "packing_from_starts", wraps=original) as in_attn:
+            model(tokens(batch=1, seqlen=8), position_ids=position_ids, use_cache=use_cache)
+        assert in_mask.call_count + in_attn.call_count == 1  # from position_ids in the first layer, remembered for the others
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -731,7 +734,7 @@ def test_gqa_and_cached_queries(causal, window):
     mask = torch.ones(batch, seqlen_k, dtype=torch.bool)
     mask[1, :3] = False  # left padding of row 1
     with spies() as (dense, varlen):
-        out, weights = hf.attention_forward(fake_module(is_causal=causal), q, k, v, mask, scaling=0.3,
+        out, weights = hf.hf_attention_forward(fake_module(is_causal=causal), q, k, v, mask, scaling=0.3,
                                             sliding_window=window)
     assert weights is None
     assert varlen.call_args.args[1].shape[1] == kv_heads  # K/V not repeated
@@ -745,7 +748,7 @@ def test_gqa_and_cached_queries(causal, window):
     visible = mask[:, None, :] & allowed
     torch.testing.assert_close(out.double(), explicit_attention(q, k, v, visible, 0.3), **TOL)
 
-    dense_out, _ = hf.attention_forward(fake_module(is_causal=causal), q, k, v, None, scaling=0.3,
+    dense_out, _ = hf.hf_attention_forward(fake_module(is_causal=causal), q, k, v, None, scaling=0.3,
                                         sliding_window=window)
     torch.testing.assert_close(dense_out.double(), explicit_attention(q, k, v, allowed, 0.3), **TOL)
 
@@ -754,14 +757,14 @@ def test_gqa_and_cached_queries(causal, window):
 def test_unsupported_kwargs_are_refused(name, value):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=name):
-        hf.attention_forward(fake_module(is_causal=True), q, q, q, None, **{name: value})
+        hf.hf_attention_forward(fake_module(is_causal=True), q, q, q, None, **{name: value})
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True])
 def test_bad_sliding_window_is_refused(window):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="sliding_window is"):
-        hf.attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, sliding_window=window)
+        hf.hf_attention_forward(fake_module(is_causal=True), q, q, q, None, scaling=0.5, sliding_window=window)
 
 
 @pytest.mark.parametrize("training, expected", [(True, 0.25), (False, 0.0)])
@@ -770,5 +773,5 @@ def test_dropout_kwarg_is_used_in_training_mode_only(training, expected):
     module = fake_module(is_causal=True)
     module.training = training
     with spies() as (dense, _):
-        hf.attention_forward(module, q, q, q, None, dropout=0.25, scaling=0.5)
+        hf.hf_attention_forward(module, q, q, q, None, dropout=0.25, scaling=0.5)
     assert option(dense.call_args, "dropout_p") == expected

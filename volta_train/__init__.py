@@ -9,6 +9,7 @@ Public API::
     volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, ...)
     volta_train.unpad_input / pad_input / index_first_axis   # flash_attn.bert_padding's helpers
     volta_train.patch(model) / volta_train.unpatch(model)      # HuggingFace transformers models
+    volta_train.install_flash_attn()                            # `import flash_attn` resolves to volta_train
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "index_put_first_axis",
     "patch",
     "unpatch",
+    "install_flash_attn",
     "__version__",
 ]
 
@@ -50,4 +52,8 @@ def __getattr__(name: str):
         from .integrations import hf
 
         return getattr(hf, name)
+    if name == "install_flash_attn":
+        from .flash_attn_compat import install_flash_attn
+
+        return install_flash_attn
     raise AttributeError(f"module 'volta_train' has no attribute {name!r}")

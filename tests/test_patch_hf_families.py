@@ -1,0 +1,388 @@
+"""volta_train.patch on every family of the matrix: tiny random configs built in code, float32, CPU.
+
+Reference: the same model with transformers' own ``attn_implementation="eager"``, in
+float32 (eager attention takes its softmax in float32 whatever the dtype, and in
+float64 its padding mask, the float64 minimum, turns to -inf there: NaN rows), so
+differences are float32 rounding, compared relative to the largest magnitude. Per family: logits and parameter
+gradients with no, right and left padding; decoders also packed sequences
+(DataCollatorWithFlattening, against each sequence run alone) and greedy
+``generate()`` (token-equal). Families are not listed in volta_train: each is
+accepted by the generic check (declared flash-attention capable, attention through
+transformers' attention interface).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, DataCollatorWithFlattening  # noqa: E402
+
+import volta_train  # noqa: E402
+from volta_train.integrations import hf  # noqa: E402
+
+VOCAB, BATCH, SEQ, LAYERS, HEADS, HIDDEN = 97, 3, 9, 2, 4, 32
+HEAD_DIM = HIDDEN // HEADS
+LENGTHS = (SEQ, 6, 3)
+WINDOW = 4  # shorter than SEQ: the window matters
+RTOL = 1e-5  # relative to the largest magnitude of the reference
+
+if hf.release(transformers.__version__) < hf.release(hf.MIN_TRANSFORMERS):
+    pytest.skip(f"transformers {transformers.__version__} is older than {hf.MIN_TRANSFORMERS}", allow_module_level=True)
+
+
+def _decoder(**settings) -> dict:
+    base = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=64, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return {**base, **settings}
+
+
+def _encoder(**settings) -> dict:
+    base = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=0.3,
+    )
+    return {**base, **settings}
+
+
+def _config(name: str, **settings):
+    return getattr(transformers, name)(**settings)
+
+
+# model_type -> (config factory, decoder?). Sliding windows, GQA/MQA, scaling and per-layer patterns vary on purpose.
+FAMILIES: dict[str, tuple[Callable[[], object], bool]] = {
+    "gpt2": (lambda: _config("GPT2Config", vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS,
+                             n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
+                             bos_token_id=1, eos_token_id=1, pad_token_id=0), True),
+    "gpt_neox": (lambda: _config("GPTNeoXConfig", **_decoder(rotary_pct=0.5, attention_dropout=0.0,
+                                                             hidden_dropout=0.0)), True),
+    "llama": (lambda: _config("LlamaConfig", **_decoder(num_key_value_heads=2)), True),
+    "mistral": (lambda: _config("MistralConfig", **_decoder(num_key_value_heads=1, sliding_window=WINDOW)), True),
+    "qwen2": (lambda: _config("Qwen2Config", **_decoder(num_key_value_heads=2, use_sliding_window=True,
+                                                        sliding_window=WINDOW, max_window_layers=1)), True),
+    "phi": (lambda: _config("PhiConfig", **_decoder(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)),
+            True),
+    "qwen3": (lambda: _config("Qwen3Config", **_decoder(num_key_value_heads=2, head_dim=HEAD_DIM)), True),
+    "gemma": (lambda: _config("GemmaConfig", **_decoder(num_key_value_heads=1, head_dim=HEAD_DIM)), True),
+    "gemma2": (lambda: _config("Gemma2Config", **_decoder(
+        num_key_value_heads=2, head_dim=HEAD_DIM, sliding_window=WINDOW, query_pre_attn_scalar=20,
+        attn_logit_softcapping=None, final_logit_softcapping=None, layer_types=["sliding_attention", "full_attention"],
+    )), True),
+    "gemma3_text": (lambda: _config("Gemma3TextConfig", **_decoder(
+        num_key_value_heads=2, head_dim=HEAD_DIM, sliding_window=WINDOW, query_pre_attn_scalar=12,
+        layer_types=["full_attention", "sliding_attention"],
+    )), True),
+    "phi3": (lambda: _config("Phi3Config", **_decoder(num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0)), True),
+    "mixtral": (lambda: _config("MixtralConfig", **_decoder(num_key_value_heads=2, num_local_experts=2,
+                                                            num_experts_per_tok=1, sliding_window=WINDOW)), True),
+    "olmo2": (lambda: _config("Olmo2Config", **_decoder(num_key_value_heads=2)), True),
+    "opt": (lambda: _config("OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=64,
+                            word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0, init_std=0.3,
+                            bos_token_id=1, eos_token_id=1, pad_token_id=0), True),
+    "starcoder2": (lambda: _config("Starcoder2Config", **_decoder(num_key_value_heads=2, sliding_window=WINDOW,
+                                                                  residual_dropout=0.0, embedding_dropout=0.0)), True),
+    "gpt_bigcode": (lambda: _config("GPTBigCodeConfig", vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN,
+                                    n_layer=LAYERS, n_head=HEADS, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attn_pdrop=0.0, initializer_range=0.3, bos_token_id=1, eos_token_id=1,
+                                    pad_token_id=0), True),
+    "qwen2_moe": (lambda: _config("Qwen2MoeConfig", **_decoder(
+        num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=HIDDEN,
+        shared_expert_intermediate_size=HIDDEN, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+    )), True),
+    "qwen3_moe": (lambda: _config("Qwen3MoeConfig", **_decoder(
+        num_key_value_heads=2, head_dim=HEAD_DIM, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=HIDDEN,
+    )), True),
+    "granite": (lambda: _config("GraniteConfig", **_decoder(num_key_value_heads=2, attention_multiplier=0.2)), True),
+    "stablelm": (lambda: _config("StableLmConfig", **_decoder(num_key_value_heads=2, partial_rotary_factor=0.5)),
+                 True),
+    "olmo": (lambda: _config("OlmoConfig", **_decoder(num_key_value_heads=2)), True),
+    "bert": (lambda: _config("BertConfig", **_encoder()), False),
+    "roberta": (lambda: _config("RobertaConfig", **_encoder(pad_token_id=1, max_position_embeddings=72)), False),
+    "xlm-roberta": (lambda: _config("XLMRobertaConfig", **_encoder(pad_token_id=1, max_position_embeddings=72)),
+                    False),
+    "electra": (lambda: _config("ElectraConfig", **_encoder(embedding_size=16)), False),
+    "albert": (lambda: _config("AlbertConfig", **_encoder(embedding_size=16)), False),
+    "distilbert": (lambda: _config("DistilBertConfig", vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                                   hidden_dim=2 * HIDDEN, max_position_embeddings=64, dropout=0.0,
+                                   attention_dropout=0.0, initializer_range=0.3), False),
+    "modernbert": (lambda: _config("ModernBertConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                                   intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                   max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4,
+                                   attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1,
+                                   initializer_range=0.3), False),
+}
+DECODERS = [name for name, (_, decoder) in FAMILIES.items() if decoder]
+ENCODERS = [name for name, (_, decoder) in FAMILIES.items() if not decoder]
+
+
+def build(family: str, seed: int = 0, **overrides):
+    config = FAMILIES[family][0]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    auto = AutoModelForCausalLM if FAMILIES[family][1] else AutoModelForMaskedLM
+    torch.manual_seed(seed)
+    return auto.from_config(config, attn_implementation="eager").eval()
+
+
+def tokens(batch: int = BATCH, seqlen: int = SEQ) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (batch, seqlen), generator=torch.Generator().manual_seed(1))
+
+
+def padding_mask(padding: str) -> torch.Tensor | None:
+    if padding == "none":
+        return None
+    mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for row, length in enumerate(LENGTHS):
+        if padding == "right":
+            mask[row, :length] = 1
+        else:
+            mask[row, SEQ - length:] = 1
+    return mask
+
+
+@contextlib.contextmanager
+def spies():
+    api = volta_train.interface
+    with mock.patch.object(api, "flash_attn_func", wraps=api.flash_attn_func) as dense, \
+            mock.patch.object(api, "flash_attn_varlen_func", wraps=api.flash_attn_varlen_func) as varlen:
+        yield dense, varlen
+
+
+def run(model, ids, mask):
+    """Logits and parameter gradients of a random projection of the logits at the non-padded positions."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask).logits
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    (logits * weights)[keep].sum().backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits.detach()[keep], grads
+
+
+def assert_close(actual, expected, what="", rtol=RTOL):
+    scale = expected.abs().max().clamp_min(1e-6)
+    error = (actual - expected).abs().max()
+    assert error <= rtol * scale, f"{what}: max |difference| {error:.3g} > {rtol:g} x max |expected| {scale:.3g}"
+
+
+def assert_grads_close(grads, expected, rtol=RTOL):
+    """Per tensor, relative to the largest gradient of the model (a key bias's gradient is rounding noise)."""
+    assert grads.keys() == expected.keys()
+    scale = max(g.abs().max() for g in expected.values())
+    for name, reference in expected.items():
+        error = (grads[name] - reference).abs().max()
+        assert error <= rtol * scale, f"gradient of {name}: max |difference| {error:.3g} > {rtol:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_grads_match_eager(family, padding):
+    model = build(family)
+    ids, mask = tokens(), padding_mask(padding)
+    ref_logits, ref_grads = run(model, ids, mask)
+    volta_train.patch(model)
+    with spies() as (dense, varlen):
+        logits, grads = run(model, ids, mask)
+    calls = dense.call_count + varlen.call_count
+    assert calls == model.config.num_hidden_layers, "every attention layer ran through volta_train"
+    assert (varlen.call_count > 0) == (mask is not None)
+    assert_close(logits, ref_logits, "logits")
+    assert_grads_close(grads, ref_grads)
+
+
+PACKED_LENGTHS = (5, 9, 3, 7)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_sequences_match_each_sequence_alone(family, flash_kwargs):
+    """DataCollatorWithFlattening rows (position_ids, or cu_seq_lens kwargs as transformers' flash path passes
+    them): the loss and gradients of each sequence run alone with eager attention."""
+    model = build(family)
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in PACKED_LENGTHS]
+    if family in ("gpt2", "opt", "gpt_bigcode"):  # learned absolute positions: position_ids must restart per sequence
+        pass
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": s} for s in sequences])
+
+    def alone():
+        total = 0.0
+        for sequence in sequences:
+            ids = torch.tensor([sequence])
+            logits = model(ids, use_cache=False).logits[0, :-1]
+            total = total + F.cross_entropy(logits, ids[0, 1:], reduction="sum")
+        return total / sum(n - 1 for n in PACKED_LENGTHS)
+
+    def grads_of(compute):
+        model.zero_grad(set_to_none=True)
+        loss = compute()
+        loss.backward()
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads
+
+    ref_loss, ref_grads = grads_of(alone)
+    volta_train.patch(model)
+    with spies() as (dense, varlen):
+        loss, grads = grads_of(lambda: model(**batch, use_cache=False).loss)
+    assert (dense.call_count, varlen.call_count) == (0, model.config.num_hidden_layers)
+    expected_cu = [0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()]
+    assert all(c.args[3].tolist() == expected_cu for c in varlen.call_args_list)
+    assert_close(loss, ref_loss, "loss")
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_generate_greedy_token_equal(family):
+    model = build(family)
+    ids, mask = tokens(), padding_mask("left")
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+    ref = model.generate(ids, **kwargs)
+    volta_train.patch(model)
+    with spies() as (dense, varlen):
+        out = model.generate(ids, **kwargs)
+    assert dense.call_count + varlen.call_count > 0
+    assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the generic check must honour, or refuse by name
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("mistral", [(WINDOW - 1, 0)] * 2),
+    ("qwen2", [None, (WINDOW - 1, 0)]),  # layer_types: layer 0 full, layer 1 sliding
+    ("gemma2", [(WINDOW - 1, 0), None]),
+    ("gemma3_text", [None, (WINDOW - 1, 0)]),
+    ("modernbert", [None, (WINDOW // 2, WINDOW // 2)]),  # bidirectional local attention of local_attention tokens
+])
+def test_per_layer_sliding_windows(family, expected):
+    model = volta_train.patch(build(family))
+    with spies() as (dense, _):
+        model(tokens())
+    assert [c.kwargs.get("window_size") for c in dense.call_args_list] == expected
+
+
+@pytest.mark.parametrize("family, attribute, expected", [
+    ("gemma2", None, 20**-0.5),  # query_pre_attn_scalar
+    ("granite", None, 0.2),  # attention_multiplier
+    ("opt", None, 1.0),  # OPT scales the queries itself
+])
+def test_scaling_comes_from_the_model(family, attribute, expected):
+    model = volta_train.patch(build(family))
+    with spies() as (dense, _):
+        model(tokens())
+    assert [c.kwargs["softmax_scale"] for c in dense.call_args_list] == pytest.approx([expected] * LAYERS)
+
+
+def test_gqa_and_mqa_keep_their_kv_heads():
+    for family, kv_heads in (("gemma", 1), ("gpt_bigcode", 1), ("qwen3", 2)):
+        model = volta_train.patch(build(family))
+        with spies() as (dense, _):
+            model(tokens())
+        assert [c.args[1].shape[2] for c in dense.call_args_list] == [kv_heads] * LAYERS, family
+
+
+def test_softcap_is_refused_naming_model_type_and_feature():
+    model = build("gemma2", attn_logit_softcapping=50.0)
+    if hf.softcap_supported():
+        pytest.skip("this volta_train has softcap in its API: soft-capped models run (see test below)")
+    with pytest.raises(NotImplementedError, match=r"gemma2: logit soft-capping \(softcap=50"):
+        volta_train.patch(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_softcap_runs_on_the_reference_backend_where_the_api_has_it():
+    if not hf.softcap_supported():
+        pytest.skip("softcap is not in volta_train's attention API yet (api19)")
+    model = build("gemma2", attn_logit_softcapping=5.0)
+    ids, mask = tokens(), padding_mask("left")
+    ref_logits, ref_grads = run(model, ids, mask)
+    volta_train.patch(model)
+    logits, grads = run(model, ids, mask)
+    assert_close(logits, ref_logits, "logits")
+    assert_grads_close(grads, ref_grads)
+
+
+def test_head_dim_outside_the_kernel_range_runs_on_the_reference_backend(caplog):
+    """head_dim 256 (Gemma's): accepted, logged as reference-backend work, equal to eager."""
+    model = build("gemma", head_dim=256)
+    ids, mask = tokens(), padding_mask("right")
+    ref_logits, ref_grads = run(model, ids, mask)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        volta_train.patch(model)
+    assert any("head_dim 256 runs on the reference backend" in r.getMessage() for r in caplog.records)
+    logits, grads = run(model, ids, mask)
+    assert_close(logits, ref_logits, "logits")
+    assert_grads_close(grads, ref_grads)
+
+
+def test_head_dim_volta_train_cannot_run_is_refused():
+    model = build("qwen3", head_dim=20)
+    with pytest.raises(ValueError, match=r"qwen3: head_dim is 20 .*multiple of 8"):
+        volta_train.patch(model)
+
+
+def test_attention_sinks_are_refused_naming_the_model():
+    config = transformers.GptOssConfig(**_decoder(
+        num_key_value_heads=2, head_dim=HEAD_DIM, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    ))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(NotImplementedError, match=r"gpt_oss: attention sinks \(GptOssAttention.sinks"):
+        volta_train.patch(model)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("config_name, model_type, settings", [
+    ("FalconConfig", "falcon", dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=1)),
+    ("GPTNeoConfig", "gpt_neo", dict(hidden_size=HIDDEN, num_heads=HEADS, num_layers=2,
+                                     attention_types=[[["global", "local"], 1]])),
+])
+def test_families_that_bypass_the_interface_are_refused(config_name, model_type, settings):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(getattr(transformers, config_name)(vocab_size=VOCAB, **settings))
+    with pytest.raises(hf.UnsupportedModelError, match=rf"'{model_type}'.*never calls|'{model_type}'.*computes attention"):
+        volta_train.patch(model)
+
+
+def test_model_not_declared_flash_capable_is_refused():
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_head=HEADS, n_layer=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(hf.UnsupportedModelError, match=r"'bloom'.*does not declare BloomForCausalLM flash-attention"):
+        volta_train.patch(model)
+
+
+def test_output_attentions_is_refused_naming_the_feature():
+    model = volta_train.patch(build("qwen3"))
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(tokens(), output_attentions=True)
+
+
+def test_custom_4d_mask_is_refused_naming_model_type():
+    model = volta_train.patch(build("llama"))
+    with pytest.raises(ValueError, match=r"llama: attention_mask is \(3, 1, 9, 9\).*custom 4-D mask"):
+        model(tokens(), attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.float64))
+
+
+def test_model_type_membership_is_generic():
+    for model_type in ("qwen3", "gemma2", "modernbert", "starcoder2", "opt"):
+        assert model_type in hf.FAMILIES
+    for model_type in ("gptj", "falcon", "bloom", "t5", "no_such_model"):
+        assert model_type not in hf.FAMILIES

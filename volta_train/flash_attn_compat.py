@@ -1,0 +1,247 @@
+"""``volta_train.install_flash_attn()``: serve volta_train as the ``flash_attn`` package where flash-attn is absent.
+
+After it, ``import flash_attn``, ``flash_attn.flash_attn_interface`` and
+``flash_attn.bert_padding`` resolve to volta_train's functions, so code written for
+flash-attn 2 runs unchanged, and transformers' ``attn_implementation="flash_attention_2"``
+loads them: transformers asks ``importlib.util.find_spec("flash_attn")`` and the
+``flash-attn`` distribution's version (``importlib.metadata``), so a distribution
+finder on ``sys.meta_path`` answers for it with :data:`FLASH_ATTN_VERSION`. Nothing
+is written to disk. transformers still requires a CUDA device for flash_attention_2.
+
+Where the real flash-attn is installed, it refuses (it would shadow it).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import bert_padding, interface
+
+logger = logging.getLogger("volta_train")
+
+FLASH_ATTN_VERSION = "2.6.3"
+"""The flash-attn release whose API volta_train follows (window_size, alibi_slopes, deterministic, softcap keyword)."""
+
+_MODULES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding")
+_MARK = "__volta_train__"
+
+
+def _normalized(name: str | None) -> str | None:
+    return None if name is None else name.replace("-", "_").replace(".", "_").lower()
+
+
+class _Distribution(importlib.metadata.Distribution):
+    """The metadata transformers reads: Name flash-attn, the version, top-level package flash_attn."""
+
+    _TEXT = {
+        "METADATA": (
+            f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {FLASH_ATTN_VERSION}\n"
+            "Summary: flash-attn's API served by volta_train (volta_train.install_flash_attn)\n"
+        ),
+        "top_level.txt": "flash_attn\n",
+    }
+
+    def read_text(self, filename: str) -> str | None:
+        return self._TEXT.get(filename)
+
+    def locate_file(self, path: Any) -> Any:
+        return path
+
+
+class _Finder:
+    """A meta path entry that finds no modules, only the flash-attn distribution's metadata."""
+
+    def find_spec(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()):
+        name = _normalized(getattr(context, "name", None))
+        if name is None or name == "flash_attn":
+            yield _Distribution()
+
+
+_FINDER = _Finder()
+
+
+# ---- the functions flash-attn has and volta_train's interface does not ------------------------------------
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *args, **kwargs):
+    """qkv [total, 3, heads, head_dim]."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must be [total_tokens, 3, heads, head_dim], got {shape}")
+    return interface.flash_attn_varlen_func(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, *args, **kwargs
+    )
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs):
+    """q [total_q, heads, head_dim], kv [total_k, 2, kv_heads, head_dim]."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"kv must be [total_tokens, 2, kv_heads, head_dim], got {shape}")
+    return interface.flash_attn_varlen_func(
+        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs
+    )
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+    cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+):
+    """Decoding against a contiguous KV cache [batch, cache_len, kv_heads, head_dim], as flash-attn's.
+
+    ``k``/``v`` (new tokens) are written into the cache in place at ``cache_seqlens``;
+    each row then attends to its first ``cache_seqlens + new`` keys (all of them when
+    ``cache_seqlens`` is None). Paged caches (block_table), cache_batch_idx,
+    cache_leftpad and the fused rotary embedding are refused.
+    """
+    for name, value in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if value is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by volta_train; pass None")
+    batch, seqlen_q = q.shape[:2]
+    cache_len = k_cache.shape[1]
+    if cache_seqlens is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=q.device) if k is not None else None
+    else:
+        start = torch.as_tensor(cache_seqlens, device=q.device).to(torch.int32).expand(batch)
+    if k is not None:
+        if v is None:
+            raise ValueError("flash_attn_with_kvcache: k was passed without v; pass both or neither")
+        new = k.shape[1]
+        if int((start + new).max()) > cache_len:
+            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + {new} new tokens exceed the cache ({cache_len})")
+        rows = torch.arange(batch, device=q.device)[:, None]
+        cols = start[:, None].long() + torch.arange(new, device=q.device)[None, :]
+        with torch.no_grad():
+            k_cache[rows, cols] = k.to(k_cache.dtype)
+            v_cache[rows, cols] = v.to(v_cache.dtype)
+        lengths = start + new
+    else:
+        lengths = start if start is not None else torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
+    keep = torch.arange(cache_len, device=q.device)[None, :] < lengths[:, None]
+    k_packed, _, cu_seqlens_k, max_seqlen_k, _ = bert_padding.unpad_input(k_cache, keep)
+    v_packed = bert_padding.index_first_axis(v_cache.reshape(-1, *v_cache.shape[2:]), torch.nonzero(keep.reshape(-1)).reshape(-1))
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    result = interface.flash_attn_varlen_func(
+        q.reshape(-1, *q.shape[2:]), k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+        return_attn_probs=return_softmax_lse, softcap=softcap,
+    )
+    if return_softmax_lse:
+        out, lse, _ = result
+        return out.view(batch, seqlen_q, *out.shape[1:]), lse
+    return result.view(batch, seqlen_q, *result.shape[1:])
+
+
+# ---- install ------------------------------------------------------------------------------------------------
+
+
+def _module(name: str, attributes: dict[str, Any], package: bool = False) -> types.ModuleType:
+    module = types.ModuleType(name, f"flash-attn's {name} served by volta_train (volta_train.install_flash_attn)")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+    if package:
+        module.__path__ = []
+    module.__dict__.update(attributes)
+    setattr(module, _MARK, True)
+    return module
+
+
+def _real_flash_attn() -> str | None:
+    """Where the real flash-attn is installed, or None."""
+    existing = sys.modules.get("flash_attn")
+    if existing is not None:
+        return None if getattr(existing, _MARK, False) else getattr(existing, "__file__", "an imported module")
+    if _FINDER in sys.meta_path:
+        return None
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        return str(spec.origin or spec.submodule_search_locations)
+    try:
+        return f"distribution flash-attn {importlib.metadata.version('flash-attn')}"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _clear_transformers_caches() -> None:
+    """transformers caches its availability probes; they must see the change."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    if utils is None:
+        return
+    for name in ("_package_distribution_mapping", "is_flash_attn_2_available", "is_flash_attn_greater_or_equal",
+                 "is_flash_attn_3_available", "is_flash_attn_4_available"):
+        cache_clear = getattr(getattr(utils, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
+def is_installed() -> bool:
+    """Whether ``flash_attn`` is currently volta_train's."""
+    return getattr(sys.modules.get("flash_attn"), _MARK, False)
+
+
+def install_flash_attn() -> types.ModuleType:
+    """Make ``import flash_attn`` (and its ``flash_attn_interface`` and ``bert_padding``) resolve to volta_train.
+
+    Returns the ``flash_attn`` module. Idempotent. Raises RuntimeError where the real
+    flash-attn is installed: volta_train would shadow it.
+    """
+    if is_installed():
+        return sys.modules["flash_attn"]
+    real = _real_flash_attn()
+    if real is not None:
+        raise RuntimeError(
+            f"flash-attn is installed ({real}): volta_train.install_flash_attn() serves volta_train as flash_attn only "
+            "where flash-attn is absent; pip uninstall flash-attn, or call volta_train.flash_attn_func directly"
+        )
+    functions = {
+        "flash_attn_func": interface.flash_attn_func,
+        "flash_attn_varlen_func": interface.flash_attn_varlen_func,
+        "flash_attn_qkvpacked_func": interface.flash_attn_qkvpacked_func,
+        "flash_attn_kvpacked_func": interface.flash_attn_kvpacked_func,
+        "flash_attn_varlen_qkvpacked_func": flash_attn_varlen_qkvpacked_func,
+        "flash_attn_varlen_kvpacked_func": flash_attn_varlen_kvpacked_func,
+        "flash_attn_with_kvcache": flash_attn_with_kvcache,
+    }
+    padding = _module("flash_attn.bert_padding", {name: getattr(bert_padding, name) for name in bert_padding.__all__})
+    api = _module("flash_attn.flash_attn_interface", dict(functions))
+    package = _module("flash_attn", {**functions, "__version__": FLASH_ATTN_VERSION,
+                                     "flash_attn_interface": api, "bert_padding": padding}, package=True)
+    sys.modules.update({"flash_attn": package, "flash_attn.flash_attn_interface": api, "flash_attn.bert_padding": padding})
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.append(_FINDER)
+    _clear_transformers_caches()
+    logger.info("volta_train.install_flash_attn: flash_attn %s now resolves to volta_train", FLASH_ATTN_VERSION)
+    return package
+
+
+def uninstall_flash_attn() -> None:
+    """Undo :func:`install_flash_attn` (for tests); a no-op where it was not installed."""
+    if not is_installed():
+        return
+    for name in _MODULES:
+        sys.modules.pop(name, None)
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    _clear_transformers_caches()
+    fa_utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    if fa_utils is not None and getattr(fa_utils, "_loaded_implementation", None) == "flash_attention_2":
+        fa_utils._loaded_implementation = None  # transformers would keep calling the functions it loaded
+
+
+__all__ = ["FLASH_ATTN_VERSION", "install_flash_attn", "uninstall_flash_attn", "is_installed"]

@@ -1,0 +1,422 @@
+"""Which HuggingFace models volta_train runs, checked by feature rather than from a list of names.
+
+A model qualifies when transformers declares it flash-attention capable (the
+``_supports_flash_attn`` class attribute of transformers 5; ``_supports_flash_attn_2``
+of older custom code) and its attention modules call transformers' attention
+interface (``ALL_ATTENTION_FUNCTIONS``, picked by ``config._attn_implementation``).
+What volta_train must then honour is checked per attention module
+(:func:`check_model`): head_dim, soft-capping, attention sinks, chunked attention,
+sliding windows. Anything it cannot do is refused naming the model_type and the
+feature.
+
+A family-specific :class:`Family` exists only where a family needs one
+(:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases).
+Families whose modeling code computes attention itself are refused with the reason
+(:data:`REFUSED` names the known ones; any other is found by inspection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import numbers
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from . import base
+from .base import MIN_TRANSFORMERS, TransformersVersionError, UnsupportedModelError, release
+
+logger = logging.getLogger("volta_train")
+
+INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+"""The global a modeling file's attention module reads to pick its implementation (transformers 5)."""
+
+CROSS_ATTENTION_NAMES = ("crossattention", "cross_attention", "cross_attn", "encoder_attn")
+"""Attribute names under which models hold a cross-attention module that does not say so itself (BART's encoder_attn)."""
+
+
+def _no_default_scaling(module: nn.Module) -> float | None:
+    return None
+
+
+def _no_check(model: nn.Module, modules: list[nn.Module]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """How volta_train handles one config.model_type."""
+
+    model_type: str
+    min_transformers: str = MIN_TRANSFORMERS
+    before_min: str = (
+        "volta_train is verified on transformers 5.0 and later only; 4.x builds masks and caches differently "
+        "(cache_position) and is not tested"
+    )
+    check: Callable[[nn.Module, list[nn.Module]], None] = _no_check  # family-specific validation of a model
+    default_scaling: Callable[[nn.Module], float | None] = _no_default_scaling  # when no `scaling` kwarg comes
+
+
+# ---- the one family that needs its own code --------------------------------------------------------------
+
+GPT2_ENCODER_MASK_FIXED = "5.16.0"  # GPT2Model of 5.2.0-5.15.1 sets encoder_attention_mask = None before using it
+
+
+def _gpt2_scaling(module: nn.Module) -> float:
+    # GPT2Attention passes `scaling` from transformers 5.4.0 on; before, only eager applied these two options.
+    scale = module.head_dim**-0.5 if module.scale_attn_weights else 1.0
+    if module.scale_attn_by_inverse_layer_idx:
+        scale /= float(module.layer_idx + 1)
+    return scale
+
+
+def _gpt2_check(model: nn.Module, modules: list[nn.Module]) -> None:
+    installed = base.installed_transformers()
+    if getattr(model.config, "add_cross_attention", False) and release(installed) < release(GPT2_ENCODER_MASK_FIXED):
+        raise TransformersVersionError(
+            f"gpt2 with add_cross_attention=True: transformers {installed} drops encoder_attention_mask before it "
+            f"reaches any attention implementation (fixed in {GPT2_ENCODER_MASK_FIXED}), so encoder padding would be "
+            f"attended to; pip install -U 'transformers>={GPT2_ENCODER_MASK_FIXED}'"
+        )
+
+
+SPECIAL: dict[str, Family] = {
+    "gpt2": Family(
+        "gpt2",
+        min_transformers="5.3.0",
+        before_min=(
+            "older GPT-2 code builds a 4-D encoder mask itself and keeps output_attentions from the attention "
+            "function (5.0-5.2), or passes is_causal=False whenever a mask is given (4.x)"
+        ),
+        check=_gpt2_check,
+        default_scaling=_gpt2_scaling,
+    ),
+}
+"""Families with their own checks or defaults; every other qualifying model_type gets the generic :class:`Family`."""
+
+REFUSED: dict[str, str] = {
+    "gptj": (
+        "GPTJAttention computes attention itself (GPTJAttention._attn, or the GPTJFlashAttention2 class for "
+        "'flash_attention_2') and never calls transformers' attention interface (true of every release from 4.48 "
+        "to 5.23), so no registered implementation can reach it"
+    ),
+}
+"""model_type values volta_train knows it cannot patch, with the reason (shown in the error)."""
+
+
+# ---- inspection -------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def routes_through_interface(cls: type) -> bool:
+    """True when ``cls.forward`` reads transformers' ``ALL_ATTENTION_FUNCTIONS`` (so it calls the registered function)."""
+    forward = vars(cls).get("forward")
+    if forward is None:
+        return False
+    code = getattr(inspect.unwrap(forward), "__code__", None)
+    return code is not None and INTERFACE_NAME in code.co_names
+
+
+def interface_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose class's forward calls the attention interface."""
+    return [module for module in model.modules() if any(routes_through_interface(c) for c in type(module).__mro__)]
+
+
+def declares_flash_attention(cls: type) -> bool:
+    return bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_class(model_type: str) -> type | None:
+    """transformers' base model class for a model_type (its auto mapping), or None when it has none."""
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except ImportError:
+        return None
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    if isinstance(name, (tuple, list)):
+        name = name[0] if name else None
+    if not name:
+        return None
+    try:
+        return getattr(transformers, name)
+    except (AttributeError, ImportError):
+        return None
+
+
+def _routed_classes_of(cls: type) -> list[str]:
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    return [
+        name for name, obj in vars(module or object).items()
+        if isinstance(obj, type) and issubclass(obj, nn.Module) and routes_through_interface(obj)
+    ]
+
+
+def _bypass_reason(model_type: str) -> str:
+    return REFUSED.get(model_type) or (
+        "none of its modules calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS): its modeling code "
+        "computes attention itself, so no registered implementation can reach it"
+    )
+
+
+_VALIDATED_TYPES: set[str] = set()  # model_types patch() validated on a model instance (custom code included)
+
+
+@functools.lru_cache(maxsize=None)
+def why_not(model_type: Any) -> str | None:
+    """None when transformers' model class for ``model_type`` qualifies; otherwise the reason, in words."""
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if not isinstance(model_type, str):
+        return f"model_type {model_type!r} is not a transformers model type"
+    cls = _model_class(model_type)
+    if cls is None:
+        return (
+            "transformers has no model class registered for it (custom code: volta_train.patch(model) inspects the "
+            "model itself)"
+        )
+    if not declares_flash_attention(cls):
+        return f"transformers does not declare {cls.__name__} flash-attention capable (_supports_flash_attn is False)"
+    if not _routed_classes_of(cls):
+        return _bypass_reason(model_type)
+    return None
+
+
+def why_not_model(model: nn.Module, model_type: Any) -> str | None:
+    """None when this model instance qualifies; otherwise the reason."""
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if not declares_flash_attention(type(model)):
+        return (
+            f"transformers does not declare {type(model).__name__} flash-attention capable "
+            "(_supports_flash_attn is False)"
+        )
+    if not interface_modules(model):
+        return _bypass_reason(model_type)
+    return None
+
+
+def family_of(model_type: str) -> Family:
+    return SPECIAL.get(model_type) or Family(model_type)
+
+
+_VERSIONS_OK: set[tuple[str, str]] = set()  # (model_type, transformers version) pairs already checked
+
+
+def check_version(family: Family) -> None:
+    installed = base.installed_transformers()
+    if (family.model_type, installed) in _VERSIONS_OK:
+        return
+    if release(installed) < release(family.min_transformers):
+        raise TransformersVersionError(
+            f"transformers {installed} is installed, but volta_train supports model_type {family.model_type!r} from "
+            f"transformers>={family.min_transformers} ({family.before_min}); "
+            f"pip install -U 'transformers>={family.min_transformers}'"
+        )
+    _VERSIONS_OK.add((family.model_type, installed))
+
+
+def unsupported(model_type: Any, what: str, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{what} has model_type {model_type!r}, which volta_train cannot patch: {reason} (transformers "
+        f"{base.installed_transformers()} installed). volta_train runs models that transformers declares "
+        "flash-attention capable and whose attention goes through its attention interface. Its attention "
+        "implementation was left unchanged."
+    )
+
+
+def require_family(model_type: Any, what: str) -> Family:
+    """The Family of a model_type the attention function is called for, or UnsupportedModelError saying why not."""
+    if model_type not in _VALIDATED_TYPES:
+        reason = why_not(model_type)
+        if reason is not None:
+            raise unsupported(model_type, what, reason)
+    family = family_of(model_type)
+    check_version(family)
+    return family
+
+
+class _Families:
+    """``model_type in FAMILIES`` says whether volta_train runs a model_type; ``FAMILIES[t]`` is its Family.
+
+    Decided by :func:`why_not` (transformers' model class for the type), not from a list.
+    """
+
+    def __contains__(self, model_type: object) -> bool:
+        return model_type in _VALIDATED_TYPES or why_not(model_type) is None
+
+    def __getitem__(self, model_type: str) -> Family:
+        if model_type not in self:
+            raise KeyError(model_type)
+        return family_of(model_type)
+
+    def __iter__(self):
+        """The model_types resolved so far (special families, and those patch() validated): not a whitelist."""
+        return iter(sorted(set(SPECIAL) | _VALIDATED_TYPES))
+
+    def get(self, model_type: str, default: Any = None) -> Any:
+        return self[model_type] if model_type in self else default
+
+
+FAMILIES = _Families()
+
+
+# ---- per-module features --------------------------------------------------------------------------------
+
+
+def softcap_supported() -> bool:
+    """Whether volta_train's attention API takes ``softcap`` (the reference backend computes it).
+
+    TODO(api19): the flash-attn API issue adds ``softcap`` to the reference backend (_reference.AttentionParams)
+    and to flash_attn_func / flash_attn_varlen_func; from then on soft-capped models run (on the reference
+    backend until the kernel has it) instead of being refused.
+    """
+    from ... import _reference
+
+    return "softcap" in {f.name for f in dataclasses.fields(_reference.AttentionParams)}
+
+
+def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
+    """(head_dim, where it came from) of an attention module, or None when it cannot be told before a call."""
+    for attribute in ("head_dim", "head_size", "attention_head_size"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value), f"{type(module).__name__}.{attribute}"
+    config = getattr(module, "config", None)
+    value = getattr(config, "head_dim", None)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value), "config.head_dim"
+    return None
+
+
+def check_head_dim(model_type: Any, head_dim: int, source: str) -> None:
+    """ValueError unless volta_train runs this head_dim at all; the kernel's range is _dispatch's business."""
+    from ... import _validation
+
+    multiple, largest = _validation.HEAD_DIM_MULTIPLE, _validation.MAX_HEAD_DIM
+    if head_dim % multiple != 0 or not 0 < head_dim <= largest:
+        raise ValueError(
+            f"{model_type}: head_dim is {head_dim} ({source}); volta_train accepts a multiple of {multiple} "
+            f"from {multiple} to {largest}"
+        )
+
+
+def kernel_head_dims() -> tuple[int, ...]:
+    from ...kernels.configs import SUPPORTED_HEAD_DIMS
+
+    return tuple(SUPPORTED_HEAD_DIMS)
+
+
+def _softcap_of(module: nn.Module, config: Any) -> float | None:
+    for owner in (module, config):
+        value = getattr(owner, "attn_logit_softcapping", None)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def refuse_softcap(model_type: Any, softcap: float) -> NotImplementedError:
+    return NotImplementedError(
+        f"{model_type}: logit soft-capping (softcap={softcap:g}, config.attn_logit_softcapping) is not in "
+        "volta_train's attention API yet; set config.attn_logit_softcapping=None only if the checkpoint was "
+        "trained without it, or use attn_implementation='eager'"
+    )
+
+
+def _check_sliding_window(model_type: Any, config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(
+            f"{model_type}: config.sliding_window is {window!r}; volta_train accepts None or an int >= 1 "
+            "(the tokens a query sees, itself included)"
+        )
+    return window
+
+
+def _module_window(module: nn.Module, config: Any) -> Any:
+    if "sliding_window" in vars(module):
+        return module.sliding_window
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(index, int) and index < len(layer_types):
+        return getattr(config, "sliding_window", None) if "sliding" in str(layer_types[index]) else None
+    return getattr(config, "sliding_window", None)
+
+
+_CROSS_ATTENTION: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def is_cross_attention(module: nn.Module) -> bool:
+    """Whether the keys of this module come from another sequence (its mask pads keys only, never queries)."""
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        return flag
+    return "CrossAttention" in type(module).__name__ or module in _CROSS_ATTENTION
+
+
+def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Module]:
+    """Validate every attention module of ``model``; returns them. Raises naming model_type and the feature."""
+    modules = interface_modules(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    windows: dict[Any, int] = {}
+    reference_dims: dict[int, str] = {}
+    supported_dims = kernel_head_dims()
+    for module in modules:
+        config = getattr(module, "config", None) or model.config
+        owner = getattr(config, "model_type", None) or model_type
+        kind = type(module).__name__
+        if isinstance(getattr(module, "sinks", None), nn.Parameter):
+            raise NotImplementedError(
+                f"{owner}: attention sinks ({kind}.sinks, passed as s_aux) are not supported by volta_train; "
+                "use attn_implementation='eager'"
+            )
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk is not None:
+            raise NotImplementedError(
+                f"{owner}: chunked attention (config.attention_chunk_size={chunk}) is not supported by volta_train; "
+                "use attn_implementation='sdpa' or 'eager'"
+            )
+        softcap = _softcap_of(module, config)
+        if softcap is not None:
+            if not softcap_supported():
+                raise refuse_softcap(owner, softcap)
+            logger.info(
+                "volta_train.patch: %s softcap=%g runs on the reference backend: the Volta kernel has no soft-capping",
+                owner, softcap,
+            )
+        _check_sliding_window(owner, config)
+        window = _module_window(module, config)
+        if window is not None:
+            windows[window] = windows.get(window, 0) + 1
+        found = head_dim_of(module)
+        if found is not None:
+            check_head_dim(owner, *found)
+            if found[0] not in supported_dims:
+                reference_dims[found[0]] = owner
+        if names.get(id(module), "").rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES:
+            _CROSS_ATTENTION.add(module)
+    family.check(model, modules)
+    for window, layers in windows.items():
+        logger.info(
+            "volta_train.patch: %s sliding_window=%s on %d of %d attention layers -> window_size=(%s, 0) if causal",
+            model_type, window, layers, len(modules), int(window) - 1,
+        )
+    for head_dim, owner in reference_dims.items():
+        logger.info(
+            "volta_train.patch: %s head_dim %d runs on the reference backend: the Volta kernel supports head_dim %s",
+            owner, head_dim, ", ".join(map(str, supported_dims)),
+        )
+    return modules
+
+
+def validated(model_type: Any) -> None:
+    """Remember that patch() validated a model of this type on its instance (so the attention function runs it)."""
+    if isinstance(model_type, str):
+        _VALIDATED_TYPES.add(model_type)
