@@ -531,7 +531,7 @@ def test_unpad_with_unused_mask_and_non_prefix_masks(rng):
 
 
 def test_unpad_for_concatenated_sequences(rng):
-    from volta_train.padding import unpad_input_for_concatenated_sequences
+    from volta_train.bert_padding import unpad_input_for_concatenated_sequences
 
     x = _randn(2, 6, 4, rng=rng)
     lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])

@@ -753,11 +753,21 @@ def test_gqa_and_cached_queries(causal, window):
     torch.testing.assert_close(dense_out.double(), explicit_attention(q, k, v, allowed, 0.3), **TOL)
 
 
-@pytest.mark.parametrize("name, value", [("softcap", 30.0), ("s_aux", torch.zeros(2)), ("head_mask", torch.ones(2))])
+@pytest.mark.parametrize("name, value", [("s_aux", torch.zeros(2)), ("head_mask", torch.ones(2))])
 def test_unsupported_kwargs_are_refused(name, value):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=name):
         hf.hf_attention_forward(fake_module(is_causal=True), q, q, q, None, **{name: value})
+
+
+def test_softcap_kwarg_is_applied():
+    """Gemma-2's logit soft-capping reaches the API (the reference backend runs it until the kernel has it)."""
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    out, _ = hf.hf_attention_forward(fake_module(is_causal=True), q, k, v, None, scaling=0.3, softcap=2.0)
+    s = 2.0 * torch.tanh(torch.einsum("bhid,bhjd->bhij", q, k) * 0.3 / 2.0)
+    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("bhij,bhjd->bihd", s.softmax(-1), v)
+    torch.testing.assert_close(out.double(), want, rtol=1e-7, atol=1e-8)
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True])

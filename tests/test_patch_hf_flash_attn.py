@@ -82,7 +82,7 @@ def test_with_kvcache_matches_full_attention():
     v_cache = torch.zeros_like(k_cache)
     k_cache[:, :6], v_cache[:, :6] = k_all[:, :6], v_all[:, :6]
     q = torch.randn(batch, 1, heads, dim, generator=generator)
-    out = flash_attn_compat.flash_attn_with_kvcache(
+    out = volta_train.flash_attn_with_kvcache(
         q, k_cache, v_cache, k_all[:, 6:], v_all[:, 6:], cache_seqlens=torch.tensor([6, 6], dtype=torch.int32),
         causal=True,
     )
@@ -90,7 +90,7 @@ def test_with_kvcache_matches_full_attention():
     expected = volta_train.flash_attn_func(q, k_all, v_all, causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_compat.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1))
+        volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1))
 
 
 def _allow_flash_attention_2_on_cpu(monkeypatch):

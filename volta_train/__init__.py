@@ -23,7 +23,7 @@ from .interface import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
-from .padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,6 @@ import sys
 import types
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 
 from . import bert_padding, interface
 
@@ -70,83 +68,6 @@ class _Finder:
 
 
 _FINDER = _Finder()
-
-
-# ---- the functions flash-attn has and volta_train's interface does not ------------------------------------
-
-
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *args, **kwargs):
-    """qkv [total, 3, heads, head_dim]."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
-        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise ValueError(f"qkv must be [total_tokens, 3, heads, head_dim], got {shape}")
-    return interface.flash_attn_varlen_func(
-        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, *args, **kwargs
-    )
-
-
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs):
-    """q [total_q, heads, head_dim], kv [total_k, 2, kv_heads, head_dim]."""
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
-        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise ValueError(f"kv must be [total_tokens, 2, kv_heads, head_dim], got {shape}")
-    return interface.flash_attn_varlen_func(
-        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs
-    )
-
-
-def flash_attn_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
-    cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-):
-    """Decoding against a contiguous KV cache [batch, cache_len, kv_heads, head_dim], as flash-attn's.
-
-    ``k``/``v`` (new tokens) are written into the cache in place at ``cache_seqlens``;
-    each row then attends to its first ``cache_seqlens + new`` keys (all of them when
-    ``cache_seqlens`` is None). Paged caches (block_table), cache_batch_idx,
-    cache_leftpad and the fused rotary embedding are refused.
-    """
-    for name, value in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if value is not None:
-            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by volta_train; pass None")
-    batch, seqlen_q = q.shape[:2]
-    cache_len = k_cache.shape[1]
-    if cache_seqlens is None:
-        start = torch.zeros(batch, dtype=torch.int32, device=q.device) if k is not None else None
-    else:
-        start = torch.as_tensor(cache_seqlens, device=q.device).to(torch.int32).expand(batch)
-    if k is not None:
-        if v is None:
-            raise ValueError("flash_attn_with_kvcache: k was passed without v; pass both or neither")
-        new = k.shape[1]
-        if int((start + new).max()) > cache_len:
-            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + {new} new tokens exceed the cache ({cache_len})")
-        rows = torch.arange(batch, device=q.device)[:, None]
-        cols = start[:, None].long() + torch.arange(new, device=q.device)[None, :]
-        with torch.no_grad():
-            k_cache[rows, cols] = k.to(k_cache.dtype)
-            v_cache[rows, cols] = v.to(v_cache.dtype)
-        lengths = start + new
-    else:
-        lengths = start if start is not None else torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
-    keep = torch.arange(cache_len, device=q.device)[None, :] < lengths[:, None]
-    k_packed, _, cu_seqlens_k, max_seqlen_k, _ = bert_padding.unpad_input(k_cache, keep)
-    v_packed = bert_padding.index_first_axis(v_cache.reshape(-1, *v_cache.shape[2:]), torch.nonzero(keep.reshape(-1)).reshape(-1))
-    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    result = interface.flash_attn_varlen_func(
-        q.reshape(-1, *q.shape[2:]), k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
-        return_attn_probs=return_softmax_lse, softcap=softcap,
-    )
-    if return_softmax_lse:
-        out, lse, _ = result
-        return out.view(batch, seqlen_q, *out.shape[1:]), lse
-    return result.view(batch, seqlen_q, *result.shape[1:])
-
-
-# ---- install ------------------------------------------------------------------------------------------------
 
 
 def _module(name: str, attributes: dict[str, Any], package: bool = False) -> types.ModuleType:
@@ -214,9 +135,9 @@ def install_flash_attn() -> types.ModuleType:
         "flash_attn_varlen_func": interface.flash_attn_varlen_func,
         "flash_attn_qkvpacked_func": interface.flash_attn_qkvpacked_func,
         "flash_attn_kvpacked_func": interface.flash_attn_kvpacked_func,
-        "flash_attn_varlen_qkvpacked_func": flash_attn_varlen_qkvpacked_func,
-        "flash_attn_varlen_kvpacked_func": flash_attn_varlen_kvpacked_func,
-        "flash_attn_with_kvcache": flash_attn_with_kvcache,
+        "flash_attn_varlen_qkvpacked_func": interface.flash_attn_varlen_qkvpacked_func,
+        "flash_attn_varlen_kvpacked_func": interface.flash_attn_varlen_kvpacked_func,
+        "flash_attn_with_kvcache": interface.flash_attn_with_kvcache,
     }
     padding = _module("flash_attn.bert_padding", {name: getattr(bert_padding, name) for name in bert_padding.__all__})
     api = _module("flash_attn.flash_attn_interface", dict(functions))

@@ -130,8 +130,23 @@ class Windowed:
     inner: torch.Tensor | Packing | None
     window_size: tuple[int, int]
 
+    # generate() with a static cache keeps the mask it built and hands it back to transformers' mask builder as the
+    # attention_mask of the next step, which reads .ndim / calls .to() / .contiguous() on it as on a 2-D padding mask:
+    # Windowed answers like its padding mask, and padding_mask() unwraps it (the window comes again from the mask
+    # function), so the re-fed mask is the padding mask, as with a plain 2-D tensor.
+    @property
+    def ndim(self) -> int:
+        return self.inner.ndim if isinstance(self.inner, torch.Tensor) else 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.inner.shape) if isinstance(self.inner, torch.Tensor) else ()
+
+    def to(self, *args: Any, **kwargs: Any) -> "Windowed":
+        inner = self.inner.to(*args, **kwargs) if isinstance(self.inner, torch.Tensor) else self.inner
+        return Windowed(inner, self.window_size)
+
     def contiguous(self) -> "Windowed":
-        # generate() with a static cache makes the masks it keeps contiguous
         inner = self.inner.contiguous() if isinstance(self.inner, torch.Tensor) else self.inner
         return Windowed(inner, self.window_size)
 
@@ -207,6 +222,8 @@ def padding_mask(
     (``kv_offset > 0``) the keys are the last ``kv_length`` tokens: the padding mask
     is sliced from the right, like ``flash_attention_mask`` does.
     """
+    if isinstance(attention_mask, Windowed):  # a static cache's kept mask, fed back (see Windowed)
+        attention_mask = attention_mask.inner if isinstance(attention_mask.inner, torch.Tensor) else None
     packed, window = _pattern_of(mask_function)
     inner = _padding_or_packing(batch_size, kv_length, kv_offset, mask_function, attention_mask, _packed=packed, **kwargs)
     return inner if window is None else Windowed(inner, window)
