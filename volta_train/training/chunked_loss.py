@@ -352,21 +352,18 @@ def _head_computes_loss(head: nn.Linear, targets: torch.Tensor, record: dict, **
             with torch.no_grad():
                 chunk = chunk_size(head.weight.shape[0], max(1, targets.numel()), kwargs.get("chunk_tokens"),
                                    kwargs.get("budget_mib", DEFAULT_CHUNK_MIB))
-                return _chunked_forward(hidden, head.weight, head.bias, targets, chunk,
-                                        kwargs.get("ignore_index", IGNORE_INDEX), (False, False, False), "auto",
-                                        record["correct"])[0]
-        return linear_cross_entropy(hidden, head.weight, targets, head.bias, reduction="sum", **kwargs)
-
-    def hook(module, args, output):  # noqa: ARG001 - runs after other forward hooks (e.g. ZeRO-3's)
-        record["output"] = output
+                record["loss"] = _chunked_forward(hidden, head.weight, head.bias, targets, chunk,
+                                                  kwargs.get("ignore_index", IGNORE_INDEX), (False, False, False),
+                                                  "auto", record["correct"])[0]
+                return record["loss"]
+        record["loss"] = linear_cross_entropy(hidden, head.weight, targets, head.bias, reduction="sum", **kwargs)
+        return record["loss"]
 
     previous = head.__dict__.get("forward")
     head.forward = forward
-    handle = head.register_forward_hook(hook)
     try:
         yield
     finally:
-        handle.remove()
         if previous is None:
             del head.forward
         else:
@@ -407,7 +404,11 @@ def causal_lm_loss_sum(model: nn.Module, inputs: dict[str, torch.Tensor], target
                              ignore_index=ignore_index):
         out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    if record.get("calls") != 1 or logits is not record.get("output"):
+    # what the model returns as logits must be the head's loss, unchanged in value (wrappers such as ZeRO-3's
+    # backward hooks may hand on another tensor object of the same value); one comparison of two scalars
+    loss = record.get("loss")
+    if record.get("calls") != 1 or not isinstance(logits, torch.Tensor) or logits.shape != () or \
+            not bool(torch.isclose(logits.detach().to(loss.dtype), loss.detach(), rtol=0.0, atol=0.0, equal_nan=True)):
         raise ChunkedLossError(
             f"chunked loss: {type(unwrap(model)).__name__} called its output head {record.get('calls', 0)} time(s) "
             "and/or changed what it returned; its logits are not one head call on the last hidden states: turn the "
