@@ -132,7 +132,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, low: torch.dty
             torch.mm(a, b, out=out)
         return
     if mode == "out_dtype":
-        a = a.to(low)
+        a = a.to(low)  # a no-op when the caller cast it already
         if accumulate:
             torch.ops.aten.addmm.dtype_out(out, a, b, torch.float32, out=out)
         else:
@@ -214,17 +214,20 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                 correct += ((logits32.argmax(1) == t) & valid).sum()
             if not (need_h or need_w or need_b):
                 continue
-            # d(sum of token losses)/d(logits) = softmax - one-hot, zero for tokens that are no target
+            # d(sum of token losses)/d(logits) = softmax - one-hot, zero for tokens that are no target (their
+            # log-sum-exp taken as +inf: exp gives 0 without another pass over the chunk)
+            lse = torch.where(valid, lse, torch.inf)
             probs = logits32.sub_(lse.unsqueeze(1)).exp_()
             del logits32
             probs.scatter_add_(1, safe, -valid.to(acc_dtype).unsqueeze(1))
-            probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+            if need_b:
+                grad_b += probs.sum(0)
+            if mode == "out_dtype" and (need_h or need_w):
+                probs = probs.to(low)  # one cast for both products; the fp32 chunk is freed here
             if need_h:
                 _mm_into(grad_h[rows], probs, w_low, low, False, w_bound, mode)
             if need_w:
                 _mm_into(grad_w, probs.t(), h, low, True, None, mode)
-            if need_b:
-                grad_b += probs.sum(0)
             del probs
     return loss, grad_h, grad_w, grad_b
 
