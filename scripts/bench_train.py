@@ -218,14 +218,16 @@ def max_seq_len(model_name: str, attention: str, device: torch.device, checkpoin
     good, bad = 0, known_fail
     if known_fit and (bad is None or known_fit < bad) and fits(known_fit):
         good = known_fit
-    if bad is None:
-        n = _round(max(start, 2 * good), granularity)
-        while n <= cap:
-            if fits(n):
-                good, n = n, _round(2 * n, granularity)
-            else:
+    if bad is None and good < cap:  # doubling, the last try at the cap itself
+        n = min(_round(max(start, 2 * good), granularity), cap)
+        while True:
+            if not fits(n):
                 bad = n
                 break
+            good = n
+            if n >= cap:
+                break
+            n = min(_round(2 * n, granularity), cap)
     result = {"model": model_name, "vocab": vocab, "attention": attention, "loss_impl": loss_impl,
               "checkpointing": checkpointing, "probes": probes}
     if bad is None:
