@@ -56,8 +56,10 @@ def _assert_as_close_as_unchunked(chunked, unchunked, reference, factor=2.0, flo
 
 def _reference(fn_args, reduction="mean"):
     hidden, weight, bias, targets = fn_args
-    return _loss_and_grads(lambda h, w, b=None: F.cross_entropy(F.linear(h, w, b).double(), targets, reduction=reduction),
-                           [hidden, weight, bias], torch.float64)[:2]
+    def loss(h, w, b=None):
+        return F.cross_entropy(F.linear(h, w, b).double(), targets, reduction=reduction)
+
+    return _loss_and_grads(loss, [hidden, weight, bias], torch.float64)[:2]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])

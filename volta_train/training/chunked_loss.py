@@ -388,7 +388,8 @@ def resolve(requested: bool, model: nn.Module, chunk_tokens: int | None = None) 
 
 def causal_lm_loss_sum(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor, *,
                        chunk_tokens: int | None = None, budget_mib: float = DEFAULT_CHUNK_MIB,
-                       ignore_index: int = IGNORE_INDEX, _record: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       ignore_index: int = IGNORE_INDEX,
+                       _record: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token losses, number of targets) of a transformers causal LM on ``inputs``, chunked.
 
     ``inputs``: the model's keyword inputs without labels (``input_ids``, ``position_ids``,
