@@ -29,7 +29,9 @@ from accelerate.utils import set_seed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from volta_train.training import attention, checkpoint, config, data, distributed, logs, metrics, optim  # noqa: E402
+from volta_train.training import (  # noqa: E402
+    attention, checkpoint, chunked_loss, config, data, distributed, logs, metrics, optim,
+)
 from volta_train.training import finetune as ft  # noqa: E402
 from volta_train.training.gpt import auto_precision  # noqa: E402
 from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
@@ -44,9 +46,12 @@ def _fail(message: str):
 def parse(argv=None) -> ft.FinetuneConfig:
     cfg = config.parse_config(ft.FinetuneConfig, argv, description=__doc__)
     try:
-        return ft.check(cfg)
+        cfg = ft.check(cfg)
     except config.ConfigError as e:
         _fail(str(e))
+    if cfg.train.loss_chunk_tokens is not None and cfg.train.loss_chunk_tokens <= 0:
+        _fail(f"train.loss_chunk_tokens must be positive (or unset: auto), got {cfg.train.loss_chunk_tokens}")
+    return cfg
 
 
 def main(argv=None) -> dict:
@@ -104,6 +109,10 @@ def main(argv=None) -> dict:
             _fail(f"data.packing: attention {impl!r} does not keep packed examples apart ({why}); set "
                   "data.packing: false, or model.patch: false")
     causal = cfg.task == "causal_lm"
+    chunked = False
+    if causal:
+        chunked, loss_note = chunked_loss.resolve(t.chunked_loss, model, t.loss_chunk_tokens)
+        log.info("%s", loss_note)
     token_types = cfg.task == "classification" and getattr(model.config, "type_vocab_size", 1) > 1
     pad = tokenizer.pad_token_id
     if d.packing:
@@ -178,6 +187,13 @@ def main(argv=None) -> dict:
                 batch = collate([eval_set[i % len(eval_set)] for i in idx])
                 labels = batch.pop("labels").to(accelerator.device)
                 batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                if chunked:  # loss and argmax hits chunk by chunk, no [tokens, vocab] logits
+                    targets = chunked_loss.shift_labels(labels)
+                    targets[weight == 0] = -100
+                    loss_sum, count, correct = chunked_loss.causal_lm_eval_sums(
+                        model, batch, targets, chunk_tokens=t.loss_chunk_tokens)
+                    sums += torch.stack([loss_sum.double(), count.double(), correct.double()])
+                    continue
                 logits = model(**batch).logits.float()
                 if causal:
                     shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
@@ -211,8 +227,10 @@ def main(argv=None) -> dict:
     hf_tokenizer = getattr(tokenizer, "tokenizer", None)
     run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
                 "train": d.train, "max_length": d.max_length}
+    loss_fn = (lambda engine, batch: chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=t.loss_chunk_tokens)) \
+        if chunked else None
     trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=flops, evaluate=evaluate,
-                      run_info=run_info, tokenizer=hf_tokenizer)
+                      run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
     try:
         result = trainer.run()
     except (FileNotFoundError, RuntimeError) as e:

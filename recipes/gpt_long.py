@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from volta_train.integrations import ulysses  # noqa: E402
 from volta_train.training import (  # noqa: E402
-    attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
+    attention, checkpoint, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
 )
 from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
 
@@ -141,6 +141,8 @@ def main(argv=None) -> dict:
     )
     log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
              packing_note)
+    chunked, loss_note = chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)
+    log.info("%s", loss_note)
     eos = tokenizer.eos_token_id
     train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
     val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
@@ -190,9 +192,15 @@ def main(argv=None) -> dict:
     def count(batch: dict) -> tuple[int, float]:
         return shards[0].counts(batch) if layout.enabled else flops(batch)
 
-    def sharded_loss(engine, batch: dict) -> torch.Tensor:
-        ulysses.ensure_installed(impl, uattn)
-        return sequence_parallel.sharded_loss(engine, batch, layout.group, grad_factor)
+    def loss_fn(engine, batch: dict) -> torch.Tensor:
+        """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
+        if layout.enabled:
+            ulysses.ensure_installed(impl, uattn)
+            return sequence_parallel.sharded_loss(engine, batch, layout.group, grad_factor, chunked=chunked,
+                                                  chunk_tokens=cfg.loss_chunk_tokens)
+        if chunked:
+            return chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=cfg.loss_chunk_tokens)
+        return engine(**batch).loss
 
     val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, replicas, replica)
 
@@ -205,7 +213,7 @@ def main(argv=None) -> dict:
             if layout.enabled:
                 batch = sequence_parallel.shard_batch(batch, layout.sp, layout.sp_rank)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            loss = sharded_loss(model, batch) if layout.enabled else model(**batch).loss
+            loss = loss_fn(model, batch)
             losses.append(loss.float())
         model.train()
         return {"loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
@@ -226,11 +234,11 @@ def main(argv=None) -> dict:
     )
     run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
                 "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
-                "sequence_parallel_size": sp}
+                "sequence_parallel_size": sp, "chunked_loss": chunked}
     trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=count,
                       evaluate=evaluate if val_batches else None, run_info=run_info,
                       tokenizer=getattr(tokenizer, "tokenizer", None),
-                      loss_fn=sharded_loss if layout.enabled else None)
+                      loss_fn=loss_fn)
     try:
         result = trainer.run()
     except (FileNotFoundError, RuntimeError) as e:
@@ -250,7 +258,7 @@ def main(argv=None) -> dict:
         **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
         "packing": "documents" if documents else "stream", "precision": setup.precision,
         "zero_stage": setup.zero_stage, "processes": world, "sequence_parallel_size": sp,
-        "data_parallel_size": replicas,
+        "data_parallel_size": replicas, "chunked_loss": chunked,
         "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
     if summary["checkpoint"]:

@@ -1,28 +1,45 @@
-"""End-to-end training-step benchmark: tokens/s and peak memory of GPT-2 small/medium, patched vs eager vs sdpa.
+"""End-to-end training-step benchmark: tokens/s, peak memory and the longest trainable sequence.
 
     python scripts/bench_train.py                                  # GPU: small+medium, 1k-32k, all attentions
     python scripts/bench_train.py --models small --seq-lens 4096,16384 --attention volta_train,sdpa
     python scripts/bench_train.py --memory-gb 32                   # also: longest trainable sequence in 32 GB
-    python scripts/bench_train.py --smoke                          # CPU, tiny model, seconds (the test runs this)
+    python scripts/bench_train.py --smoke                          # CPU, tiny models, seconds (the test runs this)
+    # the loss study (issue 15): chunked vs unchunked loss, real vocabularies, 32 and 16 GiB
+    python scripts/bench_train.py --models medium:50304,llama1b:128256 --attention sdpa --loss unchunked,chunked \
+        --seq-lens 4096 --tokens-per-step 4096 --memory-gb 32,16 --gradient-checkpointing-search
 
 One measurement = a full training step as the recipe runs it: fp16 autocast forward and
 backward with dynamic loss scaling (GradScaler), gradient clipping and an AdamW step, on a
-randomly initialised GPT-2 whose n_positions is the sequence length (fp32 on CPU). Sequences
-per step: ``--tokens-per-step`` / seq_len (at least 1). ``--warmup`` steps, then ``--steps`` timed
-steps; tokens/s = timed tokens / wall time (CUDA synchronised); peak memory =
-``torch.cuda.max_memory_allocated`` over the timed steps (peak RSS on CPU). Out of memory is
-recorded as such, not as an error.
+randomly initialised model (fp32 on CPU): a GPT-2 preset (``small``, ``medium``, ...; n_positions
+= the sequence length) or ``llama1b`` (Llama-3.2-1B's shape: 16 layers, width 2048, 32 heads,
+8 key/value heads, MLP 8192, tied embeddings; ~1.0B parameters at 32k words, 1.24B at 128k).
+``--models name:vocab`` sets the vocabulary per model (default ``--vocab``, 50304). ``--loss``:
+``unchunked`` (transformers' loss: whole fp32 logits) and/or ``chunked``
+(:mod:`volta_train.training.chunked_loss`, what the recipes run by default).
+Sequences per step: ``--tokens-per-step`` / seq_len (at least 1). ``--warmup`` steps, then
+``--steps`` timed steps, each synchronised and timed alone; s/step is their *median*, tokens/s
+follows from it; peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps (peak
+RSS on CPU). Out of memory is recorded as such, not as an error.
 
-``--memory-gb G`` caps this process's CUDA memory at G GiB with
-``torch.cuda.set_per_process_memory_fraction`` (a 32 GB V100 on a larger GPU) for every
-measurement, and searches the longest sequence (batch 1) that trains one full step within the
-cap: doubling from 1024, then bisection to ``--search-granularity`` tokens. ``--gradient-checkpointing``
-applies to everything. Attention implementations: ``volta_train`` (``volta_train.patch``; on a
-V100 the Volta kernel, on sm_80+ the same kernel emulated: check memory there, not speed),
-``sdpa`` (PyTorch; on a V100 its memory-efficient kernel) and ``eager`` (materialised scores).
+``--memory-gb G[,G2...]`` caps this process's CUDA memory at each G GiB in turn with
+``torch.cuda.set_per_process_memory_fraction`` (a 32 or 16 GB V100 on a larger GPU) and searches
+the longest sequence (batch 1) that trains one full step within the cap: doubling from
+``--search-start``, then bisection until the bracket is within ``--search-granularity`` tokens or
+``--search-precision`` of the length. Lengths are multiples of the granularity. Known bounds are
+reused (a smaller cap's longest sequence is below the larger cap's first failure; the chunked
+search starts at the unchunked result, after checking it still fits). ``--gradient-checkpointing``
+applies to everything, ``--gradient-checkpointing-search`` to the searches only.
+``--time-budget-min`` stops starting searches after that many minutes (the rest is recorded as
+skipped), so a GPU session ends on time with its files written. The timed runs happen before
+any cap. Attention implementations: ``volta_train`` (``volta_train.patch``; on a V100 the Volta
+kernel, on sm_80+ the same kernel emulated: check memory there, not speed), ``sdpa`` (PyTorch; on
+a V100 its memory-efficient kernel, on sm_80+ flash: O(n) memory like volta_train, and fast enough
+for 100k-token searches) and ``eager`` (materialised scores). Sequence parallelism (sp=2, two
+GPUs): ``scripts/sp_memory_probe.py --sp 2 --vocab V [--no-chunked-loss]``.
 
-Writes ``<out>/bench_train.json`` (every run), ``bench_train.md`` (tables) and ``bench_train.png``
-(tokens/s and peak memory against sequence length; needs matplotlib).
+Writes ``<out>/bench_train.json`` (every run and search), ``bench_train.md`` (tables) and
+``bench_train.png`` (tokens/s and peak memory against sequence length, and the longest sequences;
+needs matplotlib).
 """
 
 from __future__ import annotations
@@ -32,30 +49,63 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation at the cap
 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from volta_train.training import metrics  # noqa: E402
-from volta_train.training.gpt import PRESETS  # noqa: E402
+from volta_train.training import chunked_loss, metrics  # noqa: E402
+from volta_train.training.gpt import PRESETS, describe  # noqa: E402
 
 ATTENTIONS = ("volta_train", "sdpa", "eager")
+LOSSES = ("unchunked", "chunked")
 VOCAB = 50304  # GPT-2's vocabulary rounded to a multiple of 64: the LM head costs what it does in practice
+# Llama-style shapes: llama1b is Llama-3.2-1B's (tied embeddings); llama-nano is for the CPU smoke run
+LLAMA = {
+    "llama1b": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "intermediate": 8192},
+    "llama-nano": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "intermediate": 128},
+}
+
+
+def parse_model(spec: str, default_vocab: int) -> tuple[str, int]:
+    """``name`` or ``name:vocab`` -> (name, vocab)."""
+    name, _, vocab = spec.partition(":")
+    if name not in PRESETS and name not in LLAMA:
+        raise ValueError(f"--models {spec!r}: unknown model {name!r}; accepted: {', '.join([*PRESETS, *LLAMA])} "
+                         "(optionally :vocab, e.g. llama1b:128256)")
+    try:
+        size = int(vocab) if vocab else default_vocab
+    except ValueError:
+        raise ValueError(f"--models {spec!r}: the vocabulary after ':' must be an integer") from None
+    if size < 2:
+        raise ValueError(f"--models {spec!r}: the vocabulary must be >= 2")
+    return name, size
 
 
 def build(model_name: str, seq_len: int, attention: str, device: torch.device, checkpointing: bool, vocab: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    shape = PRESETS[model_name]
-    config = GPT2Config(vocab_size=vocab, n_positions=seq_len, activation_function="gelu_pytorch_tanh",
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **shape)
-    model = GPT2LMHeadModel(config)
+    if model_name in LLAMA:
+        shape = LLAMA[model_name]
+        config = LlamaConfig(vocab_size=vocab, hidden_size=shape["n_embd"], intermediate_size=shape["intermediate"],
+                             num_hidden_layers=shape["n_layer"], num_attention_heads=shape["n_head"],
+                             num_key_value_heads=shape["n_kv_head"], max_position_embeddings=seq_len,
+                             tie_word_embeddings=True, use_cache=False, bos_token_id=0, eos_token_id=0)
+        cls = LlamaForCausalLM
+    else:
+        config = GPT2Config(vocab_size=vocab, n_positions=seq_len, activation_function="gelu_pytorch_tanh",
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                            eos_token_id=0, **PRESETS[model_name])
+        cls = GPT2LMHeadModel
+    with torch.device(device):  # initialised where it runs (a 1B model takes seconds to initialise on a CPU)
+        model = cls(config)
     model.loss_type = "ForCausalLM"
     if attention == "volta_train":
         import volta_train
@@ -65,7 +115,7 @@ def build(model_name: str, seq_len: int, attention: str, device: torch.device, c
         model.set_attn_implementation(attention)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device)
+    return model
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -79,21 +129,25 @@ def _cleanup(device: torch.device) -> None:
 
 
 def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
-                device: torch.device, checkpointing: bool, vocab: int) -> dict:
-    """Run warmup + timed training steps; a dict with tokens/s, peak memory and status ('ok' or 'oom')."""
+                device: torch.device, checkpointing: bool, vocab: int, loss_impl: str = "chunked") -> dict:
+    """Run warmup + timed training steps; a dict with s/step (median), tokens/s, peak memory, status ('ok'/'oom')."""
     fp16 = device.type == "cuda"
-    result = {"model": model_name, "attention": attention, "seq_len": seq_len, "batch": batch, "status": "ok"}
+    result = {"model": model_name, "vocab": vocab, "attention": attention, "loss_impl": loss_impl, "seq_len": seq_len,
+              "batch": batch, "checkpointing": checkpointing, "status": "ok"}
     model = optimizer = scaler = None
     try:
         torch.manual_seed(0)
         model = build(model_name, seq_len, attention, device, checkpointing, vocab)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fp16)
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-        ids = torch.randint(0, min(vocab, 50257), (batch, seq_len), device=device)
+        ids = torch.randint(0, vocab, (batch, seq_len), device=device)
 
         def step():
             with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
-                loss = model(input_ids=ids, labels=ids).loss
+                if loss_impl == "chunked":
+                    loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+                else:
+                    loss = model(input_ids=ids, labels=ids).loss
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -102,24 +156,31 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
             optimizer.zero_grad(set_to_none=True)
             return loss
 
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
         for _ in range(warmup):
             step()
+        sync()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            start = time.perf_counter()
             loss = step()
+            sync()
+            times.append(time.perf_counter() - start)
         loss = float(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        median = statistics.median(times)
         mem, _ = metrics.peak_memory(device)
         n_params = sum(p.numel() for p in model.parameters())
-        counter = metrics.FlopCounter(metrics.matmul_parameters(model), model.config.n_layer, model.config.n_embd)
-        _, flops = counter({"input_ids": ids[:, :1].expand(batch, seq_len)})
-        result.update(tokens_per_s=batch * seq_len * steps / seconds, step_s=seconds / steps, peak_mem_gib=mem / 2**30,
-                      loss=loss, parameters=n_params, tflops=flops * steps / seconds / 1e12)
+        shape = describe(model)
+        counter = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"],
+                                      shape["n_head"] * shape["head_dim"])
+        _, flops = counter({"input_ids": ids[:, :1].expand(batch, seq_len).cpu()})
+        result.update(tokens_per_s=batch * seq_len / median, step_s=median, step_times=[round(t, 5) for t in times],
+                      peak_mem_gib=mem / 2**30, loss=loss, parameters=n_params, tflops=flops / median / 1e12)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
         if not _is_oom(e):
             raise
@@ -130,68 +191,143 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
     return result
 
 
+def _round(n: int, granularity: int) -> int:
+    return max(granularity, n // granularity * granularity)
+
+
 def max_seq_len(model_name: str, attention: str, device: torch.device, checkpointing: bool, vocab: int,
-                start: int, cap: int, granularity: int, log) -> dict:
-    """Longest sequence (batch 1) that completes one training step within the memory cap."""
+                start: int, cap: int, granularity: int, log, loss_impl: str = "chunked", precision: float = 0.0,
+                known_fit: int = 0, known_fail: int | None = None) -> dict:
+    """Longest sequence (batch 1) that completes one training step within the memory cap.
+
+    ``known_fit``: a length expected to fit (checked first; ignored if it does not); ``known_fail``: a length known
+    not to fit (not tried again). Returns the length, the first failing length found, the probes and their seconds.
+    """
+    probes = []
+
     def fits(n: int) -> bool:
         # one step, no warmup: the first step already holds everything (AdamW allocates its state there)
-        r = train_steps(model_name, n, attention, 1, 1, 0, device, checkpointing, vocab)
-        log(f"  max-len search {model_name}/{attention}: {n:>7} tokens -> {r['status']}"
-            + (f" ({r['peak_mem_gib']:.2f} GiB)" if r["status"] == "ok" else ""))
+        began = time.perf_counter()
+        r = train_steps(model_name, n, attention, 1, 1, 0, device, checkpointing, vocab, loss_impl)
+        probes.append({"seq_len": n, "status": r["status"], "peak_mem_gib": r.get("peak_mem_gib"),
+                       "seconds": round(time.perf_counter() - began, 2)})
+        log(f"  max-len search {model_name}:{vocab}/{attention}/{loss_impl}: {n:>7} tokens -> {r['status']}"
+            + (f" ({r['peak_mem_gib']:.2f} GiB)" if r["status"] == "ok" else "") + f" [{probes[-1]['seconds']} s]")
         return r["status"] == "ok"
 
-    good, bad, n = 0, None, start
-    while n <= cap:
-        if fits(n):
-            good, n = n, n * 2
-        else:
-            bad = n
-            break
+    good, bad = 0, known_fail
+    if known_fit and (bad is None or known_fit < bad) and fits(known_fit):
+        good = known_fit
+    if bad is None and good < cap:  # doubling, the last try at the cap itself
+        n = min(_round(max(start, 2 * good), granularity), cap)
+        while True:
+            if not fits(n):
+                bad = n
+                break
+            good = n
+            if n >= cap:
+                break
+            n = min(_round(2 * n, granularity), cap)
+    result = {"model": model_name, "vocab": vocab, "attention": attention, "loss_impl": loss_impl,
+              "checkpointing": checkpointing, "probes": probes}
     if bad is None:
-        return {"model": model_name, "attention": attention, "max_seq_len": good, "limited_by": "cap"}
-    while bad - good > granularity:
-        mid = (good + bad) // 2 // granularity * granularity
-        if mid <= good:
+        return {**result, "max_seq_len": good, "first_fail": None, "limited_by": "cap"}
+    while bad - good > max(granularity, precision * good):
+        mid = _round((good + bad) // 2, granularity)
+        if mid <= good or mid >= bad:
             break
         if fits(mid):
             good = mid
         else:
             bad = mid
-    return {"model": model_name, "attention": attention, "max_seq_len": good, "limited_by": "memory"}
+    return {**result, "max_seq_len": good, "first_fail": bad, "limited_by": "memory"}
+
+
+def _variant(r: dict, losses: list[str]) -> str:
+    return r["attention"] if len(losses) == 1 else f"{r['attention']} {r['loss_impl']}"
 
 
 def table(runs: list[dict], searches: list[dict], args, device_name: str) -> str:
+    caps = ", ".join(f"{c:g}" for c in args.memory_gb) if args.memory_gb else ""
     lines = [f"# bench_train: {device_name}", "",
              f"{'fp16 autocast + GradScaler' if 'CPU' not in device_name else 'fp32'} + AdamW step, "
-             f"{args.tokens_per_step} tokens per step (batch = tokens / seq_len), {args.steps} timed steps after "
-             f"{args.warmup}; " + (f"memory cap {args.memory_gb:g} GiB" if args.memory_gb else "no memory cap")
-             + ("; gradient checkpointing" if args.gradient_checkpointing else ""), ""]
-    for model in dict.fromkeys(r["model"] for r in runs):
-        lines += [f"## {model}", "", "| seq_len | batch | " + " | ".join(
-            f"{a} tok/s | {a} peak GiB" for a in args.attention) + " |",
-            "| --- | --- | " + " | ".join("--- | ---" for _ in args.attention) + " |"]
-        for n in dict.fromkeys(r["seq_len"] for r in runs if r["model"] == model):
+             f"{args.tokens_per_step} tokens per step (batch = tokens / seq_len), median of {args.steps} timed steps "
+             f"after {args.warmup}; loss {', '.join(args.loss)}; "
+             + (f"searches under memory caps of {caps} GiB" if caps else "no memory cap")
+             + ("; gradient checkpointing" if args.gradient_checkpointing else "")
+             + ("; gradient checkpointing in the searches" if args.gradient_checkpointing_search else ""), ""]
+    variants = [(a, lo) for a in args.attention for lo in args.loss]
+    names = [f"{a} {lo}" if len(args.loss) > 1 else a for a, lo in variants]
+    for model, vocab in dict.fromkeys((r["model"], r["vocab"]) for r in runs):
+        lines += [f"## {model}, {vocab} words", "", "| seq_len | batch | " + " | ".join(
+            f"{n} tok/s | {n} s/step | {n} peak GiB" for n in names) + " |",
+            "| --- | --- | " + " | ".join("--- | --- | ---" for _ in variants) + " |"]
+        mine = [r for r in runs if r["model"] == model and r["vocab"] == vocab]
+        for n in dict.fromkeys(r["seq_len"] for r in mine):
             cells, batch = [], ""
-            for a in args.attention:
-                r = next((r for r in runs if r["model"] == model and r["seq_len"] == n and r["attention"] == a), None)
+            for a, lo in variants:
+                r = next((r for r in mine if r["seq_len"] == n and r["attention"] == a and r["loss_impl"] == lo),
+                         None)
                 if r is None:
-                    cells += ["", ""]
+                    cells += ["", "", ""]
                 elif r["status"] != "ok":
-                    cells += [r["status"], r["status"]]
+                    cells += [r["status"]] * 3
                 else:
                     batch = r["batch"]
-                    cells += [f"{r['tokens_per_s']:,.0f}", f"{r['peak_mem_gib']:.2f}"]
+                    cells += [f"{r['tokens_per_s']:,.0f}", f"{r['step_s']:.4f}", f"{r['peak_mem_gib']:.2f}"]
             lines.append(f"| {n} | {batch} | " + " | ".join(cells) + " |")
         lines.append("")
+    pairs = []
+    for r in runs:
+        if r["loss_impl"] == "chunked" and r["status"] == "ok":
+            u = next((x for x in runs if x["loss_impl"] == "unchunked" and x["status"] == "ok" and all(
+                x[k] == r[k] for k in ("model", "vocab", "attention", "seq_len", "batch"))), None)
+            if u is not None:
+                pairs.append((u, r))
+    if pairs:
+        lines += ["## step time, chunked vs unchunked loss (median s/step)", "",
+                  "| model | vocab | attention | seq_len x batch | unchunked s | chunked s | chunked / unchunked | "
+                  "unchunked peak GiB | chunked peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {u['model']} | {u['vocab']} | {u['attention']} | {u['seq_len']} x {u['batch']} | "
+                  f"{u['step_s']:.4f} | {c['step_s']:.4f} | {c['step_s'] / u['step_s']:.3f} | "
+                  f"{u['peak_mem_gib']:.2f} | {c['peak_mem_gib']:.2f} |" for u, c in pairs]
+        lines.append("")
     if searches:
-        lines += ["## longest trainable sequence (batch 1, one full step)", "", "| model | attention | max seq_len |",
-                  "| --- | --- | --- |"]
-        lines += [f"| {s['model']} | {s['attention']} | {s['max_seq_len']}"
-                  f"{' (search cap)' if s['limited_by'] == 'cap' else ''} |" for s in searches]
+        lines += ["## longest trainable sequence (batch 1, one full step)", "",
+                  "| model | vocab | cap GiB | attention | checkpointing | " + " | ".join(args.loss)
+                  + (" | chunked / unchunked" if set(args.loss) == set(LOSSES) else "") + " |",
+                  "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in args.loss)
+                  + (" | ---" if set(args.loss) == set(LOSSES) else "") + " |"]
+        keys = dict.fromkeys((s["model"], s["vocab"], s["cap_gib"], s["attention"], s["checkpointing"])
+                             for s in searches)
+        for key in keys:
+            cells, found = [], {}
+            for lo in args.loss:
+                s = next((s for s in searches if (s["model"], s["vocab"], s["cap_gib"], s["attention"],
+                                                  s["checkpointing"]) == key and s["loss_impl"] == lo), None)
+                found[lo] = s
+                cells.append(_length_cell(s))
+            if set(args.loss) == set(LOSSES):
+                u, c = found["unchunked"], found["chunked"]
+                ok = u and c and u.get("max_seq_len") and c.get("max_seq_len") is not None
+                cells.append(f"{c['max_seq_len'] / u['max_seq_len']:.2f}x" if ok else "")
+            model, vocab, cap, attention, ckpt = key
+            lines.append(f"| {model} | {vocab} | {cap:g} | {attention} | {'yes' if ckpt else 'no'} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: Path, title: str) -> bool:
+def _length_cell(s: dict | None) -> str:
+    if s is None:
+        return ""
+    if s.get("skipped"):
+        return f"skipped ({s['skipped']})"
+    if s["max_seq_len"] == 0:
+        return f"none (< {s['first_fail']})"
+    return f"{s['max_seq_len']}" + (" (search cap)" if s["limited_by"] == "cap" else "")
+
+
+def plot(runs: list[dict], searches: list[dict], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -199,24 +335,45 @@ def plot(runs: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    models = list(dict.fromkeys(r["model"] for r in runs))
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
-    for col, model in enumerate(models):
-        for attention in dict.fromkeys(r["attention"] for r in runs):
-            ok = [r for r in runs if r["model"] == model and r["attention"] == attention and r["status"] == "ok"]
+    models = list(dict.fromkeys((r["model"], r["vocab"]) for r in runs))
+    done = [s for s in searches if not s.get("skipped")]
+    cols = max(1, len(models)) + (1 if done else 0)
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8), squeeze=False)
+    for col, (model, vocab) in enumerate(models):
+        for variant in dict.fromkeys((r["attention"], r["loss_impl"]) for r in runs):
+            ok = [r for r in runs if (r["model"], r["vocab"]) == (model, vocab)
+                  and (r["attention"], r["loss_impl"]) == variant and r["status"] == "ok"]
             if not ok:
                 continue
             x = [r["seq_len"] for r in ok]
-            axes[0][col].plot(x, [r["tokens_per_s"] for r in ok], marker="o", label=attention)
-            axes[1][col].plot(x, [r["peak_mem_gib"] for r in ok], marker="o", label=attention)
+            axes[0][col].plot(x, [r["tokens_per_s"] for r in ok], marker="o", label=" ".join(variant))
+            axes[1][col].plot(x, [r["peak_mem_gib"] for r in ok], marker="o", label=" ".join(variant))
         for row, ylabel in enumerate(("tokens/s", "peak memory (GiB)")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"GPT-2 {model}")
+            ax.set_title(f"{model}, {vocab} words")
             ax.grid(True, alpha=0.3)
             ax.legend()
+    if done:
+        for row, cap in enumerate(sorted({s["cap_gib"] for s in done}, reverse=True)[:2]):
+            ax = axes[row][cols - 1]
+            mine = [s for s in done if s["cap_gib"] == cap]
+            labels = list(dict.fromkeys(f"{s['model']}\n{s['vocab']}" for s in mine))
+            losses = list(dict.fromkeys(s["loss_impl"] for s in mine))
+            width = 0.8 / max(1, len(losses))
+            for i, lo in enumerate(losses):
+                heights = [next((s["max_seq_len"] for s in mine if f"{s['model']}\n{s['vocab']}" == lab
+                                 and s["loss_impl"] == lo), 0) for lab in labels]
+                ax.bar([j + i * width for j in range(len(labels))], heights, width, label=lo)
+            ax.set_xticks([j + width * (len(losses) - 1) / 2 for j in range(len(labels))], labels, fontsize=8)
+            ax.set_ylabel("longest trainable sequence (tokens)")
+            ax.set_title(f"memory cap {cap:g} GiB")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend()
+        if len({s["cap_gib"] for s in done}) < 2:
+            axes[1][cols - 1].axis("off")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -224,86 +381,143 @@ def plot(runs: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def _set_cap(device: torch.device, gib: float) -> None:
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gib * 2**30 / total) if gib else 1.0
+    _cleanup(device)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    print(f"memory cap: {gib:g} GiB of {total / 2**30:.1f} GiB ({fraction:.3f})", flush=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="small,medium", help="GPT-2 presets (default: small,medium)")
-    parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--models", default="small,medium",
+                        help="GPT-2 presets and/or llama1b, each optionally :vocab (default: small,medium)")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary of a model given without :vocab")
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384,32768",
+                        help="lengths of the timed runs ('none': searches only)")
     parser.add_argument("--attention", default=",".join(ATTENTIONS), help="volta_train,sdpa,eager")
+    parser.add_argument("--loss", default="chunked", help="unchunked and/or chunked (default: chunked, the recipes')")
     parser.add_argument("--tokens-per-step", type=int, default=16384, help="tokens per step (batch = this / seq_len)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (their median is reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--memory-gb", type=float, default=None, help="cap CUDA memory (GiB) and search the longest "
-                                                                       "sequence that trains within it")
+    parser.add_argument("--memory-gb", default=None,
+                        help="memory caps in GiB, comma-separated (e.g. 32,16): search the longest sequence that "
+                             "trains within each")
+    parser.add_argument("--search-start", type=int, default=1024, help="first length the search tries")
     parser.add_argument("--search-cap", type=int, default=131072,
                         help="longest sequence the search tries (each probe is one full training step: the long ones "
                              "take minutes with an O(n^2) attention)")
-    parser.add_argument("--search-granularity", type=int, default=1024)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--search-granularity", type=int, default=1024, help="lengths are multiples of this")
+    parser.add_argument("--search-precision", type=float, default=0.0,
+                        help="stop bisecting when the bracket is within this share of the length (e.g. 0.1)")
+    parser.add_argument("--time-budget-min", type=float, default=0.0,
+                        help="start no search after this many minutes (0: no limit); skipped ones are recorded")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="everywhere")
+    parser.add_argument("--gradient-checkpointing-search", action="store_true", help="in the searches only")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even with a GPU")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run: nano model, 64/128 tokens, 1+1 steps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run: nano GPT-2 and Llama, 64/128 tokens, 1+1 steps, both losses, a search")
     parser.add_argument("--out", default="out/bench_train")
     args = parser.parse_args(argv)
-    vocab = VOCAB
+    default_vocab = args.vocab
     if args.smoke:
-        args.models, args.seq_lens, args.steps, args.warmup, args.tokens_per_step = "nano", "64,128", 1, 1, 256
-        args.cpu, args.search_cap, args.search_granularity, vocab = True, 128, 64, 320
+        args.models, args.seq_lens, args.steps, args.warmup, args.tokens_per_step = \
+            "nano:320,llama-nano:1000", "64,128", 1, 1, 256
+        args.cpu, args.search_cap, args.search_granularity, args.search_start = True, 128, 64, 64
+        args.loss = ",".join(LOSSES)
         if args.memory_gb is None:
-            args.memory_gb = 0.0  # no cap on CPU; the search still runs, up to search_cap
-    args.models = args.models.split(",")
+            args.memory_gb = "0"  # no cap on CPU; the search still runs, up to search_cap
+    try:
+        models = [parse_model(m, default_vocab) for m in args.models.split(",")]
+        caps = [float(c) for c in args.memory_gb.split(",")] if args.memory_gb is not None else []
+    except ValueError as e:
+        parser.error(str(e))
+    if any(c < 0 for c in caps):
+        parser.error(f"--memory-gb {args.memory_gb!r}: caps must be >= 0 GiB (0: no cap)")
+    args.memory_gb = caps
     args.attention = args.attention.split(",")
-    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    args.loss = args.loss.split(",")
+    seq_lens = [] if args.seq_lens in ("", "none") else [int(s) for s in args.seq_lens.split(",")]
     for a in args.attention:
         if a not in ATTENTIONS:
             parser.error(f"--attention {a!r}; accepted: {', '.join(ATTENTIONS)}")
-    for m in args.models:
-        if m not in PRESETS:
-            parser.error(f"--models {m!r}; accepted: {', '.join(PRESETS)}")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
+    for lo in args.loss:
+        if lo not in LOSSES:
+            parser.error(f"--loss {lo!r}; accepted: {', '.join(LOSSES)}")
+    for name in ("search_start", "search_granularity", "tokens_per_step", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu \
+        else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
         device_name = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     else:
         device_name = torch.cuda.get_device_name(device)
-        if args.memory_gb:
-            total = torch.cuda.get_device_properties(device).total_memory
-            fraction = min(1.0, args.memory_gb * 2**30 / total)
-            torch.cuda.set_per_process_memory_fraction(fraction, device)
-            print(f"memory cap: {args.memory_gb:g} GiB of {total / 2**30:.1f} GiB ({fraction:.3f})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"bench_train on {device_name}, torch {torch.__version__}", flush=True)
+    began = time.perf_counter()
 
     runs, searches = [], []
-    for model in args.models:
+    for model, vocab in models:  # timed runs first, without a cap
         for n in seq_lens:
             batch = max(1, args.tokens_per_step // n)
             for attention in args.attention:
-                r = train_steps(model, n, attention, batch, args.steps, args.warmup, device,
-                                args.gradient_checkpointing, vocab)
-                runs.append(r)
-                if r["status"] == "ok":
-                    print(f"{model:>6} {attention:>11} seq {n:>6} x {batch:<3} {r['tokens_per_s']:>10,.0f} tokens/s  "
-                          f"{r['step_s']:.3f} s/step  peak {r['peak_mem_gib']:.2f} GiB  {r['tflops']:.1f} TFLOP/s",
-                          flush=True)
-                else:
-                    print(f"{model:>6} {attention:>11} seq {n:>6} x {batch:<3} {r['status']}", flush=True)
-        if args.memory_gb is not None:
+                for loss_impl in args.loss:
+                    r = train_steps(model, n, attention, batch, args.steps, args.warmup, device,
+                                    args.gradient_checkpointing, vocab, loss_impl)
+                    runs.append(r)
+                    label = f"{model}:{vocab} {attention} {loss_impl}"
+                    if r["status"] == "ok":
+                        print(f"{label:>34} seq {n:>6} x {batch:<3} {r['tokens_per_s']:>10,.0f} tokens/s  "
+                              f"{r['step_s']:.4f} s/step  peak {r['peak_mem_gib']:.2f} GiB  {r['tflops']:.1f} "
+                              "TFLOP/s", flush=True)
+                    else:
+                        print(f"{label:>34} seq {n:>6} x {batch:<3} {r['status']}", flush=True)
+    checkpointing = args.gradient_checkpointing or args.gradient_checkpointing_search
+    found: dict[tuple, dict] = {}
+    for cap in sorted(caps, reverse=True):  # larger caps first: their failures bound the smaller caps' searches
+        _set_cap(device, cap)
+        for model, vocab in models:
             for attention in args.attention:
-                searches.append(max_seq_len(model, attention, device, args.gradient_checkpointing, vocab,
-                                            min(1024, seq_lens[0]), args.search_cap, args.search_granularity,
-                                            lambda s: print(s, flush=True)))
-                print(f"{model:>6} {attention:>11} longest trainable sequence: {searches[-1]['max_seq_len']} "
-                      f"({searches[-1]['limited_by']})", flush=True)
+                for loss_impl in sorted(args.loss, key=LOSSES.index):  # unchunked first: a lower bound for chunked
+                    base = {"model": model, "vocab": vocab, "attention": attention, "loss_impl": loss_impl,
+                            "checkpointing": checkpointing, "cap_gib": cap}
+                    minutes = (time.perf_counter() - began) / 60
+                    if args.time_budget_min and minutes > args.time_budget_min:
+                        searches.append({**base, "skipped": f"time budget {args.time_budget_min:g} min",
+                                         "max_seq_len": None})
+                        print(f"{model}:{vocab} {attention} {loss_impl} cap {cap:g}: skipped (time budget)", flush=True)
+                        continue
+                    larger = [found[k] for k in found if k[:4] == (model, vocab, attention, loss_impl) and k[4] > cap]
+                    fails = [s["first_fail"] for s in larger if s.get("first_fail")]
+                    lower = found.get((model, vocab, attention, "unchunked", cap)) if loss_impl == "chunked" else None
+                    started = time.perf_counter()
+                    s = max_seq_len(model, attention, device, checkpointing, vocab, args.search_start,
+                                    args.search_cap, args.search_granularity, lambda m: print(m, flush=True),
+                                    loss_impl, args.search_precision,
+                                    known_fit=lower["max_seq_len"] if lower else 0,
+                                    known_fail=min(fails) if fails else None)
+                    s.update(cap_gib=cap, seconds=round(time.perf_counter() - started, 1))
+                    found[(model, vocab, attention, loss_impl, cap)] = s
+                    searches.append(s)
+                    print(f"{model}:{vocab} {attention} {loss_impl} cap {cap:g} GiB: longest trainable sequence "
+                          f"{s['max_seq_len']} ({s['limited_by']}; {s['seconds']} s)", flush=True)
 
     results = {"device": device_name, "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()},
-               "runs": runs, "max_seq_len": searches}
+               "seconds": round(time.perf_counter() - began, 1), "runs": runs, "max_seq_len": searches}
     (out / "bench_train.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     md = table(runs, searches, args, device_name)
     (out / "bench_train.md").write_text(md, encoding="utf-8")
     print()
     print(md)
-    if plot(runs, out / "bench_train.png", f"training step, {device_name}"):
+    if plot(runs, searches, out / "bench_train.png", f"training step, {device_name}"):
         print(f"plot: {out / 'bench_train.png'}")
+    print(f"total {results['seconds']} s", flush=True)
     return results
 
 

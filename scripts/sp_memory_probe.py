@@ -88,6 +88,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256, help="keys per query in the search steps")
     p.add_argument("--deepspeed", default="zero3", help="DeepSpeed JSON or shorthand (configs/deepspeed/)")
     p.add_argument("--nccl-timeout", type=int, default=180, help="seconds before a stuck collective fails")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="vocabulary of the model and the random tokens (0: the byte tokenizer's, ~256 words)")
+    p.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_false",
+                   help="the model's own loss (whole [tokens, vocab] logits) instead of the chunked one")
     p.add_argument("--cpu", action="store_true", help="gloo, tiny shapes, no memory figures: a smoke test")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -134,6 +138,12 @@ def main(argv=None) -> dict:
     ), device.type, world)
     gpt.check_sequence_parallel(cfg, world)
     tokenizer = data.ByteTokenizer()
+    if args.vocab:  # a vocabulary of that size (the model's embedding and head; tokens drawn from it)
+        import types
+
+        tokenizer = types.SimpleNamespace(vocab_size=args.vocab, eos_token_id=tokenizer.eos_token_id,
+                                          pad_token_id=getattr(tokenizer, "pad_token_id", None))
+    words = args.vocab or 256
     model = gpt.build_model(cfg, tokenizer)
     register_probe()
     model.set_attn_implementation(PROBE)
@@ -160,14 +170,14 @@ def main(argv=None) -> dict:
     def step(length: int, left: int) -> dict:
         _WINDOW["left"] = left
         gen = torch.Generator().manual_seed(length + 7 * lay.dp_rank)
-        batch = {"input_ids": torch.randint(0, 256, (1, length), generator=gen)}
+        batch = {"input_ids": torch.randint(0, words, (1, length), generator=gen)}
         shard = {k: v.to(device) for k, v in sequence_parallel.shard_batch(batch, lay.sp, lay.sp_rank).items()}
         if cuda:  # cached blocks of earlier, longer steps would otherwise count as this step's reserved memory
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor)
+        loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
         acc.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -195,6 +205,7 @@ def main(argv=None) -> dict:
     result = {"sp": lay.sp, "dp": lay.dp, "processes": world, "arch": args.arch, "model": cfg.model,
               "shape": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd},
               "parameters": n_params, "memory_gb": args.memory_gb, "margin": args.margin, "window": args.window,
+              "vocab": model.config.vocab_size, "chunked_loss": args.chunked_loss,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "steps": []}
     first = args.shard_lengths[0] * lay.sp
     for _ in range(2):

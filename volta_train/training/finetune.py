@@ -103,6 +103,10 @@ class TrainSection:
     cpu: bool = field(False, "train on CPU even if a GPU is present")
     cpu_threads: int | None = field(None, "torch threads on CPU (auto: available cores / local processes)")
     time_limit_min: float = field(0.0, "stop with a checkpoint after this many minutes (0: none)")
+    chunked_loss: bool = field(True, "causal_lm: loss over chunks of tokens, never the whole [tokens, vocab] logits "
+                                     "(volta_train/training/chunked_loss.py); false: the model's own loss")
+    loss_chunk_tokens: int | None = field(None, "causal_lm: tokens per chunk of the chunked loss (auto: 256 MiB of "
+                                                "fp32 logits)")
 
 
 @dataclass

@@ -68,6 +68,9 @@ class GPTTrainConfig:
     dropout: float = field(0.0, "residual and embedding dropout")
     patch: bool = field(True, "run attention through volta_train.patch(model); --no-patch: stock PyTorch SDPA")
     gradient_checkpointing: bool = field(False, "recompute block activations in the backward (long sequences)")
+    chunked_loss: bool = field(True, "loss over chunks of tokens, never the whole [tokens, vocab] logits "
+                                     "(volta_train/training/chunked_loss.py); --no-chunked-loss: the model's own loss")
+    loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 256 MiB of fp32 logits)")
     # data
     data: str = field("synthetic", "'synthetic', or a .txt/.jsonl file or a directory of them")
     synthetic_mb: float | None = field(None, "size of the synthetic corpus in MB (auto: enough for the run)")
@@ -202,6 +205,8 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     check_sequence_parallel(cfg, processes)
+    if cfg.loss_chunk_tokens is not None and cfg.loss_chunk_tokens <= 0:
+        raise ConfigError(f"loss_chunk_tokens must be positive (or unset: auto), got {cfg.loss_chunk_tokens}")
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     if cfg.lr <= 0:

@@ -23,7 +23,9 @@ around it:
   sequence-parallel groups, which gives exactly the single-process gradient for the
   group's micro-batch, averaged over data-parallel groups. (ZeRO-3's default reduce-scatter
   divides by the world size instead; ``grad_factor`` = ``sp`` makes up for it: see
-  :func:`volta_train.integrations.ulysses.gradient_factor`.)
+  :func:`volta_train.integrations.ulysses.gradient_factor`.) The shard's token losses come from
+  :mod:`.chunked_loss` (no ``[shard tokens, vocab]`` logits) unless ``chunked`` is False or the
+  model does not qualify (:func:`.chunked_loss.supported`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import chunked_loss
+from .chunked_loss import shift_labels  # noqa: F401 - part of this module's API (shard_batch uses it)
 
 IGNORE_INDEX = -100
 PAD_TOKEN = 0
@@ -72,13 +77,6 @@ def layout(rank: int, world: int, sp: int) -> Layout:
     return Layout(sp, sp_rank, world // sp, rank // sp, group)
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """``out[:, t] = labels[:, t + 1]``, ``IGNORE_INDEX`` at the end (what transformers' causal-LM loss does)."""
-    out = torch.full_like(labels, IGNORE_INDEX)
-    out[:, :-1] = labels[:, 1:]
-    return out
-
-
 def shard_batch(batch: dict[str, torch.Tensor], sp: int, sp_rank: int) -> dict[str, torch.Tensor]:
     """The ``sp_rank``-th sequence shard of a causal-LM micro-batch (``input_ids``, ``labels``, ``position_ids``).
 
@@ -114,7 +112,8 @@ def shard_batch(batch: dict[str, torch.Tensor], sp: int, sp_rank: int) -> dict[s
 
 
 def sharded_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: Any = None,
-                 grad_factor: float = 1.0) -> torch.Tensor:
+                 grad_factor: float = 1.0, chunked: bool | None = None,
+                 chunk_tokens: int | None = None) -> torch.Tensor:
     """Mean token loss of the group's micro-batch from this process's shard (see the module doc).
 
     ``batch`` is a :func:`shard_batch` result on the model's device. With ``group`` None (one
@@ -122,11 +121,20 @@ def sharded_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: 
     ``grad_factor`` multiplies the gradient only, not the value: it undoes a reduction that divides
     by more than the data-parallel degree
     (:func:`volta_train.integrations.ulysses.gradient_factor`: ``sp`` under ZeRO-3).
+    ``chunked``: the shard's loss through :func:`.chunked_loss.causal_lm_loss_sum` (None: when the
+    model qualifies); ``chunk_tokens``: its chunk size (None: from its memory budget).
     """
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     labels = batch["shift_labels"]
-    local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="sum")
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if chunked is None:
+        chunked = chunked_loss.supported(model)[0]
+    if chunked:
+        local_sum, _ = chunked_loss.causal_lm_loss_sum(model, inputs, labels, chunk_tokens=chunk_tokens)
+        local_sum = local_sum.float()
+    else:
+        logits = model(**inputs).logits
+        local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
     stats = torch.stack([local_sum.detach(), (labels != IGNORE_INDEX).sum().to(local_sum.dtype)])
     if group is not None:
         torch.distributed.all_reduce(stats, group=group)
