@@ -10,12 +10,18 @@ Public API::
 
 from __future__ import annotations
 
-from .interface import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .integrations.hf import patch, unpatch
+    from .interface import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+    )
+
+_INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
 
 __version__ = "0.1.0"
 
@@ -31,7 +37,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # patch/unpatch import transformers, which is slow: load it on first use only.
+    # Loaded on first use: the API imports torch (so `volta-train` and the recipes can set OpenMP's environment
+    # before it loads), patch/unpatch import transformers, which is slow.
+    if name in _INTERFACE:
+        from . import interface
+
+        return getattr(interface, name)
     if name in ("patch", "unpatch"):
         from .integrations import hf
 
