@@ -1,34 +1,31 @@
 #!/usr/bin/env python3
-"""Attention benchmark: the Volta kernel against PyTorch eager attention and every SDPA backend available.
+"""Attention benchmark, with the developer sweeps: the Volta kernel against PyTorch's attention backends.
 
-    python scripts/bench_attention.py                       # forward, head_dim 64/128, seqlen 1k-8k
-    python scripts/bench_attention.py --pass bwd            # backward (needs the backward kernel)
+    python scripts/bench_attention.py                       # = volta-train bench --passes fwd (volta_train/bench.py)
+    python scripts/bench_attention.py --pass bwd            # backward
     python scripts/bench_attention.py --sweep               # forward tile-shape sweep of the Volta kernel
+    python scripts/bench_attention.py --sweep --pass bwd    # backward tile-shape sweep
+    python scripts/bench_attention.py --varlen-max 512 2048 # packed (varlen) against padded, fwd + bwd
 
-FLOPs counted (and written in the table header): forward 4*B*H*Nq*Nk*D, half of it under causal;
-backward 2.5x the forward. Times are medians of --repeats CUDA-event timings after --warmup runs,
-cycling through several input sets so the L2 cache does not hold them. Batch x seqlen is kept at
---tokens (16384) and heads = --hidden / head_dim (2048), as in shared/VOLTA_NOTES.md's baselines.
-Writes a markdown table and a PNG plot to --out.
+The benchmark itself (FLOP count, timing, accuracy, environment, table/JSON/PNG) is volta_train/bench.py, what
+`volta-train bench` runs; this script adds the tile sweeps and the varlen comparison. Writes to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import volta_train  # noqa: E402
+from volta_train import bench  # noqa: E402
 from volta_train._reference import AttentionParams  # noqa: E402
+from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward  # noqa: E402
 from volta_train.kernels import configs, launch  # noqa: E402
 
 try:
@@ -37,131 +34,14 @@ except ImportError:  # pragma: no cover
     tqdm = lambda x, **_: x  # noqa: E731
 
 
-def flops(pass_name: str, batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
-    forward = 4.0 * batch * heads * sq * sk * d * (0.5 if causal else 1.0)
-    return {"fwd": forward, "bwd": 2.5 * forward, "fwdbwd": 3.5 * forward}[pass_name]
-
-
-def time_ms(fn, input_sets, warmup: int, repeats: int) -> float:
-    for i in range(warmup):
-        fn(*input_sets[i % len(input_sets)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = input_sets[i % len(input_sets)]
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def make_inputs(batch, seqlen, heads, d, sets, requires_grad):
-    out = []
-    for _ in range(sets):
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        out.append(tuple(t.requires_grad_(requires_grad) for t in (q, k, v)))
-    return out
-
-
 def volta_fn(pass_name, causal, accum, tile=None):
-    """Forward: accum is the forward accumulation; backward passes: the backward's (bwd_accum)."""
+    """The Volta forward with a given tile shape (a sweep candidate), else volta_train's API (bench.volta_fn)."""
     if pass_name == "fwd" and tile is not None:
         def run(q, k, v):
             params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
             return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, tile=tile)
         return run
-
-    def run(q, k, v):
-        if pass_name == "fwd":
-            return volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
-        return volta_train.flash_attn_func(q, k, v, causal=causal, bwd_accum=accum)
-    return run
-
-
-def backward_only(forward):
-    """Times only the backward: the forward runs once per input set, its graph is kept and differentiated."""
-    graphs = {}
-
-    def run(q, k, v):
-        if id(q) not in graphs:
-            out = forward(q, k, v)
-            graphs[id(q)] = (out, torch.randn_like(out))
-        out, grad = graphs[id(q)]
-        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-    return run
-
-
-def with_backward(forward):
-    def run(q, k, v):
-        out = forward(q, k, v)
-        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    return run
-
-
-def sdpa_fn(pass_name, causal, backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    chosen = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "sdpa-math": SDPBackend.MATH, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-
-    def run(q, k, v):
-        with sdpa_kernel([chosen]):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=causal)
-    return run
-
-
-def eager_fn(pass_name, causal):
-    def run(q, k, v):
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        s = qt @ kt.transpose(-1, -2) * qt.shape[-1] ** -0.5
-        if causal:
-            n = s.shape[-1]
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        return torch.softmax(s.float(), dim=-1).half() @ vt
-    return run
-
-
-def measure(fn, batch, seqlen, heads, d, pass_name, args):
-    torch.cuda.empty_cache()
-    inputs = make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd")
-    if pass_name == "bwd":  # build each input set's graph before the memory baseline
-        for q, k, v in inputs:
-            fn(q, k, v)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        ms = time_ms(fn, inputs, args.warmup, args.repeats)
-    except (RuntimeError, NotImplementedError) as error:  # unsupported backend / out of memory
-        return None, None, str(error).splitlines()[0][:80]
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return ms, peak, ""
-
-
-def run_benchmark(args) -> list[dict]:
-    rows = []
-    cases = [(d, n, c) for d in args.head_dims for n in args.seqlens for c in args.causal]
-    for d, n, causal in tqdm(cases, desc="benchmark"):
-        heads = args.hidden // d
-        batch = max(1, args.tokens // n)
-        fl = flops(args.pass_name, batch, heads, n, n, d, causal)
-        backends = []
-        for accum in args.accum:
-            backends.append((f"volta-{accum}acc", volta_fn(args.pass_name, causal, accum)))
-        for b in args.baselines:
-            backends.append((b, eager_fn(args.pass_name, causal) if b == "eager" else sdpa_fn(args.pass_name, causal, b)))
-        wrap = {"fwd": lambda f: f, "bwd": backward_only, "fwdbwd": with_backward}[args.pass_name]
-        backends = [(name, wrap(fn)) for name, fn in backends]
-        for name, fn in backends:
-            if name == "eager" and batch * heads * n * n * 6 > args.eager_limit_gb * 2**30:
-                continue
-            ms, peak, note = measure(fn, batch, n, heads, d, args.pass_name, args)
-            rows.append(dict(backend=name, head_dim=d, seqlen=n, causal=causal, batch=batch, heads=heads,
-                             ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note))
-    return rows
+    return bench.volta_fn(pass_name, causal, accum)
 
 
 def run_bwd_sweep(args) -> list[dict]:
@@ -312,19 +192,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pass", dest="pass_name", choices=["fwd", "bwd", "fwdbwd"], default="fwd")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False, True])
-    parser.add_argument("--accum", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
-    parser.add_argument("--baselines", nargs="*", default=["sdpa-flash", "sdpa-efficient", "eager"])
-    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
-    parser.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--input-sets", type=int, default=3)
-    parser.add_argument("--eager-limit-gb", type=float, default=24.0)
+    parser = bench.build_parser()
+    parser.description = __doc__
+    parser.add_argument("--pass", dest="pass_name", choices=["fwd", "bwd", "fwdbwd"], default=None,
+                        help="one pass (sweeps: fwd or bwd; default fwd)")
     parser.add_argument("--sweep", action="store_true", help="sweep the Volta tile shapes (--pass fwd or bwd)")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                         help="sweep candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
@@ -332,12 +203,18 @@ def main() -> None:
                              "[,min_blocks_emulated[,lean]]]]")
     parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
                         help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    parser.set_defaults(seqlens=[1024, 2048, 4096, 8192])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
     args.out.mkdir(parents=True, exist_ok=True)
+    if not args.sweep and not args.varlen_max:
+        args.passes = [args.pass_name] if args.pass_name else ["fwd"]
+        stem = f"bench_{'_'.join(args.passes)}"
+        print(bench.write_results(bench.run_benchmark(args), args, stem))
+        return
+    args.pass_name = args.pass_name or "fwd"
     if args.varlen_max:
         rows = run_varlen(args)
         stem = "bench_varlen"
@@ -354,11 +231,8 @@ def main() -> None:
              f"varlen speedup over padded on {torch.cuda.get_device_name()}")
         print("\n".join(lines))
         return
-    if args.sweep:
-        rows = run_bwd_sweep(args) if args.pass_name == "bwd" else run_sweep(args)
-    else:
-        rows = run_benchmark(args)
-    stem = f"{'sweep' if args.sweep else 'bench'}_{args.pass_name}"
+    rows = run_bwd_sweep(args) if args.pass_name == "bwd" else run_sweep(args)
+    stem = f"sweep_{args.pass_name}"
     table = markdown(rows, args)
     (args.out / f"{stem}.md").write_text(table + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +61,167 @@ def test_report_shows_cache_entries_and_mode(monkeypatch, tmp_path):
 def test_forced_kernel_backend_is_reported_not_raised(monkeypatch):
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
     assert "error: VOLTA_TRAIN_BACKEND=kernel, but the Volta kernel cannot run this call" in env.report()
+
+
+# --- kernel sources, verdict and exit status (`volta-train env`) -------------------------------------------------
+
+
+def test_report_names_the_kernel_sources_transformers_and_families():
+    import transformers
+
+    from volta_train import _resources
+    from volta_train.integrations import hf
+
+    text = env.report()
+    directory = _resources.csrc_dir()
+    assert f"kernel sources: {directory} (" in text and any(directory.glob("*.cuh"))
+    assert f"transformers {transformers.__version__}; volta_train.patch supports: " in text
+    assert ", ".join(hf.supported_model_types()) in text
+    assert len(hf.supported_model_types()) >= 11
+
+
+def test_missing_sources_exit_1_saying_why(monkeypatch, tmp_path, capsys):
+    from volta_train import _resources
+
+    monkeypatch.setenv(_resources.CSRC_ENV, str(tmp_path / "empty"))
+    assert env.main([]) == 1
+    out = capsys.readouterr().out
+    assert f"kernel sources: MISSING: no CUDA source directory: looked for *.cuh in {tmp_path / 'empty'}" in out
+    assert out.strip().splitlines()[-1].startswith("NOT READY: the CUDA sources are missing")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_cpu_with_sources_exits_0_naming_the_reference_backend(capsys):
+    assert env.main([]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("ready: no GPU -> reference backend")
+
+
+def test_gpu_without_an_nvrtc_for_it_is_not_ready(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(env, "target_arch", lambda: 70)
+    monkeypatch.setattr(env, "nvrtc_problem", lambda arch: f"no NVRTC supports sm_{arch}\nmore")
+    found = env.problems()
+    assert found == ["no NVRTC targets the GPU present (sm_70): no NVRTC supports sm_70"]
+    assert env.verdict_line(found).startswith("NOT READY: no NVRTC targets the GPU present")
+
+
+def test_sources_are_found_in_a_checkout_and_in_an_installed_layout(monkeypatch, tmp_path):
+    from volta_train import _resources
+
+    assert _resources.csrc_dir() == _resources.CHECKOUT_ROOT / "csrc"  # this checkout
+    site = tmp_path / "site-packages"  # an installed wheel: no pyproject.toml beside the package
+    (site / "volta_train" / "_csrc").mkdir(parents=True)
+    (site / "volta_train" / "_csrc" / "a.cuh").write_text("// x\n")
+    (site / "csrc").mkdir()  # some other distribution's top-level csrc/ is never taken
+    (site / "csrc" / "b.cuh").write_text("// y\n")
+    monkeypatch.setattr(_resources, "PACKAGE_DIR", site / "volta_train")
+    monkeypatch.setattr(_resources, "CHECKOUT_ROOT", site)
+    assert _resources.csrc_dir() == site / "volta_train" / "_csrc"
+    (site / "volta_train" / "_csrc" / "a.cuh").unlink()
+    with pytest.raises(FileNotFoundError, match="no CUDA source directory.*reinstall volta_train"):
+        _resources.csrc_dir()
+
+
+def test_deepspeed_shorthand_and_unknown_names(tmp_path):
+    from volta_train import _resources
+    from volta_train.training import config, distributed
+
+    assert distributed.resolve_deepspeed_spec("zero2") == _resources.configs_dir() / "deepspeed" / "zero2.json"
+    with pytest.raises(config.ConfigError, match=r"'zero9' is neither a file nor one of zero1, zero2, zero3, "
+                                                 r"zero3_offload \("):
+        distributed.resolve_deepspeed_spec("zero9")
+
+
+def test_config_names_resolve_to_shipped_files_and_unknown_names_list_them(tmp_path):
+    from volta_train import _resources
+
+    argv = _resources.resolve_config_option(["--config", "cpu_tiny", "--steps", "2"], "gpt_long")
+    assert argv == ["--config", str(_resources.configs_dir() / "gpt_long" / "cpu_tiny.yaml"), "--steps", "2"]
+    mine = tmp_path / "cpu_tiny"  # an existing file wins over the shipped name
+    mine.write_text("steps: 1\n")
+    assert _resources.resolve_config_option([f"--config={mine}"], "gpt_long") == [f"--config={mine}"]
+    with pytest.raises(FileNotFoundError, match="shipped finetune config; shipped: bert_sentiment, gpt2_instruct"):
+        _resources.resolve_config_option(["--config", "nope"], "finetune")
+    assert _resources.shipped_path("data/samples/stories.jsonl").is_file()
+    assert _resources.shipped_path("data/missing.jsonl") is None and _resources.shipped_path("/etc/passwd") is None
+
+
+# --- the console script's other commands on CPU -----------------------------------------------------------------
+
+
+def test_cli_lists_commands_and_rejects_unknown_ones(capsys):
+    from volta_train import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("env", "train", "finetune", "bench", "precompile", "plot", "configs"):
+        assert command in out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["trian"])
+    assert info.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_bench_on_cpu_stops_clearly(capsys, tmp_path):
+    from volta_train import cli
+
+    assert cli.main(["bench", "--out", str(tmp_path)]) == 2
+    assert "volta-train bench: error: needs a CUDA GPU, and torch sees none" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_bench_accuracy_catches_a_wrong_backend_and_writes_table_json_png(tmp_path):
+    from volta_train import bench
+
+    for pass_name in ("fwd", "bwd"):
+        good = bench.accuracy(bench.eager_fn(True), pass_name, 77, 2, 64, True, device="cpu")
+        bad = bench.accuracy(bench.eager_fn(False), pass_name, 77, 2, 64, True, device="cpu")  # mask ignored
+        assert good["rel"] < 2e-3 and bad["rel"] > 0.1, (good, bad)
+    assert bench.flops("fwd", 2, 3, 5, 5, 8, False) == 4 * 2 * 3 * 5 * 5 * 8
+    assert bench.flops("bwd", 2, 3, 5, 5, 8, True) == 2.5 * 2 * 2 * 3 * 5 * 5 * 8
+    args = bench.build_parser().parse_args(["--out", str(tmp_path)])
+    rows = [dict(pass_name="fwd", backend=b, head_dim=64, seqlen=n, causal=False, batch=1, heads=2, flops=1e9,
+                 ms=1.0 / n, tflops=n / 1e3, peak_mib=1.0, note="", max_abs=1e-3, rel=1e-4)
+            for b in ("volta-fp32acc", "sdpa-math") for n in (1024, 2048)]
+    table = bench.write_results(rows, args)
+    assert "| fwd | volta-fp32acc | 64 | 1024 | False |" in table and "torch " + torch.__version__ in table
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["rows"] == rows and saved["environment"]["torch"] == torch.__version__
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_plot_command_draws_a_run_and_refuses_an_empty_dir(tmp_path, capsys):
+    from volta_train import cli
+    from volta_train.training import logs
+
+    writer = logs.MetricsWriter(tmp_path / "run", True)
+    for step in (1, 2, 3):
+        writer.write("train", step, {"loss": 5.0 - step / 10, "lr": 1e-3, "tokens_per_s": 1000.0 + step})
+    writer.write("eval", 3, {"loss": 4.8})  # an eval redraws loss.png
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    (tmp_path / "run" / "loss.png").unlink()
+    assert cli.main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "loss.png").is_file()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plot", str(tmp_path)])
+    assert info.value.code == 1 and "has no train.csv or eval.csv rows" in capsys.readouterr().err
+
+
+def test_tensorboard_requested_without_tensorboard_is_an_error(monkeypatch):
+    import builtins
+
+    from volta_train.training import logs
+
+    logs.check_tensorboard(False)  # not requested: nothing to check, nothing said
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name == "tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(ImportError, match="--tensorboard asks for TensorBoard.*pip install tensorboard"):
+        logs.check_tensorboard(True)

@@ -85,7 +85,11 @@ def _check_run(proc: subprocess.CompletedProcess, out: Path, attention: str, mod
     rows = logs.read_csv(out / "train.csv")
     assert [int(r["step"]) for r in rows] == [2, 4] and all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert [int(r["step"]) for r in logs.read_csv(out / "eval.csv")] == [4]
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # TensorBoard is opt-in; loss.png is always drawn; the last line names the run's files
+    assert bool(list((out / "tensorboard").glob("events.out.tfevents.*"))) == ("--tensorboard" in proc.args)
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "config.yaml").is_file()
+    assert re.search(r"in .*: train\.csv, eval\.csv, summary\.json, loss\.png", log.strip().splitlines()[-1]), log
+    assert "Setting accelerator to CPU" not in proc.stdout + log
 
     final = out / "final"
     for name in ("model.safetensors", "config.json", "train_config.yaml", "run.json"):
@@ -96,6 +100,12 @@ def _check_run(proc: subprocess.CompletedProcess, out: Path, attention: str, mod
     assert model.config.model_type == model_type
     ids = torch.tensor([list(b"Registry of Elmstead.")])
     assert torch.isfinite(model(input_ids=ids).logits).all()
+    if model_type == "gpt2" and "--tokenizer" not in proc.args:  # the byte tokenizer is saved and round-trips
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(final)
+        text = "Registry of Elmstead, naïve — 北"
+        assert tokenizer(text)["input_ids"] == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
     # the saved training config is a valid --config file that reproduces the run's settings
     saved = config.load_yaml(final / "train_config.yaml", gpt.GPTTrainConfig)
     assert saved["steps"] == 4 and saved["seq_len"] == 256
@@ -107,7 +117,7 @@ def test_cpu_smoke(tmp_path):
     """`python recipes/gpt_long.py`: GPT-2, attention through volta_train.patch (the default), checkpoints."""
     if not _patch_supports("gpt2"):
         pytest.skip("volta_train.patch (volta_train/integrations/hf.py) is not available")
-    proc = _run(_recipe_cmd(tmp_path, "--checkpoint-interval", "2"), tmp_path)
+    proc = _run(_recipe_cmd(tmp_path, "--checkpoint-interval", "2", "--tensorboard"), tmp_path)
     summary = _check_run(proc, tmp_path / "out", attention="volta_train")
     assert summary["packing"] in ("documents", "stream") and "packing" in proc.stderr
     found = checkpoint.complete_checkpoints(tmp_path / "out" / "checkpoints")

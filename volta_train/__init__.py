@@ -14,16 +14,25 @@ Public API::
 
 from __future__ import annotations
 
-from .interface import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
-from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+    from .flash_attn_compat import install_flash_attn
+    from .integrations.hf import patch, unpatch
+    from .interface import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        flash_attn_with_kvcache,
+    )
+
+_INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+              "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")
+_PADDING = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
 
 __version__ = "0.1.0"
 
@@ -47,7 +56,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # patch/unpatch import transformers, which is slow: load it on first use only.
+    # Loaded on first use: the API imports torch (so `volta-train` and the recipes can set OpenMP's environment
+    # before it loads), patch/unpatch import transformers, which is slow.
+    if name in _INTERFACE:
+        from . import interface
+
+        return getattr(interface, name)
+    if name in _PADDING:
+        from . import bert_padding
+
+        return getattr(bert_padding, name)
     if name in ("patch", "unpatch"):
         from .integrations import hf
 

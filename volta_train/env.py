@@ -1,7 +1,12 @@
-"""``python -m volta_train.env``: what volta_train sees here, on one screen.
+"""``volta-train env`` / ``python -m volta_train.env``: what volta_train sees here, on one screen.
 
-torch and its CUDA version, the GPUs, the NVRTC that would compile the kernels, the kernel cache directory, and
-which backend a typical call (fp16, [2, 4096, 16, 64], causal) would take and why.
+torch and its CUDA version, the GPUs, the kernel source directory, the NVRTC that would compile the kernels, the
+kernel cache directory, which backend a typical call (fp16, [2, 4096, 16, 64], causal) would take and why, and the
+transformers version with the model families ``volta_train.patch`` supports.
+
+Exit status 1, with the reasons on the last line, when the kernels cannot be built here: the CUDA sources are
+missing, or a GPU is present and no NVRTC targets it. Without a GPU the reference backend runs everything, so a
+missing NVRTC is only noted (it is needed to precompile kernels for a GPU machine).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import platform
 
 import torch
 
-from . import __version__
+from . import __version__, _resources
 from ._dispatch import BACKEND_ENV, choose_backend
 from .kernels import CallDescription
 from .kernels import nvrtc
@@ -19,7 +24,7 @@ from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_
 
 TYPICAL_SHAPE = (2, 4096, 16, 64)  # batch, seqlen, heads, head_dim
 VOLTA_ARCH = 70
-ENV_VARS = (BACKEND_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+ENV_VARS = (BACKEND_ENV, _resources.CSRC_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
 
 
 def gpu_lines() -> list[str]:
@@ -48,6 +53,62 @@ def target_arch() -> int:
         major, minor = torch.cuda.get_device_capability(0)
         return 10 * major + minor
     return VOLTA_ARCH
+
+
+def nvrtc_problem(arch: int) -> str | None:
+    """Why no NVRTC compiles for ``arch`` here, or None."""
+    try:
+        nvrtc.select_nvrtc(nvrtc.available_nvrtc_libraries(), arch)
+    except nvrtc.NvrtcNotFoundError as error:
+        return str(error)
+    return None
+
+
+def source_lines() -> list[str]:
+    try:
+        directory = _resources.csrc_dir()
+    except FileNotFoundError as error:
+        return [f"kernel sources: MISSING: {error}"]
+    files = sorted(p.name for p in directory.iterdir() if p.suffix in (".cu", ".cuh"))
+    return [f"kernel sources: {directory} ({len(files)} files)"]
+
+
+def supported_families() -> list[str]:
+    """The model types ``volta_train.patch`` supports (volta_train.integrations.hf)."""
+    from .integrations import hf
+
+    return list(hf.supported_model_types())
+
+
+def transformers_lines() -> list[str]:
+    try:
+        import transformers
+    except ImportError as error:
+        return [f"transformers: not installed ({error}): volta_train.patch and the recipes need it"]
+    return [f"transformers {transformers.__version__}; volta_train.patch supports: "
+            + ", ".join(supported_families())]
+
+
+def problems() -> list[str]:
+    """What stops the kernels from being built here (empty: nothing)."""
+    found = []
+    if any(line.startswith("kernel sources: MISSING") for line in source_lines()):
+        found.append("the CUDA sources are missing (reinstall volta_train from a wheel or sdist, or run from a checkout)")
+    if torch.cuda.is_available():
+        arch = target_arch()
+        why = nvrtc_problem(arch)
+        if why is not None:
+            found.append(f"no NVRTC targets the GPU present (sm_{arch}): {why.splitlines()[0]}")
+    return found
+
+
+def verdict_line(found: list[str]) -> str:
+    if found:
+        return "NOT READY: " + "; ".join(found)
+    if torch.cuda.is_available():
+        return f"ready: kernels compile for sm_{target_arch()} at first use (volta-train precompile does it ahead)"
+    note = "" if nvrtc_problem(VOLTA_ARCH) is None else " (no NVRTC: pip install nvidia-cuda-nvrtc-cu12 to precompile)"
+    return f"ready: no GPU -> reference backend{note}"
 
 
 def nvrtc_lines(arch: int) -> list[str]:
@@ -89,23 +150,33 @@ def backend_line() -> str:
     return f"{what}: {choice.backend} backend, because {choice.reason}"
 
 
-def report() -> str:
+def report(found: list[str] | None = None) -> str:
     lines = [
         f"volta_train {__version__}, Python {platform.python_version()}",
         f"torch {torch.__version__}, torch CUDA {torch.version.cuda or 'none (CPU build)'}",
         *gpu_lines(),
+        *source_lines(),
         *nvrtc_lines(target_arch()),
         *cache_lines(),
         backend_line(),
+        *transformers_lines(),
     ]
     settings = [f"{name}={os.environ[name]}" for name in ENV_VARS if name in os.environ]
     lines.append("environment: " + (" ".join(settings) if settings else "no volta_train/CUDA variables set"))
+    lines.append(verdict_line(problems() if found is None else found))
     return "\n".join(lines)
 
 
-def main() -> None:
-    print(report())
+def main(argv: list[str] | None = None) -> int:
+    """Print the report; 0 when the kernels can be built here (or no GPU needs them), 1 otherwise."""
+    import argparse
+
+    argparse.ArgumentParser(prog="volta-train env", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    found = problems()
+    print(report(found))
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

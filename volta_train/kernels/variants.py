@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import _resources
 from .cache import get_or_compile, memoized
 from .nvrtc import CompiledProgram, normalize_arch
 
@@ -18,13 +19,8 @@ MAX_THREADS_PER_BLOCK = 1024
 
 
 def csrc_dir() -> Path:
-    """The CUDA sources: volta_train/csrc (an installed package) or csrc/ beside the package (a checkout)."""
-    package = Path(__file__).resolve().parent.parent
-    candidates = (package / "csrc", package.parent / "csrc")
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"no CUDA source directory: looked for {' and '.join(map(str, candidates))}")
+    """The CUDA sources: csrc/ of a checkout, or volta_train/_csrc of an installed package (volta_train/_resources.py)."""
+    return _resources.csrc_dir()
 
 
 @dataclass(frozen=True)

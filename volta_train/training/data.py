@@ -76,6 +76,48 @@ class ByteTokenizer:
         out.append(doc.decode("utf-8", errors="replace"))
         return "<|eos|>".join(out)
 
+    def to_hf(self):
+        """The same tokenizer as a HuggingFace fast tokenizer, saved with byte-tokenizer models.
+
+        ``AutoTokenizer.from_pretrained`` of a saved model directory then loads it: text encodes to its UTF-8
+        bytes (ids 0-255) and decodes back; ``<|eos|>``, ``<|pad|>``, ``<|cls|>``, ``<|sep|>`` are ids 256-259.
+        """
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        chars = _byte_chars()
+        backend = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        specials = dict(eos_token="<|eos|>", pad_token="<|pad|>", cls_token="<|cls|>", sep_token="<|sep|>")
+        backend.add_special_tokens([AddedToken(t, special=True) for t in specials.values()])
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=2**31 - 1, **specials)
+        ids = (tok.eos_token_id, tok.pad_token_id, tok.cls_token_id, tok.sep_token_id)
+        if ids != (self.eos_token_id, self.pad_token_id, self.cls_token_id, self.sep_token_id):
+            raise RuntimeError(f"byte tokenizer export: special ids {ids}, expected 256-259")
+        return tok
+
+
+def _byte_chars() -> dict[int, str]:
+    """Byte -> printable character, the byte-level alphabet of ``tokenizers``' ByteLevel pre-tokenizer: printable
+    Latin-1 bytes stand for themselves, the other bytes for the characters from U+0100 on, in order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(0x100 + shifted)
+            shifted += 1
+    return chars
+
+
+def saveable_tokenizer(tokenizer):
+    """The HuggingFace tokenizer to save with a model: an :class:`HFTokenizer`'s own, a ByteTokenizer's export."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.to_hf()
+    return getattr(tokenizer, "tokenizer", None)
+
 
 class HFTokenizer:
     """A HuggingFace tokenizer from a local directory (nothing is downloaded), with the ByteTokenizer interface.

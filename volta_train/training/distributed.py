@@ -37,8 +37,7 @@ from .config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEEPSPEED_CONFIGS = REPO_ROOT / "configs" / "deepspeed"
+from .._resources import configs_dir, shipped_config
 
 
 def deepspeed_from_env() -> bool:
@@ -52,11 +51,15 @@ def resolve_deepspeed_spec(spec: str | None) -> Path | None:
     path = Path(spec)
     if path.is_file():
         return path
-    shipped = DEEPSPEED_CONFIGS / f"{spec}.json"
-    if shipped.is_file():
+    shipped = shipped_config(f"deepspeed/{spec}.json")
+    if shipped is not None:
         return shipped
-    names = sorted(p.stem for p in DEEPSPEED_CONFIGS.glob("*.json"))
-    raise ConfigError(f"deepspeed {spec!r} is neither a file nor one of {', '.join(names)} (configs/deepspeed/)")
+    try:
+        directory = configs_dir() / "deepspeed"
+        names = sorted(p.stem for p in directory.glob("*.json"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"deepspeed {spec!r} is not a file, and the shipped shorthands are missing: {e}") from e
+    raise ConfigError(f"deepspeed {spec!r} is neither a file nor one of {', '.join(names)} ({directory})")
 
 
 def _free_port() -> int:
@@ -76,9 +79,9 @@ def init_state(cpu: bool, deepspeed_spec: str | None):
         return PartialState(cpu=cpu)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if env_file != "none" and not Path(env_file).is_file() and (REPO_ROOT / env_file).is_file():
-        # configs/accelerate/*.yaml name the JSON relative to the repository root: find it from anywhere
-        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(REPO_ROOT / env_file)
+    if env_file != "none" and not Path(env_file).is_file() and shipped_config(env_file) is not None:
+        # configs/accelerate/*.yaml name the JSON as configs/deepspeed/<name>.json: find it from anywhere
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(shipped_config(env_file))
     if "LOCAL_RANK" not in os.environ:  # plain `python recipe.py --deepspeed ...`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

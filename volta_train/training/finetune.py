@@ -147,7 +147,7 @@ class CheckpointSection:
 class LoggingSection:
     out_dir: str = field("out/finetune", "checkpoints, logs, metrics and the final model go here")
     log_interval: int = field(10, "optimizer steps between log lines")
-    tensorboard: bool = field(True, "TensorBoard event files in out_dir/tensorboard")
+    tensorboard: bool = field(False, "TensorBoard event files in out_dir/tensorboard (pip install tensorboard)")
     progress: bool = field(True, "tqdm progress bar")
     peak_tflops: float | None = field(None, "peak TFLOP/s per device for MFU (auto: by GPU name; V100: 125)")
 

@@ -116,7 +116,7 @@ class GPTTrainConfig:
     cpu: bool = field(False, "train on CPU even if a GPU is present")
     cpu_threads: int | None = field(None, "torch threads on CPU (auto: the available cores / local processes)")
     progress: bool = field(True, "tqdm progress bar on the main process")
-    tensorboard: bool = field(True, "TensorBoard event files in out_dir/tensorboard (if tensorboard is installed)")
+    tensorboard: bool = field(False, "TensorBoard event files in out_dir/tensorboard (pip install tensorboard)")
     peak_tflops: float | None = field(None, "peak TFLOP/s per device for MFU (auto: V100 125, A100 312, "
                                             "H100/H200 989; none elsewhere)")
     save: bool = field(True, "save the final model")

@@ -38,9 +38,68 @@ def setup_logging(is_main: bool, log_file: str | Path | None = None) -> logging.
         root.addHandler(file_handler)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     # libraries that log at INFO on every call stay quiet unless something is wrong
-    for noisy in ("httpx", "urllib3", "torch.distributed"):
+    for noisy in ("httpx", "urllib3", "torch.distributed", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_cpu_notices()
     return root
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# DeepSpeed's notice that it runs on the CPU (it is imported for checkpoints and ZeRO even without a GPU): on a
+# machine where torch sees no GPU, the recipe's own "device: cpu" line says the same.
+_CPU_NOTICES = ("Setting accelerator to CPU", "Setting ds_accelerator to cpu")
+
+
+def quiet_cpu_notices() -> None:
+    """Drop DeepSpeed's "Setting accelerator to CPU" where torch sees no GPU (where it says nothing new)."""
+    import torch
+
+    ds_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logger; filters stay when DeepSpeed configures it
+    if torch.cuda.is_available() or any(isinstance(f, _DropMessages) for f in ds_logger.filters):
+        return
+    ds_logger.addFilter(_DropMessages(_CPU_NOTICES))
+
+
+def log_config(logger: logging.Logger, options: dict, out_dir: str | Path, is_main: bool) -> Path:
+    """Write ``out_dir/config.yaml`` (main process) and log it as a YAML block that names the file."""
+    import yaml
+
+    path = Path(out_dir) / "config.yaml"
+    text = yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100)
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    logger.info("config (saved to %s; rerun with --config %s):\n%s", path, path,
+                "\n".join("  " + line for line in text.rstrip().splitlines()))
+    return path
+
+
+def run_files(out_dir: str | Path) -> str:
+    """The files a run leaves in out_dir, for its final log line (those that exist)."""
+    out_dir = Path(out_dir)
+    names = [n for n in ("train.csv", "eval.csv", "summary.json", "loss.png", "train.log", "config.yaml")
+             if (out_dir / n).is_file()]
+    return f"in {out_dir}: {', '.join(names) if names else 'no files'}"
+
+
+def check_tensorboard(requested: bool, flag: str = "--tensorboard") -> None:
+    """Raise ImportError, saying what to do, when TensorBoard files are requested but tensorboard is missing."""
+    if not requested:
+        return
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{flag} asks for TensorBoard event files but tensorboard is not installed ({e}): "
+                          f"pip install tensorboard, or leave {flag} off (train.csv and loss.png are always "
+                          "written)") from e
 
 
 def progress_bar(total: int, enabled: bool, desc: str = "train"):
@@ -49,7 +108,10 @@ def progress_bar(total: int, enabled: bool, desc: str = "train"):
 
 
 class MetricsWriter:
-    """Per-step numbers as CSV (``train.csv``, ``eval.csv``) and TensorBoard scalars, on the main process.
+    """Per-step numbers as CSV (``train.csv``, ``eval.csv``), ``loss.png`` and, opt-in, TensorBoard scalars.
+
+    Everything happens on the main process. ``loss.png`` (volta_train/training/plots.py) is redrawn after each
+    ``eval`` row and at :meth:`close`; a drawing failure logs one warning and never stops training.
 
     ``start_step`` is the step a run starts from: 0 starts the files afresh; a resumed run keeps
     the rows up to its checkpoint's step and drops any that the interrupted run wrote after it
@@ -57,20 +119,29 @@ class MetricsWriter:
     Columns come from the first row written to a file; later rows may leave some empty.
     """
 
-    def __init__(self, out_dir: str | Path, enabled: bool, start_step: int = 0, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, enabled: bool, start_step: int = 0, tensorboard: bool = False,
+                 plot: bool = True):
         self.enabled = enabled
         self.out_dir = Path(out_dir)
         self.columns: dict[str, list[str]] = {}
         self.tb = None
+        self.plot = plot
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for name in ("train", "eval"):
             self._trim(self.out_dir / f"{name}.csv", start_step, name)
+        if plot:
+            try:  # load matplotlib (~1 s the first time) now rather than inside the first timed interval
+                import matplotlib.backends.backend_agg  # noqa: F401
+                import matplotlib.figure  # noqa: F401
+            except ImportError as e:
+                logging.getLogger(__name__).warning("loss.png off: %s (pip install matplotlib)", e)
+                self.plot = False
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard not installed
+            except ImportError as e:  # tensorboard not installed (the recipes check first: check_tensorboard)
                 logging.getLogger(__name__).warning("TensorBoard logging off: %s (pip install tensorboard)", e)
             else:
                 self.tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"),
@@ -119,8 +190,25 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and value == value:  # not None, not NaN
                     self.tb.add_scalar(f"{name}/{key}", value, step)
             self.tb.flush()
+        if name == "eval":
+            self.draw()
+
+    def draw(self) -> Path | None:
+        """Redraw ``loss.png`` from the CSV files; None (and one warning) when it cannot be drawn."""
+        if not (self.enabled and self.plot):
+            return None
+        from .plots import plot_run
+
+        try:
+            return plot_run(self.out_dir)
+        except Exception as e:  # noqa: BLE001 - a picture must never stop a run
+            logging.getLogger(__name__).warning("loss.png not drawn: %s: %s", type(e).__name__, e)
+            self.plot = False
+            return None
 
     def close(self) -> None:
+        if self.enabled and self.plot and (self.out_dir / "train.csv").is_file():
+            self.draw()
         if self.tb is not None:
             self.tb.close()
             self.tb = None

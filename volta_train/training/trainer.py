@@ -58,7 +58,7 @@ class LoopConfig:
     time_limit_min: float = 0.0
     out_dir: str = "out"
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = False  # opt-in: --tensorboard
     peak_tflops: float | None = None
 
 

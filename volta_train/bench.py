@@ -1,0 +1,361 @@
+"""``volta-train bench``: attention speed and accuracy of volta_train against PyTorch's attention on this GPU.
+
+    volta-train bench                               # fwd and bwd, head_dim 64/128, N 1k-16k, causal and not
+    volta-train bench --passes fwd --seqlens 4096 --head-dims 64 --causal true
+    volta-train bench --baselines sdpa-efficient    # fewer PyTorch backends
+
+Backends: volta_train's kernel with fp32 and fp16 accumulation (``volta-fp32acc``, ``volta-fp16acc``; for the
+backward pass the accumulation named is ``bwd_accum``), and each PyTorch SDPA backend that runs here
+(``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math``) plus plain ``eager`` attention. A backend that
+cannot run a case (no kernel for this GPU, out of memory) gets an empty row with the reason.
+
+Speed: FLOPs are counted as forward 4*B*H*N^2*D (two matmuls of 2*N^2*D per head), half of it under a causal
+mask, and backward 2.5x the forward (five matmuls, the recomputed QK^T included); TFLOP/s = FLOPs / median time.
+Times are medians of ``--repeats`` CUDA-event timings after ``--warmup`` runs, cycling through ``--input-sets``
+input sets so the L2 cache does not hold them. Batch x N is kept at ``--tokens`` (16384) and heads x head_dim at
+``--hidden`` (2048). The backward timing runs the backward only (each input set's forward graph is built first).
+
+Accuracy: on a slice of each case (the first sequence, ``--accuracy-heads`` heads) every backend's output (fwd)
+and dQ/dK/dV (bwd) are compared with volta_train's float64 reference; the table gives the largest absolute error
+and the relative error ||x - ref|| / ||ref||.
+
+Writes ``bench.md`` (environment and table), ``bench.json`` and ``bench.png`` to ``--out``. Needs a CUDA GPU:
+on a machine without one it stops with exit status 2 (CPU timings of the reference backend would measure
+nothing this benchmark is about). ``scripts/bench_attention.py`` adds the developer sweeps (tile shapes, varlen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PASSES = ("fwd", "bwd", "fwdbwd")
+SDPA_BACKENDS = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
+
+
+def flops(pass_name: str, batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """FLOPs of one attention call: forward 4*B*H*Nq*Nk*D (half under causal), backward 2.5x the forward."""
+    forward = 4.0 * batch * heads * sq * sk * d * (0.5 if causal else 1.0)
+    return {"fwd": forward, "bwd": 2.5 * forward, "fwdbwd": 3.5 * forward}[pass_name]
+
+
+def time_ms(fn, input_sets, warmup: int, repeats: int) -> float:
+    """Median of ``repeats`` CUDA-event timings of ``fn`` after ``warmup`` calls, cycling through the input sets."""
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = input_sets[i % len(input_sets)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_inputs(batch, seqlen, heads, d, sets, requires_grad, device="cuda", dtype=torch.float16):
+    out = []
+    for _ in range(sets):
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device=device, dtype=dtype) for _ in range(3))
+        out.append(tuple(t.requires_grad_(requires_grad) for t in (q, k, v)))
+    return out
+
+
+def volta_fn(pass_name, causal, accum):
+    """Forward: accum is the forward accumulation; backward passes: the backward's (bwd_accum)."""
+    import volta_train
+
+    def run(q, k, v):
+        if pass_name == "fwd":
+            return volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
+        return volta_train.flash_attn_func(q, k, v, causal=causal, bwd_accum=accum)
+    return run
+
+
+def sdpa_fn(causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "sdpa-math": SDPBackend.MATH, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run(q, k, v):
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal).transpose(1, 2)
+    return run
+
+
+def eager_fn(causal):
+    def run(q, k, v):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        s = qt @ kt.transpose(-1, -2) * qt.shape[-1] ** -0.5
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return (torch.softmax(s.float(), dim=-1).to(vt.dtype) @ vt).transpose(1, 2)
+    return run
+
+
+def backward_only(forward):
+    """Times only the backward: the forward runs once per input set, its graph is kept and differentiated."""
+    graphs = {}
+
+    def run(q, k, v):
+        if id(q) not in graphs:
+            out = forward(q, k, v)
+            graphs[id(q)] = (out, torch.randn_like(out))
+        out, grad = graphs[id(q)]
+        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    return run
+
+
+def with_backward(forward):
+    def run(q, k, v):
+        out = forward(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return run
+
+
+WRAP = {"fwd": lambda f: f, "bwd": backward_only, "fwdbwd": with_backward}
+
+
+def measure(fn, batch, seqlen, heads, d, pass_name, args):
+    """(median ms, peak extra MiB, note); ms None with the reason when the backend cannot run the case."""
+    torch.cuda.empty_cache()
+    try:
+        inputs = make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd")
+        if pass_name == "bwd":  # build each input set's graph before the memory baseline
+            for q, k, v in inputs:
+                fn(q, k, v)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = time_ms(fn, inputs, args.warmup, args.repeats)
+    except (RuntimeError, NotImplementedError) as error:  # unsupported backend / out of memory
+        return None, None, str(error).splitlines()[0][:100]
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, peak, ""
+
+
+def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device="cuda") -> dict[str, float]:
+    """Errors of ``forward`` (fp16 in) against volta_train's float64 reference on a [1, seqlen, heads, d] slice."""
+    from ._reference import AttentionParams, reference_backward, reference_forward
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, dout = (torch.randn(1, seqlen, heads, d, device=device, generator=gen).half() for _ in range(4))
+    params = AttentionParams(softmax_scale=d ** -0.5, causal=causal)
+    q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
+    with torch.no_grad():
+        ref_out, lse = reference_forward(q64, k64, v64, params)
+    test_in = [t.clone().requires_grad_(pass_name != "fwd") for t in (q, k, v)]
+    out = forward(*test_in)
+    if pass_name == "fwd":
+        pairs = {"out": (out, ref_out)}
+    else:
+        got = torch.autograd.grad(out, test_in, dout)
+        with torch.no_grad():
+            want = reference_backward(dout64, q64, k64, v64, ref_out, lse, params)
+        pairs = {name: (g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+    result = {}
+    for name, (got_t, want_t) in pairs.items():
+        diff = got_t.detach().double() - want_t
+        result[f"{name}_max_abs"] = diff.abs().max().item()
+        result[f"{name}_rel"] = (diff.norm() / want_t.norm().clamp_min(1e-300)).item()
+    result["max_abs"] = max(value for key, value in result.items() if key.endswith("_max_abs"))
+    result["rel"] = max(value for key, value in result.items() if key.endswith("_rel"))
+    return result
+
+
+def backends(args, pass_name, causal) -> list[tuple[str, object]]:
+    chosen = [(f"volta-{accum}acc", volta_fn(pass_name, causal, accum)) for accum in args.accum]
+    for name in args.baselines:
+        chosen.append((name, eager_fn(causal) if name == "eager" else sdpa_fn(causal, name)))
+    return chosen
+
+
+def run_benchmark(args) -> list[dict]:
+    """One row per (pass, head_dim, seqlen, causal, backend): time, TFLOP/s, memory and, unless off, errors."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    rows = []
+    cases = [(p, d, n, c) for p in args.passes for d in args.head_dims for n in args.seqlens for c in args.causal]
+    for pass_name, d, n, causal in tqdm(cases, desc="benchmark"):
+        heads = args.hidden // d
+        batch = max(1, args.tokens // n)
+        fl = flops(pass_name, batch, heads, n, n, d, causal)
+        for name, forward in backends(args, pass_name, causal):
+            row = dict(pass_name=pass_name, backend=name, head_dim=d, seqlen=n, causal=causal, batch=batch,
+                       heads=heads, flops=fl, ms=None, tflops=None, peak_mib=None, note="")
+            if name == "eager" and batch * heads * n * n * 6 > args.eager_limit_gb * 2**30:
+                rows.append(dict(row, note=f"skipped: scores over --eager-limit-gb {args.eager_limit_gb:g}"))
+                continue
+            ms, peak, note = measure(WRAP[pass_name](forward), batch, n, heads, d, pass_name, args)
+            row.update(ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak, note=note)
+            if ms and args.accuracy_heads > 0:
+                try:
+                    row.update(accuracy(forward, pass_name, n, min(heads, args.accuracy_heads), d, causal))
+                except (RuntimeError, NotImplementedError) as error:
+                    row["note"] = f"accuracy: {str(error).splitlines()[0][:80]}"
+            rows.append(row)
+    return rows
+
+
+def environment() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import volta_train
+
+    from .kernels import nvrtc
+
+    info = {"volta_train": volta_train.__version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": str(torch.version.cuda), "cudnn": str(torch.backends.cudnn.version())}
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        info["gpu"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor}), {torch.cuda.device_count()} visible"
+        try:
+            library = nvrtc.find_nvrtc(10 * major + minor)
+            info["nvrtc"] = f"{library.version_string} ({library.path})"
+        except Exception as error:  # noqa: BLE001 - report, the kernel rows say what failed
+            info["nvrtc"] = f"not found: {error}"
+    info["VOLTA_TRAIN_BACKEND"] = os.environ.get("VOLTA_TRAIN_BACKEND", "")
+    return info
+
+
+def _cell(row: dict, column: str) -> str:
+    value = row.get(column)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if column == "ms":
+            return f"{value:.3f}"
+        if column in ("tflops", "peak_mib"):
+            return f"{value:.1f}" if column == "tflops" else f"{value:.0f}"
+        return f"{value:.1e}"
+    return str(value)
+
+
+def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
+    columns = ["pass_name", "backend", "head_dim", "seqlen", "causal", "ms", "tflops", "peak_mib", "max_abs", "rel",
+               "note"]
+    lines = ["environment: " + "; ".join(f"{k} {v}" for k, v in env.items() if v), "",
+             f"FLOPs: forward 4*B*H*N^2*D, backward 2.5x that, half under causal; B*N = {args.tokens}, "
+             f"H = {args.hidden}/head_dim; median of {args.repeats} CUDA-event timings after {args.warmup} warm-up "
+             f"runs over {args.input_sets} input sets; errors (max_abs, rel = ||x-ref||/||ref||, worst of out or "
+             f"dQ/dK/dV) against the float64 reference on 1 sequence x {args.accuracy_heads} heads", "",
+             "| " + " | ".join("pass" if c == "pass_name" else c for c in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r, c) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """TFLOP/s against N, one panel per (pass, head_dim, causal), one line per backend."""
+    from matplotlib.figure import Figure
+
+    keys = sorted({(r["pass_name"], r["head_dim"], r["causal"]) for r in rows})
+    if not keys:
+        return None
+    cols = min(4, len(keys))
+    n_rows = (len(keys) + cols - 1) // cols
+    fig = Figure(figsize=(4.5 * cols, 3.6 * n_rows))
+    axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
+    for ax, (pass_name, d, causal) in zip(axes, keys):
+        for name in sorted({r["backend"] for r in rows}):
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows if r["backend"] == name and r["tflops"]
+                         and (r["pass_name"], r["head_dim"], r["causal"]) == (pass_name, d, causal))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{pass_name}, head_dim {d}, {'causal' if causal else 'full'}")
+        ax.set_xlabel("N (seqlen)")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _bool(text: str) -> bool:
+    value = text.lower()
+    if value in ("1", "true", "yes", "causal"):
+        return True
+    if value in ("0", "false", "no", "full"):
+        return False
+    raise argparse.ArgumentTypeError(f"--causal takes true or false, not {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--passes", nargs="+", choices=PASSES, default=["fwd", "bwd"],
+                        help="fwd, bwd (backward only), fwdbwd (default: fwd bwd)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", type=_bool, nargs="+", default=[False, True], help="true, false or both")
+    parser.add_argument("--accum", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"],
+                        help="volta_train accumulation modes to time (fwd: accum, bwd: bwd_accum)")
+    parser.add_argument("--baselines", nargs="*", default=["sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "eager"],
+                        choices=[*SDPA_BACKENDS, "eager"], help="PyTorch backends to compare with")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
+    parser.add_argument("--hidden", type=int, default=2048, help="heads * head_dim (default 2048)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--input-sets", type=int, default=3)
+    parser.add_argument("--accuracy-heads", type=int, default=2, help="heads of the accuracy slice (0: no accuracy)")
+    parser.add_argument("--eager-limit-gb", type=float, default=24.0, help="skip eager when its scores exceed this")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")),
+                        help="directory for bench.md, bench.json, bench.png (default: $OUT or bench_out)")
+    return parser
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_arguments(parser)
+
+
+def write_results(rows: list[dict], args, stem: str = "bench") -> str:
+    env = environment()
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, args, env)
+    (args.out / f"{stem}.md").write_text(table + "\n", encoding="utf-8")
+    (args.out / f"{stem}.json").write_text(json.dumps({"environment": env, "settings": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)},
+        "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    plot(rows, args.out / f"{stem}.png", f"attention on {env.get('gpu', 'CPU')}")
+    return table
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{prog or 'volta-train bench'}: error: needs a CUDA GPU, and torch sees none "
+              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); on CPU volta_train runs its "
+              "reference backend, whose speed this benchmark does not measure", file=sys.stderr)
+        return 2
+    for name, values in (("--head-dims", args.head_dims), ("--seqlens", args.seqlens)):
+        if any(v <= 0 for v in values):
+            print(f"error: {name} must be positive, got {values}", file=sys.stderr)
+            return 2
+    os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")  # a kernel that cannot run says why in its row
+    rows = run_benchmark(args)
+    table = write_results(rows, args)
+    print(table)
+    print(f"wrote {args.out / 'bench.md'}, {args.out / 'bench.json'}, {args.out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

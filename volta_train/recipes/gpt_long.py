@@ -1,0 +1,295 @@
+"""Train a GPT (GPT-2 or Llama-style) on long sequences, attention through volta_train.
+
+    volta-train train                                # GPU: GPT-2 small, 4096 tokens, fp16; CPU: a tiny model
+    volta-train train --config v100_gpt2_small_4k --steps 200   # a shipped config by name, or a YAML path
+    accelerate launch -m volta_train.recipes.gpt_long --config ...  # several processes (installed package)
+    accelerate launch recipes/gpt_long.py            # the same from a checkout
+    python recipes/gpt_long.py --config configs/gpt_long/v100_gpt2_small_4k.yaml --steps 200
+    accelerate launch --config_file configs/accelerate/zero2.yaml recipes/gpt_long.py --config ...   # ZeRO-2
+    python recipes/gpt_long.py --arch llama --n-kv-head 1    # Llama-style (RoPE, RMSNorm, SwiGLU, GQA)
+    python recipes/gpt_long.py --no-patch            # stock PyTorch SDPA attention, to compare
+    accelerate launch --num_processes 4 recipes/gpt_long.py --config configs/gpt_long/v100_gpt2_medium_sp4_zero3.yaml
+                                                     # DeepSpeed-Ulysses: 4 GPUs share each sequence
+
+Every option is a flag and a YAML key (see --help); flags override --config. Options left
+"auto" are chosen for the device the run lands on (volta_train/training/gpt.py: AUTO).
+Runs resume from out_dir's last checkpoint by default (--resume never to start over).
+The corpus is generated or read locally, tokenised once and cached; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+# OpenMP threads that spin while they wait take the core their partner needs whenever anything else
+# runs: on 2 cores next to one busy process, the CPU run took 0.76 s/step spinning and 0.38 s/step
+# passive (idle machine: 0.23 vs 0.28). Set before torch loads OpenMP; your own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+
+from .. import _resources  # noqa: E402
+from ..integrations import ulysses  # noqa: E402
+from ..training import (  # noqa: E402
+    attention, checkpoint, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
+)
+from ..training.trainer import LoopConfig, Trainer  # noqa: E402
+
+log = logging.getLogger("gpt_long")
+
+
+def _fail(message: str):
+    sys.exit(f"gpt_long.py: error: {message}")
+
+
+def make_optimizer(setup, model, cfg):
+    """AdamW with weight-decay groups; a DeepSpeed JSON with its own "optimizer" gets accelerate's placeholder."""
+    betas = (cfg.beta1, cfg.beta2)
+    if setup.deepspeed and "optimizer" in setup.accelerator.state.deepspeed_plugin.deepspeed_config:
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(optim.param_groups(model, cfg.weight_decay), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return optim.build_adamw(model, cfg.lr, cfg.weight_decay, betas)
+
+
+def attention_module(model):
+    """The first attention module of a causal LM (what transformers passes to the attention function)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "is_causal") and hasattr(module, "config") \
+                and "attention" in type(module).__name__.lower():
+            return module
+    raise ValueError(f"{type(model).__name__} has no attention module with is_causal and config")
+
+
+def resolve_packing(cfg, model) -> tuple[bool, str]:
+    """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
+    if cfg.packing == "stream":
+        return False, "packing stream: documents attend across EOS (GPT-2 style)"
+    ok, why = attention.packed_documents_supported(model)
+    impl = model.config._attn_implementation
+    if ok and cfg.sequence_parallel_size > 1:
+        # under Ulysses the core attention gets no mask and the whole sequence's position ids: check that route
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ok, why = ulysses.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS[impl], attention_module(model))
+        if not ok:
+            why = f"under sequence parallelism: {why}"
+    if ok:
+        return True, f"packing documents: position ids restart at each document; {impl} keeps documents apart"
+    if cfg.packing == "documents":
+        _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
+              "--packing stream, or --no-patch")
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    return False, f"packing stream (auto: {impl} cannot separate packed documents)"
+
+
+def main(argv=None) -> dict:
+    try:
+        argv = _resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
+    except FileNotFoundError as e:
+        _fail(str(e))
+    cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
+    try:
+        logs.check_tensorboard(cfg.tensorboard)
+    except ImportError as e:
+        _fail(str(e))
+    try:
+        state = distributed.init_state(cfg.cpu, cfg.deepspeed)
+        cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        gpt.check_sequence_parallel(cfg, state.num_processes)
+    except config.ConfigError as e:
+        _fail(str(e))
+    out_dir = Path(cfg.out_dir)
+    logs.setup_logging(state.is_main_process, out_dir / "train.log")
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    set_seed(cfg.seed)
+    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process)
+
+    # data: text -> cached token stream -> fixed-length sequences
+    try:
+        tokenizer = data.load_tokenizer(gpt.default_tokenizer(cfg))
+        with state.local_main_process_first():
+            tokens = data.load_tokens(cfg.data, cfg.cache_dir, tokenizer, synthetic_bytes=int(cfg.synthetic_mb * 1e6))
+        train_tokens, val_tokens = data.split_tokens(tokens, cfg.val_fraction, cfg.seq_len)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+
+    # model, then its attention: volta_train's (patch) or stock SDPA
+    sp = cfg.sequence_parallel_size
+    try:
+        model = gpt.build_model(cfg, tokenizer)
+        if cfg.patch:
+            attention.apply_patch(model)
+        heads, kv_heads = ulysses.heads_of(model.config)
+        names = ("n_head", "n_kv_head") if not (cfg.model_path or cfg.model_config) else (
+            "the model config's num_attention_heads", "num_key_value_heads")
+        ulysses.check_degree(sp, heads, kv_heads, state.num_processes, heads_name=names[0], kv_name=names[1])
+        if sp > 1 and cfg.attn_pdrop > 0:
+            log.warning("attn_pdrop %g with sequence_parallel_size %d: each process draws dropout masks for its own "
+                        "heads from the same generator state, so heads on different processes share mask patterns",
+                        cfg.attn_pdrop, sp)
+    except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
+        _fail(str(e))
+    shape = gpt.describe(model)
+    impl = model.config._attn_implementation
+    documents, packing_note = resolve_packing(cfg, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
+    log.info(
+        "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",
+        shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["hidden"], n_params / 1e6,
+        cfg.seq_len, impl, ", gradient checkpointing" if cfg.gradient_checkpointing else "",
+    )
+    log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
+             packing_note)
+    chunked, loss_note = chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)
+    log.info("%s", loss_note)
+    eos = tokenizer.eos_token_id
+    train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+    val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+
+    try:
+        parallelism = ulysses.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
+        setup = distributed.build_accelerator(
+            cpu=cfg.cpu, mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
+            grad_clip=cfg.grad_clip, deepspeed_spec=cfg.deepspeed, loss_scale_init=cfg.loss_scale_init,
+            loss_scale_window=cfg.loss_scale_window, parallelism_config=parallelism,
+        )
+        grad_factor = ulysses.gradient_factor(setup.accelerator.state.deepspeed_plugin.deepspeed_config, sp) \
+            if sp > 1 else 1.0
+    except (config.ConfigError, ulysses.SequenceParallelError) as e:
+        _fail(str(e))
+    accelerator = setup.accelerator
+    log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
+             setup.precision, torch.get_num_threads())
+    optimizer = make_optimizer(setup, model, cfg)
+    with ulysses.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    layout = sequence_parallel.layout(rank, world, sp)
+    uattn = None
+    if layout.enabled:
+        uattn = ulysses.install(impl)
+        log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
+                 f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
+    replicas, replica = layout.dp, layout.dp_rank  # processes of a sequence-parallel group read the same batches
+    try:
+        probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed)
+    except ValueError as e:
+        _fail(f"{e}: give more data or a shorter seq_len")
+    pin = accelerator.device.type == "cuda"
+    shards: list[sequence_parallel.ShardedBatches] = []
+
+    def batches(start: int):
+        sampler = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed,
+                                           start=start)
+        loader = data.micro_batches(train_set, sampler, num_workers=cfg.num_workers, pin_memory=pin)
+        if not layout.enabled:
+            return loader
+        shards[:] = [sequence_parallel.ShardedBatches(loader, layout, flops)]
+        return shards[0]
+
+    def count(batch: dict) -> tuple[int, float]:
+        return shards[0].counts(batch) if layout.enabled else flops(batch)
+
+    def loss_fn(engine, batch: dict) -> torch.Tensor:
+        """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
+        if layout.enabled:
+            ulysses.ensure_installed(impl, uattn)
+            return sequence_parallel.sharded_loss(engine, batch, layout.group, grad_factor, chunked=chunked,
+                                                  chunk_tokens=cfg.loss_chunk_tokens)
+        if chunked:
+            return chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=cfg.loss_chunk_tokens)
+        return engine(**batch).loss
+
+    val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, replicas, replica)
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        losses = []
+        for idx in val_batches:
+            batch = torch.utils.data.default_collate([val_set[i] for i in idx])
+            if layout.enabled:
+                batch = sequence_parallel.shard_batch(batch, layout.sp, layout.sp_rank)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            loss = loss_fn(model, batch)
+            losses.append(loss.float())
+        model.train()
+        return {"loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
+    log.info(
+        "training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
+        "%d sequences per epoch",
+        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
+        cfg.warmup_steps, probe.batches_per_epoch * cfg.batch_size * replicas,
+    )
+    loop = LoopConfig(
+        steps=cfg.steps, grad_accum=cfg.grad_accum, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip, log_interval=cfg.log_interval,
+        eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
+        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
+        out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
+    )
+    run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
+                "sequence_parallel_size": sp, "chunked_loss": chunked}
+    saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
+    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=count,
+                      evaluate=evaluate if val_batches else None, run_info=run_info,
+                      tokenizer=saved_tokenizer,
+                      loss_fn=loss_fn)
+    try:
+        result = trainer.run()
+    except (FileNotFoundError, RuntimeError) as e:
+        if "checkpoint" in str(e) or "resume" in str(e):
+            _fail(str(e))
+        raise
+
+    if result["start_step"] >= result["planned_steps"]:
+        log.info("%s already holds the finished run (step %d); its summary.json stays. --resume never starts over",
+                 out_dir, result["start_step"])
+        accelerator.end_training()
+        previous = out_dir / "summary.json"
+        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
+
+    val_loss = result.pop("eval_loss", math.nan)
+    summary = {
+        **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
+        "packing": "documents" if documents else "stream", "precision": setup.precision,
+        "zero_stage": setup.zero_stage, "processes": world, "sequence_parallel_size": sp,
+        "data_parallel_size": replicas, "chunked_loss": chunked,
+        "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
+    }
+    if summary["checkpoint"]:
+        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
+                              tokenizer=saved_tokenizer)
+    if accelerator.is_main_process:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    mem = summary.get("peak_memory_bytes", math.nan)
+    log.info(
+        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
+        " | attention %s%s | checkpoint %s | %s",
+        summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
+        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
+        impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
+        logs.run_files(out_dir),
+    )
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
