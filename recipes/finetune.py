@@ -30,9 +30,10 @@ from accelerate.utils import set_seed  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from volta_train.training import attention, checkpoint, config, data, distributed, logs, metrics, optim  # noqa: E402
+from volta_train.training import fsio, runlock  # noqa: E402
 from volta_train.training import finetune as ft  # noqa: E402
 from volta_train.training.gpt import auto_precision  # noqa: E402
-from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
+from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
 
 log = logging.getLogger("finetune")
 
@@ -50,6 +51,16 @@ def parse(argv=None) -> ft.FinetuneConfig:
 
 
 def main(argv=None) -> dict:
+    held: list = []  # out_dir's lock (main process), released however the run ends
+    try:
+        return _main(argv, held)
+    finally:
+        for lock in held:
+            if lock is not None:
+                lock.release()
+
+
+def _main(argv, held: list) -> dict:
     cfg = parse(argv)
     t = cfg.train
     try:
@@ -61,6 +72,10 @@ def main(argv=None) -> dict:
     if precision == "auto":
         precision = auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
     out_dir = Path(cfg.logging.out_dir)
+    try:  # before anything is written there: one run per out_dir
+        held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
+    except runlock.RunLockError as e:
+        _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
@@ -207,6 +222,7 @@ def main(argv=None) -> dict:
         keep_checkpoints=cfg.checkpoint.keep, resume=cfg.checkpoint.resume, time_limit_min=t.time_limit_min,
         out_dir=cfg.logging.out_dir, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard,
         peak_tflops=cfg.logging.peak_tflops,
+        max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
     )
     hf_tokenizer = getattr(tokenizer, "tokenizer", None)
     run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
@@ -215,6 +231,8 @@ def main(argv=None) -> dict:
                       run_info=run_info, tokenizer=hf_tokenizer)
     try:
         result = trainer.run()
+    except (TrainingFailed, fsio.WriteError) as e:
+        _fail(str(e))
     except (FileNotFoundError, RuntimeError) as e:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
@@ -234,7 +252,7 @@ def main(argv=None) -> dict:
     if summary["model"]:
         checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=hf_tokenizer)
     if accelerator.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
     evals = " | ".join(f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
     log.info("done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f%s | attention %s | model %s%s",
              summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from volta_train.integrations import ulysses  # noqa: E402
 from volta_train.training import (  # noqa: E402
-    attention, checkpoint, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
+    attention, checkpoint, config, data, distributed, fsio, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
-from volta_train.training.trainer import LoopConfig, Trainer  # noqa: E402
+from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
 
 log = logging.getLogger("gpt_long")
 
@@ -89,6 +89,16 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 
 
 def main(argv=None) -> dict:
+    held: list = []  # out_dir's lock (main process), released however the run ends
+    try:
+        return _main(argv, held)
+    finally:
+        for lock in held:
+            if lock is not None:
+                lock.release()
+
+
+def _main(argv, held: list) -> dict:
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
     try:
         state = distributed.init_state(cfg.cpu, cfg.deepspeed)
@@ -97,6 +107,10 @@ def main(argv=None) -> dict:
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.out_dir)
+    try:  # before anything is written there: one run per out_dir
+        held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
+    except runlock.RunLockError as e:
+        _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
@@ -223,6 +237,7 @@ def main(argv=None) -> dict:
         eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
+        max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
     )
     run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
                 "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
@@ -233,6 +248,8 @@ def main(argv=None) -> dict:
                       loss_fn=sharded_loss if layout.enabled else None)
     try:
         result = trainer.run()
+    except (TrainingFailed, fsio.WriteError) as e:
+        _fail(str(e))
     except (FileNotFoundError, RuntimeError) as e:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
@@ -257,7 +274,7 @@ def main(argv=None) -> dict:
         checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
                               tokenizer=getattr(tokenizer, "tokenizer", None))
     if accelerator.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
         "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"

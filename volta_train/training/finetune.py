@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, field, section
+from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
 from .gpt import padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
@@ -98,6 +98,8 @@ class TrainSection:
                                  choices=["auto", "no", "fp16", "bf16"])
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (GradScaler)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
+    max_consecutive_skips: int = field(32, "fp16: stop the run (non-zero exit) after this many optimizer steps in a "
+                                           "row skipped for non-finite gradients")
     deepspeed: str | None = field(None, "DeepSpeed JSON, or zero1/zero2/zero3/zero3_offload", unset=True)
     seed: int = field(1337, "random seed (head init, data order, dropout)")
     cpu: bool = field(False, "train on CPU even if a GPU is present")
@@ -137,6 +139,8 @@ class CheckpointSection:
     keep: int = field(2, "resumable checkpoints kept")
     resume: str = field("auto", "auto (continue from logging.out_dir's last checkpoint), never, or a checkpoint dir")
     save_final: bool = field(True, "save the final model (safetensors + config + tokenizer)")
+    resume_without_rng: bool = field(False, "resume from a checkpoint that lacks this process's random-generator "
+                                             "file (dropout and other randomness then differ)")
 
 
 @dataclass
@@ -202,15 +206,24 @@ def check(cfg: FinetuneConfig) -> FinetuneConfig:
             raise ConfigError(f"{key} must be positive, got {value}")
     if t.steps is not None and t.steps <= 0:
         raise ConfigError(f"train.steps must be positive, got {t.steps}")
-    if t.steps is None and t.epochs <= 0:
-        raise ConfigError(f"train.epochs must be positive, got {t.epochs}")
-    for key, value in (("train.grad_clip", t.grad_clip), ("optimizer.weight_decay", cfg.optimizer.weight_decay),
-                       ("eval.interval", cfg.eval.interval), ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("train.time_limit_min", t.time_limit_min), ("data.num_workers", d.num_workers)):
+    if t.steps is None:
+        check_number("train.epochs", t.epochs, 0, None, low_open=True)
+    for key, value in (("eval.interval", cfg.eval.interval), ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("data.num_workers", d.num_workers)):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    o, s = cfg.optimizer, cfg.schedule
+    check_optimization({
+        "lr": ("optimizer.lr", o.lr), "weight_decay": ("optimizer.weight_decay", o.weight_decay),
+        "beta1": ("optimizer.beta1", o.beta1), "beta2": ("optimizer.beta2", o.beta2), "eps": ("optimizer.eps", o.eps),
+        "momentum": ("optimizer.momentum", o.momentum), "grad_clip": ("train.grad_clip", t.grad_clip),
+        "warmup_steps": ("schedule.warmup_steps", s.warmup_steps), "min_lr_ratio": ("schedule.min_lr_ratio",
+                                                                                     s.min_lr_ratio),
+        "loss_scale_init": ("train.loss_scale_init", t.loss_scale_init),
+        "loss_scale_window": ("train.loss_scale_window", t.loss_scale_window),
+        "max_consecutive_skips": ("train.max_consecutive_skips", t.max_consecutive_skips),
+        "time_limit_min": ("train.time_limit_min", t.time_limit_min),
+    })
     if not 0.0 <= cfg.schedule.warmup_ratio < 1.0:
         raise ConfigError(f"schedule.warmup_ratio must lie in [0, 1), got {cfg.schedule.warmup_ratio}")
     if not 0.0 <= cfg.schedule.min_lr_ratio <= 1.0:
