@@ -209,7 +209,10 @@ def _main(argv, held: list) -> dict:
                     sums[2] += ((logits.argmax(-1) == labels).float() * weight).sum()
             model.train()
             total = accelerator.reduce(sums, "sum").tolist()
-            mean = total[0] / max(total[1], 1e-9)
+            if total[1] == 0:  # nothing to score (no target token): no loss rather than 0
+                return {"loss": None, **({"perplexity": None, "token_accuracy": None} if causal else
+                                         {"accuracy": None})}
+            mean = total[0] / total[1]
             if causal:
                 accuracy = total[2] / max(total[1], 1e-9)
                 return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "token_accuracy": accuracy}
@@ -253,7 +256,8 @@ def _main(argv, held: list) -> dict:
         checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=hf_tokenizer)
     if accelerator.is_main_process:
         fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
-    evals = " | ".join(f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
+    evals = " | ".join(f"eval {k.removeprefix('eval_')} {'n/a' if v is None else f'{v:.4f}'}"
+                       for k, v in summary.items() if k.startswith("eval_"))
     log.info("done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f%s | attention %s | model %s%s",
              summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
              summary["train_loss"], f" | {evals}" if evals else "", impl, summary["model"],
