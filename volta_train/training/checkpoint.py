@@ -362,7 +362,9 @@ def verify_checkpoint(path: str | Path) -> tuple[list[str], list[str]]:
         for rel, expected in files.items():
             f = path / rel
             if not f.is_file():
-                problems.append(f"{f}: missing")
+                rank = re.fullmatch(r"rng-rank(\d+)\.pt", rel)
+                problems.append(f"{f}: missing" + (f" (the random-generator state of process {int(rank.group(1))})"
+                                                   if rank else ""))
                 continue
             size = f.stat().st_size
             if size != expected["size"]:
@@ -377,7 +379,7 @@ def verify_checkpoint(path: str | Path) -> tuple[list[str], list[str]]:
     if state is not None:
         for rank in range(int(state.get("world_size", 1))):
             rng_file = path / f"rng-rank{rank:04d}.pt"
-            if not rng_file.is_file() and f"{rng_file}: missing" not in problems:
+            if not rng_file.is_file() and not any(p.startswith(f"{rng_file}: missing") for p in problems):
                 problems.append(f"{rng_file}: missing (the random-generator state of process {rank})")
     return problems, notes
 
