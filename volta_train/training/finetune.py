@@ -437,7 +437,8 @@ def tokenize(records: list[dict], cfg: FinetuneConfig, tokenizer, names: list[st
 
 def _cache_key(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> str:
     d = cfg.data
-    h = hashlib.sha256(f"v1|{tokenizer.name}|{tokenizer.eos_token_id}|{cfg.task}|{names}".encode())
+    # v2: records checked strictly (null / non-string text, label types); caches of v1 are rebuilt
+    h = hashlib.sha256(f"v2|{tokenizer.name}|{tokenizer.eos_token_id}|{cfg.task}|{names}".encode())
     for key in ("format", "max_length", "text_field", "text_pair_field", "label_field", "instruction_field",
                 "input_field", "response_field", "prompt_template", "prompt_template_with_input", "train_on_prompt"):
         h.update(f"|{key}={getattr(d, key)!r}".encode())
