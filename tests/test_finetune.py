@@ -117,7 +117,7 @@ def _merged(extra: dict) -> dict:
         ({"train": {"batch_size": 0}}, "train.batch_size must be positive, got 0"),
         ({"data": {"prompt_template": "no placeholder"}}, "data.prompt_template must contain {instruction}"),
         ({"schedule": {"warmup_ratio": 1.5}}, "schedule.warmup_ratio must lie in [0, 1), got 1.5"),
-        ({"optimizer": {"lr": 0}}, "optimizer.lr must be positive, got 0.0"),
+        ({"optimizer": {"lr": 0}}, "optimizer.lr must be a finite number > 0, got 0.0"),
     ],
 )
 def test_cross_key_checks(tmp_path, monkeypatch, extra, message):

@@ -606,8 +606,9 @@ def test_checkpoint_loading_runs_no_pickled_code(tmp_path, cpu_accelerator):
     path = checkpoint.save_checkpoint(acc, model, opt, tmp_path, 1, {})
     marker = tmp_path / "pwned"
     torch.save({"state": {}, "param_groups": [], "evil": _Payload(marker)}, path / "optimizer.pt")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(path / "optimizer.pt"))) as err:
         checkpoint.load_checkpoint(acc, model, opt, path)
+    assert isinstance(err.value.__cause__, pickle.UnpicklingError)
     # DeepSpeed's loader asks for weights_only=False; inside weights_only_loading that request is overridden
     with checkpoint.weights_only_loading(), pytest.raises(pickle.UnpicklingError):
         torch.load(path / "optimizer.pt", weights_only=False)

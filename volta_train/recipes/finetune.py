@@ -31,11 +31,11 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import _resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, checkpoint, chunked_loss, config, data, distributed, logs, metrics, optim,
+    attention, checkpoint, chunked_loss, config, data, distributed, fsio, logs, metrics, optim, runlock,
 )
 from ..training import finetune as ft  # noqa: E402
 from ..training.gpt import auto_precision  # noqa: E402
-from ..training.trainer import LoopConfig, Trainer  # noqa: E402
+from ..training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
 
 log = logging.getLogger("finetune")
 
@@ -87,6 +87,16 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
 
 
 def main(argv=None) -> dict:
+    held: list = []  # out_dir's lock (main process), released however the run ends
+    try:
+        return _main(argv, held)
+    finally:
+        for lock in held:
+            if lock is not None:
+                lock.release()
+
+
+def _main(argv, held: list) -> dict:
     cfg, notes = _parse(argv)
     t = cfg.train
     try:
@@ -98,6 +108,10 @@ def main(argv=None) -> dict:
     if precision == "auto":
         precision = auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
     out_dir = Path(cfg.logging.out_dir)
+    try:  # before anything is written there: one run per out_dir
+        held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
+    except runlock.RunLockError as e:
+        _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
@@ -244,7 +258,10 @@ def main(argv=None) -> dict:
                     sums[2] += ((logits.argmax(-1) == labels).float() * weight).sum()
             model.train()
             total = accelerator.reduce(sums, "sum").tolist()
-            mean = total[0] / max(total[1], 1e-9)
+            if total[1] == 0:  # nothing to score (no target token): no loss rather than 0
+                return {"loss": None, **({"perplexity": None, "token_accuracy": None} if causal else
+                                         {"accuracy": None})}
+            mean = total[0] / total[1]
             if causal:
                 accuracy = total[2] / max(total[1], 1e-9)
                 return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "token_accuracy": accuracy}
@@ -257,6 +274,7 @@ def main(argv=None) -> dict:
         keep_checkpoints=cfg.checkpoint.keep, resume=cfg.checkpoint.resume, time_limit_min=t.time_limit_min,
         out_dir=cfg.logging.out_dir, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard,
         peak_tflops=cfg.logging.peak_tflops,
+        max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
     )
     hf_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(model) loads it
     run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
@@ -267,6 +285,8 @@ def main(argv=None) -> dict:
                       run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
     try:
         result = trainer.run()
+    except (TrainingFailed, fsio.WriteError) as e:
+        _fail(str(e))
     except (FileNotFoundError, RuntimeError) as e:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
@@ -286,8 +306,9 @@ def main(argv=None) -> dict:
     if summary["model"]:
         checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=hf_tokenizer)
     if accelerator.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    evals = " | ".join(f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
+        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+    evals = " | ".join(f"eval {k.removeprefix('eval_')} {'n/a' if v is None else f'{v:.4f}'}"
+                       for k, v in summary.items() if k.startswith("eval_"))
     log.info("done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f%s | attention %s%s | model %s | %s",
              summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
              summary["train_loss"], f" | {evals}" if evals else "", impl,

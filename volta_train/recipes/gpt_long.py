@@ -38,9 +38,9 @@ from accelerate.utils import set_seed  # noqa: E402
 from .. import _resources  # noqa: E402
 from ..integrations import ulysses  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, checkpoint, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, sequence_parallel,
+    attention, checkpoint, chunked_loss, config, data, distributed, fsio, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
-from ..training.trainer import LoopConfig, Trainer  # noqa: E402
+from ..training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
 
 log = logging.getLogger("gpt_long")
 
@@ -91,6 +91,16 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 
 
 def main(argv=None) -> dict:
+    held: list = []  # out_dir's lock (main process), released however the run ends
+    try:
+        return _main(argv, held)
+    finally:
+        for lock in held:
+            if lock is not None:
+                lock.release()
+
+
+def _main(argv, held: list) -> dict:
     try:
         argv = _resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
@@ -107,6 +117,10 @@ def main(argv=None) -> dict:
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.out_dir)
+    try:  # before anything is written there: one run per out_dir
+        held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
+    except runlock.RunLockError as e:
+        _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
@@ -241,6 +255,7 @@ def main(argv=None) -> dict:
         eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
+        max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
     )
     run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
                 "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
@@ -252,6 +267,8 @@ def main(argv=None) -> dict:
                       loss_fn=loss_fn)
     try:
         result = trainer.run()
+    except (TrainingFailed, fsio.WriteError) as e:
+        _fail(str(e))
     except (FileNotFoundError, RuntimeError) as e:
         if "checkpoint" in str(e) or "resume" in str(e):
             _fail(str(e))
@@ -276,7 +293,7 @@ def main(argv=None) -> dict:
         checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
                               tokenizer=saved_tokenizer)
     if accelerator.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
         "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"

@@ -11,6 +11,8 @@
 * :mod:`.distributed`: the Accelerator: one process, DDP or DeepSpeed ZeRO 1-3, fp16 loss scaling.
 * :mod:`.trainer`: the shared loop (accumulation, clipping, logs, evaluation, checkpoints, resume).
 * :mod:`.checkpoint`: final models (safetensors) and atomic resumable checkpoints, loaded without pickle code.
+* :mod:`.runlock`: one run per output directory (an ``flock`` held for the run's life).
+* :mod:`.fsio`: writes whose errors name the file (disk full), atomic text writes.
 * :mod:`.optim`: optimizers with weight-decay groups, learning-rate schedules as functions of the step.
 * :mod:`.logs`, :mod:`.metrics`: log lines next to a tqdm bar, CSV + TensorBoard; tokens/s, memory, FLOPs, MFU.
 

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -275,6 +276,62 @@ def parse_config(cls, argv=None, description: str = ""):
         return from_flat(cls, values)
     except ConfigError as e:
         parser.error(str(e))
+
+
+def check_number(name: str, value, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False, integer: bool = False, note: str = "") -> None:
+    """``value`` must be a finite number (an int when ``integer``) within [low, high] (``*_open``: strict);
+    otherwise a :class:`ConfigError` naming ``name``, the value and the accepted range (``note`` appended)."""
+    lo = "" if low is None else f"{'(' if low_open else '['}{low:g}"
+    hi = "" if high is None else f"{high:g}{')' if high_open else ']'}"
+    if low is not None and high is not None:
+        accepted = f"a finite number in {lo}, {hi}"
+    elif low is not None:
+        accepted = f"a finite number {'>' if low_open else '>='} {low:g}"
+    elif high is not None:
+        accepted = f"a finite number {'<' if high_open else '<='} {high:g}"
+    else:
+        accepted = "a finite number"
+    if integer:
+        accepted = accepted.replace("a finite number", "an integer")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = isinstance(value, int)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        raise ConfigError(f"{name} must be {accepted}, got {value!r}{'; ' + note if note else ''}")
+
+
+def check_optimization(values: dict[str, tuple[str, Any]]) -> None:
+    """The optimizer, schedule and loss-scaling options both recipes share, by kind.
+
+    ``values`` maps a kind (``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``momentum``,
+    ``grad_clip``, ``warmup_steps``, ``min_lr_ratio``, ``loss_scale_init``, ``loss_scale_window``,
+    ``max_consecutive_skips``, ``time_limit_min``) to (the option's name as the user writes it, its value);
+    kinds a recipe lacks are simply left out.
+    """
+    ranges: dict[str, tuple[tuple, dict]] = {
+        "lr": ((0, None), {"low_open": True}),
+        "weight_decay": ((0, None), {}),
+        "beta1": ((0, 1), {"high_open": True}),
+        "beta2": ((0, 1), {"high_open": True}),
+        "eps": ((0, None), {"low_open": True}),
+        "momentum": ((0, 1), {"high_open": True}),
+        "grad_clip": ((0, None), {"note": "0 turns clipping off"}),
+        "warmup_steps": ((0, None), {"integer": True}),
+        "min_lr_ratio": ((0, 1), {}),
+        "loss_scale_init": ((0, None), {"low_open": True}),
+        "loss_scale_window": ((1, None), {"integer": True}),
+        "max_consecutive_skips": ((1, None), {"integer": True}),
+        "time_limit_min": ((0, None), {"note": "0: no limit"}),
+    }
+    for kind, (name, value) in values.items():
+        (low, high), kwargs = ranges[kind]
+        if value is not None:
+            check_number(name, value, low, high, **kwargs)
 
 
 def to_dict(cfg) -> dict[str, Any]:

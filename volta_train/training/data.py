@@ -132,7 +132,15 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        accepted = ("expected a HuggingFace tokenizer directory: tokenizer.json, or vocab.json + merges.txt, "
+                    "vocab.txt, tokenizer.model, with tokenizer_config.json")
+        if not any(f.is_file() for f in path.iterdir()):
+            raise ValueError(f"tokenizer directory {path} is empty; {accepted}")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds; re-raised naming the directory
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            raise ValueError(f"tokenizer directory {path}: cannot be loaded ({detail}); {accepted}") from e
         tok = self.tokenizer
         h = hashlib.sha256()
         for f in sorted(path.iterdir()):
@@ -173,18 +181,40 @@ def _source_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"data source {str(path)!r} is neither {SYNTHETIC!r} nor an existing file or directory")
 
 
+def _not_utf8(f: Path, n: int, raw: bytes, e: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{f}:{n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); corpus files "
+                      "must be UTF-8 text")
+
+
 def _file_documents(files: list[Path]):
+    """Documents of .txt (one per file) and .jsonl files (one per line, its string "text"); errors say file:line."""
     for f in files:
         if f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as lines:
-                for n, line in enumerate(lines, 1):
+            with f.open("rb") as lines:
+                for n, raw in enumerate(lines, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise _not_utf8(f, n, raw, e) from None
                     if line.strip():
                         try:
-                            yield json.loads(line)["text"]
+                            text = json.loads(line)["text"]
                         except (json.JSONDecodeError, KeyError, TypeError) as e:
                             raise ValueError(f"{f}:{n}: expected a JSON object with a 'text' field ({e})") from e
+                        if not isinstance(text, str):
+                            raise ValueError(f"{f}:{n}: 'text' is {'null' if text is None else type(text).__name__}; "
+                                             "expected a string")
+                        yield text
         else:
-            yield f.read_text(encoding="utf-8")
+            raw = f.read_bytes()
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line_start = raw.rfind(b"\n", 0, e.start) + 1
+                n = raw.count(b"\n", 0, e.start) + 1
+                line = raw[line_start:]
+                raise _not_utf8(f, n, line, UnicodeDecodeError(e.encoding, e.object, e.start - line_start,
+                                                               e.end - line_start, e.reason)) from None
 
 
 def corpus_key(source: str, tokenizer, synthetic_bytes: int = 0, seed: int = 0) -> tuple[str, str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, field, section
+from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
 from .gpt import padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
@@ -98,6 +98,8 @@ class TrainSection:
                                  choices=["auto", "no", "fp16", "bf16"])
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (GradScaler)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
+    max_consecutive_skips: int = field(32, "fp16: stop the run (non-zero exit) after this many optimizer steps in a "
+                                           "row skipped for non-finite gradients")
     deepspeed: str | None = field(None, "DeepSpeed JSON, or zero1/zero2/zero3/zero3_offload", unset=True)
     seed: int = field(1337, "random seed (head init, data order, dropout)")
     cpu: bool = field(False, "train on CPU even if a GPU is present")
@@ -141,6 +143,8 @@ class CheckpointSection:
     keep: int = field(2, "resumable checkpoints kept")
     resume: str = field("auto", "auto (continue from logging.out_dir's last checkpoint), never, or a checkpoint dir")
     save_final: bool = field(True, "save the final model (safetensors + config + tokenizer)")
+    resume_without_rng: bool = field(False, "resume from a checkpoint that lacks this process's random-generator "
+                                             "file (dropout and other randomness then differ)")
 
 
 @dataclass
@@ -206,15 +210,24 @@ def check(cfg: FinetuneConfig) -> FinetuneConfig:
             raise ConfigError(f"{key} must be positive, got {value}")
     if t.steps is not None and t.steps <= 0:
         raise ConfigError(f"train.steps must be positive, got {t.steps}")
-    if t.steps is None and t.epochs <= 0:
-        raise ConfigError(f"train.epochs must be positive, got {t.epochs}")
-    for key, value in (("train.grad_clip", t.grad_clip), ("optimizer.weight_decay", cfg.optimizer.weight_decay),
-                       ("eval.interval", cfg.eval.interval), ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("train.time_limit_min", t.time_limit_min), ("data.num_workers", d.num_workers)):
+    if t.steps is None:
+        check_number("train.epochs", t.epochs, 0, None, low_open=True)
+    for key, value in (("eval.interval", cfg.eval.interval), ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("data.num_workers", d.num_workers)):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    o, s = cfg.optimizer, cfg.schedule
+    check_optimization({
+        "lr": ("optimizer.lr", o.lr), "weight_decay": ("optimizer.weight_decay", o.weight_decay),
+        "beta1": ("optimizer.beta1", o.beta1), "beta2": ("optimizer.beta2", o.beta2), "eps": ("optimizer.eps", o.eps),
+        "momentum": ("optimizer.momentum", o.momentum), "grad_clip": ("train.grad_clip", t.grad_clip),
+        "warmup_steps": ("schedule.warmup_steps", s.warmup_steps), "min_lr_ratio": ("schedule.min_lr_ratio",
+                                                                                     s.min_lr_ratio),
+        "loss_scale_init": ("train.loss_scale_init", t.loss_scale_init),
+        "loss_scale_window": ("train.loss_scale_window", t.loss_scale_window),
+        "max_consecutive_skips": ("train.max_consecutive_skips", t.max_consecutive_skips),
+        "time_limit_min": ("train.time_limit_min", t.time_limit_min),
+    })
     if not 0.0 <= cfg.schedule.warmup_ratio < 1.0:
         raise ConfigError(f"schedule.warmup_ratio must lie in [0, 1), got {cfg.schedule.warmup_ratio}")
     if not 0.0 <= cfg.schedule.min_lr_ratio <= 1.0:
@@ -245,11 +258,25 @@ def data_files(spec: str, must_exist: bool = True) -> list[Path]:
     return files
 
 
+def _decode_line(raw: bytes, f: Path, n: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{f}:{n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                         "data files must be UTF-8 text, one JSON object per line") from None
+
+
 def read_records(spec: str) -> list[dict]:
+    """The JSON objects of every file ``spec`` names, each tagged with ``_where`` (``file:line``).
+
+    Refused with ``file:line``: lines that are not UTF-8 or not a JSON object; files with no record.
+    """
     records = []
     for f in data_files(spec):
-        with f.open(encoding="utf-8") as lines:
-            for n, line in enumerate(lines, 1):
+        before = len(records)
+        with f.open("rb") as lines:
+            for n, raw in enumerate(lines, 1):
+                line = _decode_line(raw, f, n)
                 if not line.strip():
                     continue
                 try:
@@ -260,6 +287,8 @@ def read_records(spec: str) -> list[dict]:
                     raise ValueError(f"{f}:{n}: expected a JSON object, got {type(record).__name__}")
                 record["_where"] = f"{f}:{n}"
                 records.append(record)
+        if len(records) == before:
+            raise ValueError(f"{f}: no records (the file is empty); expected one JSON object per line")
     return records
 
 
@@ -271,24 +300,70 @@ def _field(record: dict, name: str, key: str, required: bool = True):
     return record[name]
 
 
+def _text(record: dict, name: str, key: str, required: bool = True) -> str | None:
+    """A text field: a string (an optional field may also be absent or null; then None)."""
+    value = _field(record, name, key, required)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        shown = "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:60]}"
+        raise ValueError(f"{record['_where']}: field {name!r} is {shown}; expected a string")
+    return value
+
+
+def _label_kind(value) -> str:
+    if isinstance(value, bool) or value is None or not isinstance(value, (int, str)):
+        return "bad"
+    return "int" if isinstance(value, int) else "str"
+
+
+def _check_label_types(records: list[dict], d: DataSection) -> str | None:
+    """'int' or 'str': the one type every record's label has (refused: mixed types, null, floats, lists...)."""
+    first: dict[str, dict] = {}
+    for r in records:
+        value = _field(r, d.label_field, "data.label_field")
+        kind = _label_kind(value)
+        if kind == "bad":
+            raise ValueError(f"{r['_where']}: label {json.dumps(value)} ({'null' if value is None else type(value).__name__}"
+                             "); expected a label name (string) or a class index (integer >= 0)")
+        if kind == "int" and value < 0:
+            raise ValueError(f"{r['_where']}: label {value} is negative; class indices start at 0")
+        first.setdefault(kind, r)
+        if len(first) > 1:
+            a, b = first["int"], first["str"]
+            raise ValueError(f"labels mix integers and strings: {a['_where']} has {a[d.label_field]!r}, "
+                             f"{b['_where']} has {b[d.label_field]!r}; use one type throughout (names, or indices "
+                             "into data.labels)")
+    return next(iter(first), None)
+
+
 def label_names(records: list[dict], d: DataSection) -> list[str]:
+    """data.labels, or the labels of ``records``: indices 0..max when they are integers, sorted names otherwise."""
     if d.labels:
         return list(d.labels)
-    values = {_field(r, d.label_field, "data.label_field") for r in records}
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not records:
+        raise ValueError("no records to infer the labels from; set data.labels")
+    kind = _check_label_types(records, d)
+    values = {r[d.label_field] for r in records}
+    if kind == "int":
         return [str(i) for i in range(max(values) + 1)]
-    return sorted(str(v) for v in values)
+    return sorted(values)
 
 
 def _label_id(record: dict, d: DataSection, names: list[str]) -> int:
     value = _field(record, d.label_field, "data.label_field")
+    source = "data.labels" if d.labels else "the labels of data.train"
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 <= value < len(names):
-            raise ValueError(f"{record['_where']}: label {value} outside 0..{len(names) - 1}")
+            raise ValueError(f"{record['_where']}: label {value} outside 0..{len(names) - 1} (indices into {source} "
+                             f"{names})")
+        if str(value) in names and names.index(str(value)) != value:
+            raise ValueError(f"{record['_where']}: label {value} is ambiguous: index {value} of {source} is "
+                             f"{names[value]!r} but {str(value)!r} is also a name; write the name as a string")
         return value
-    if str(value) not in names:
-        raise ValueError(f"{record['_where']}: label {value!r} is not one of data.labels {names}")
-    return names.index(str(value))
+    if value not in names:
+        raise ValueError(f"{record['_where']}: label {value!r} is not one of {source} {names}")
+    return names.index(value)
 
 
 def _encode_classification(tokenizer, text: str, pair: str | None, max_length: int) -> tuple[list[int], int]:
@@ -328,28 +403,29 @@ def tokenize(records: list[dict], cfg: FinetuneConfig, tokenizer, names: list[st
     d = cfg.data
     eos = tokenizer.eos_token_id
     ids, offsets, prompt, split, label = [], [0], [], [], []
+    if d.format == "classification":
+        _check_label_types(records, d)
     for r in records:
         p, s, y = 0, 0, -100
         if d.format == "text":
-            text = _field(r, d.text_field, "data.text_field")
-            example = _encode_text(tokenizer, str(text)) + [eos]
+            text = _text(r, d.text_field, "data.text_field")
+            example = _encode_text(tokenizer, text) + [eos]
         elif d.format == "instruction":
-            inst = _field(r, d.instruction_field, "data.instruction_field")
-            extra = _field(r, d.input_field, "data.input_field", required=False)
-            response = _field(r, d.response_field, "data.response_field")
+            inst = _text(r, d.instruction_field, "data.instruction_field")
+            extra = _text(r, d.input_field, "data.input_field", required=False)
+            response = _text(r, d.response_field, "data.response_field")
             template = d.prompt_template_with_input if extra else d.prompt_template
             try:
                 head = template.format(instruction=inst, input=extra or "")
             except (KeyError, IndexError) as e:
                 raise ValueError(f"data prompt template: unknown placeholder {e} (use {{instruction}}, {{input}})")
             head_ids = _encode_text(tokenizer, head)
-            example = head_ids + _encode_text(tokenizer, str(response)) + [eos]
+            example = head_ids + _encode_text(tokenizer, response) + [eos]
             p = 0 if d.train_on_prompt else len(head_ids)
         else:
-            text = _field(r, d.text_field, "data.text_field")
-            pair = _field(r, d.text_pair_field, "data.text_pair_field") if d.text_pair_field else None
-            example, s = _encode_classification(tokenizer, str(text), None if pair is None else str(pair),
-                                                d.max_length)
+            text = _text(r, d.text_field, "data.text_field")
+            pair = _text(r, d.text_pair_field, "data.text_pair_field") if d.text_pair_field else None
+            example, s = _encode_classification(tokenizer, text, pair, d.max_length)
             y = _label_id(r, d, names)
         example = example[: d.max_length]
         ids += example
@@ -365,7 +441,8 @@ def tokenize(records: list[dict], cfg: FinetuneConfig, tokenizer, names: list[st
 
 def _cache_key(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> str:
     d = cfg.data
-    h = hashlib.sha256(f"v1|{tokenizer.name}|{tokenizer.eos_token_id}|{cfg.task}|{names}".encode())
+    # v2: records checked strictly (null / non-string text, label types); caches of v1 are rebuilt
+    h = hashlib.sha256(f"v2|{tokenizer.name}|{tokenizer.eos_token_id}|{cfg.task}|{names}".encode())
     for key in ("format", "max_length", "text_field", "text_pair_field", "label_field", "instruction_field",
                 "input_field", "response_field", "prompt_template", "prompt_template_with_input", "train_on_prompt"):
         h.update(f"|{key}={getattr(d, key)!r}".encode())
@@ -389,7 +466,32 @@ def load_examples(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -
         logger.info("tokenised %s: %d examples, %s tokens -> %s", spec, arrays["offsets"].size - 1,
                     f"{arrays['ids'].size:,}", path)
     with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+        arrays = {k: z[k] for k in z.files}
+    return drop_targetless(arrays, cfg, spec)
+
+
+def target_counts(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Tokens each causal-LM example is trained to predict: after its first token and its prompt."""
+    lengths = np.diff(arrays["offsets"])
+    return lengths - np.maximum(arrays["prompt"].astype(np.int64), 1)
+
+
+def drop_targetless(arrays: dict[str, np.ndarray], cfg: FinetuneConfig, spec: str) -> dict[str, np.ndarray]:
+    """Causal LM: the examples with at least one target token; the others are counted and reported (a batch of
+    them only would have a loss of 0/0). None left is an error naming the cause."""
+    if cfg.task != "causal_lm":
+        return arrays
+    n = arrays["offsets"].size - 1
+    keep = np.flatnonzero(target_counts(arrays) > 0)
+    if keep.size == n:
+        return arrays
+    why = (f"the prompt fills data.max_length {cfg.data.max_length}" if cfg.data.format == "instruction" and
+           not cfg.data.train_on_prompt else "the text is empty")
+    if keep.size == 0:
+        raise ValueError(f"{spec}: none of its {n} examples has a token to learn ({why}); raise data.max_length, "
+                         "shorten the prompts, or set data.train_on_prompt")
+    logger.warning("%s: %d of %d examples have no token to learn (%s) and are left out", spec, n - keep.size, n, why)
+    return select(arrays, keep.tolist())
 
 
 def select(arrays: dict[str, np.ndarray], indices) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, field, resolve_auto
+from .config import ConfigError, check_number, check_optimization, field, resolve_auto
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
 # arch "llama" uses the same shapes with RoPE, RMSNorm and a SwiGLU MLP of ~8/3 n_embd.
@@ -96,6 +96,8 @@ class GPTTrainConfig:
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (PyTorch GradScaler; DeepSpeed "
                                             "takes its JSON's initial_scale_power)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
+    max_consecutive_skips: int = field(32, "fp16: stop the run (non-zero exit) after this many optimizer steps in a "
+                                           "row skipped for non-finite gradients")
     deepspeed: str | None = field(None, "DeepSpeed JSON (ZeRO), or zero1/zero2/zero3/zero3_offload for "
                                         "configs/deepspeed/<name>.json; also set by an accelerate config",
                                   unset=True)
@@ -111,6 +113,8 @@ class GPTTrainConfig:
     keep_checkpoints: int = field(2, "resumable checkpoints kept (older ones are deleted)")
     resume: str = field("auto", "auto: continue from out_dir's last checkpoint if there is one; never; or a "
                                 "checkpoint directory")
+    resume_without_rng: bool = field(False, "resume from a checkpoint that lacks this process's random-generator "
+                                             "file (dropout and data-independent randomness then differ)")
     time_limit_min: float = field(0.0, "stop (with a checkpoint) after this many minutes of training (0: none)")
     seed: int = field(1337, "random seed (model init, data order)")
     cpu: bool = field(False, "train on CPU even if a GPU is present")
@@ -209,12 +213,12 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
         raise ConfigError(f"loss_chunk_tokens must be positive (or unset: auto), got {cfg.loss_chunk_tokens}")
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"lr must be positive, got {cfg.lr}")
-    if cfg.loss_scale_init <= 0 or cfg.loss_scale_window <= 0:
-        raise ConfigError("loss_scale_init and loss_scale_window must be positive")
-    if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
-        raise ConfigError(f"peak_tflops must be positive, got {cfg.peak_tflops}")
+    check_optimization({kind: (kind, getattr(cfg, kind)) for kind in (
+        "lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio", "loss_scale_init",
+        "loss_scale_window", "max_consecutive_skips", "time_limit_min")})
+    for name in ("rope_theta", "peak_tflops", "synthetic_mb"):
+        if getattr(cfg, name) is not None:
+            check_number(name, getattr(cfg, name), 0, None, low_open=name != "synthetic_mb")
     for name in ("model_path", "model_config"):
         path = getattr(cfg, name)
         if path is not None and not Path(path).exists():

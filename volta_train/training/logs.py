@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .fsio import writing
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
 
@@ -177,14 +179,15 @@ class MetricsWriter:
         import csv
 
         path = self.out_dir / f"{name}.csv"
-        if name not in self.columns:
-            self.columns[name] = ["step", *values]
-            with path.open("w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerow(self.columns[name])
         row = [step] + ["" if values.get(c) is None else repr(values[c]) if isinstance(values[c], float) else values[c]
-                        for c in self.columns[name][1:]]
-        with path.open("a", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerow(row)
+                        for c in self.columns.get(name, ["step", *values])[1:]]
+        with writing(path):  # a full disk names the file
+            if name not in self.columns:
+                self.columns[name] = ["step", *values]
+                with path.open("w", newline="", encoding="utf-8") as f:
+                    csv.writer(f).writerow(self.columns[name])
+            with path.open("a", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerow(row)
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and value == value:  # not None, not NaN

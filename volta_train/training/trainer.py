@@ -21,10 +21,20 @@ micro-batches consumed (``batches(start)``), the learning rate one of the step, 
 generator states are restored last, so a resumed run repeats the interrupted run's
 trajectory. ``SIGTERM`` (what schedulers send before killing a job) and
 ``time_limit_min`` stop the run at the next step boundary with a checkpoint.
+
+Non-finite values: every step checks its loss and gradient norm (one small all-reduce, shared
+with the stop flag, when several processes run). Without a dynamic loss scaler a non-finite value
+stops the run before the optimizer applies it (under DeepSpeed, which steps inside ``backward``,
+right after); with one (fp16), the scaler skips such steps, and ``max_consecutive_skips`` of them
+in a row stop the run. The weights are also checked before every checkpoint and at the end. A
+stop for non-finite values writes ``summary.json`` with ``"completed": false`` and the reason, saves
+nothing (no checkpoint, no final model; the last good checkpoint stays) and raises
+:class:`TrainingFailed`, which the recipes turn into a non-zero exit.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -35,10 +45,14 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, logs, metrics, optim
+from . import checkpoint, fsio, logs, metrics, optim
 from .distributed import Setup, loss_scale
 
 logger = logging.getLogger("volta_train.trainer")
+
+
+class TrainingFailed(RuntimeError):
+    """The run stopped on a non-finite loss, gradient or weight; summary.json records it."""
 
 
 @dataclass
@@ -60,6 +74,8 @@ class LoopConfig:
     progress: bool = True
     tensorboard: bool = False  # opt-in: --tensorboard
     peak_tflops: float | None = None
+    max_consecutive_skips: int = 32  # fp16: optimizer steps skipped in a row (non-finite gradients) before stopping
+    allow_missing_rng: bool = False  # resume from a checkpoint without this process's generator states
 
 
 class Trainer:
@@ -93,36 +109,85 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
+        """The checkpoint to resume from, chosen (and verified) by the main process and shared with the others."""
         spec = self.loop.resume
         if spec in ("never", "", None):
             return None
+        choice: list = [None, None]  # path, error
+        if self.accelerator.is_main_process:
+            try:
+                choice[0] = self._choose_checkpoint(spec)
+            except (checkpoint.CheckpointError, FileNotFoundError) as e:
+                choice[1] = f"{type(e).__name__}|{e}"
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice = broadcast_object_list([None if c is None else str(c) for c in choice], from_process=0)
+        if choice[1] is not None:
+            kind, message = str(choice[1]).split("|", 1)
+            raise (FileNotFoundError if kind == "FileNotFoundError" else checkpoint.CheckpointError)(message)
+        return Path(choice[0]) if choice[0] is not None else None
+
+    def _choose_checkpoint(self, spec: str) -> Path | None:
+        allow = self.loop.allow_missing_rng
         if spec == "auto":
-            return checkpoint.find_latest(self.checkpoint_root)
+            return checkpoint.select_resume(self.checkpoint_root, allow_missing_rng=allow)
         path = Path(spec)
         if path.is_dir() and not (path / checkpoint.COMPLETE).exists():
-            latest = checkpoint.find_latest(path)  # an out_dir/checkpoints directory: its newest checkpoint
-            latest = latest or checkpoint.find_latest(path / checkpoint.CHECKPOINTS)
-            if latest is not None:
-                return latest
+            for root in (path, path / checkpoint.CHECKPOINTS):  # an out_dir/checkpoints directory, or an out_dir
+                if checkpoint.complete_checkpoints(root) or any(root.glob("step-*")):
+                    return checkpoint.select_resume(root, allow_missing_rng=allow)
         if not (path / checkpoint.COMPLETE).is_file():
             raise FileNotFoundError(f"resume {spec!r}: not a complete checkpoint directory")
+        problems, notes = checkpoint.verify_checkpoint(path)
+        if allow:
+            problems = [p for p in problems if "random-generator state" not in p]
+        if problems:
+            raise checkpoint.CheckpointError(f"resume {spec!r}: the checkpoint cannot be resumed from: "
+                                             f"{'; '.join(problems)}")
+        for note in notes:
+            logger.warning("%s", note)
         return path
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         self._stop_reason = "SIGTERM"
         logger.warning("SIGTERM: stopping after this step with a checkpoint")
 
-    def _should_stop(self, started: float) -> str | None:
-        """The stop reason all processes agree on (one all-reduce per step when several processes run)."""
+    def _agree(self, started: float, nonfinite: torch.Tensor) -> tuple[bool, str | None]:
+        """(a non-finite value on any process, the stop reason all processes agree on): one all-reduce per step
+        when several processes run. ``nonfinite`` is this process's 0-d bool tensor."""
         reason = self._stop_reason
         limit = self.loop.time_limit_min * 60
         if reason is None and limit and time.perf_counter() - started > limit:
             reason = f"time limit ({self.loop.time_limit_min:g} min)"
         if self.accelerator.num_processes == 1:
-            return reason
-        flag = torch.tensor([1.0 if reason else 0.0], device=self.accelerator.device)
-        flag = self.accelerator.reduce(flag, "max")
-        return (reason or "another process stopped") if flag.item() > 0 else None
+            return bool(nonfinite.item()), reason
+        flags = torch.stack([nonfinite.float().reshape(()),
+                             torch.tensor(1.0 if reason else 0.0, device=nonfinite.device)])
+        flags = self.accelerator.reduce(flags, "max").tolist()
+        return flags[0] > 0, (reason or "another process stopped") if flags[1] > 0 else None
+
+    def _weights_finite(self) -> bool:
+        """Every parameter this process holds is finite (all processes agree; ZeRO-3 partitions are skipped)."""
+        flags = [torch.isfinite(p.detach()).all() for p in self.model.parameters() if p.numel()]
+        ok = torch.stack(flags).all().float() if flags else torch.ones((), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            ok = self.accelerator.reduce(ok.reshape(1).to(self.accelerator.device), "min")
+        return bool(ok.item() > 0)
+
+    def _fail(self, reason: str, done: int, summary: dict, writer) -> None:
+        """Record the failure in summary.json (main process) and raise :class:`TrainingFailed`; nothing is saved."""
+        last = checkpoint.find_latest(self.checkpoint_root)
+        message = (f"{reason}; stopped at step {done}/{self.loop.steps} without saving anything: "
+                   + (f"the last good checkpoint is {last}" if last else "there is no checkpoint"))
+        logger.error("%s", message)
+        writer.close()
+        if self.accelerator.is_main_process:
+            record = {**summary, "steps": done, "planned_steps": self.loop.steps, "completed": False,
+                      "failed": True, "reason": reason, "stopped": "non-finite values", "last_checkpoint":
+                      str(last) if last else None, "checkpoint": None, "model": None}
+            fsio.write_text_atomic(self.out_dir / "summary.json", json.dumps(record, indent=2) + "\n", fsync=False)
+        raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
         state = {**totals, "micro_batches": step * self.loop.grad_accum, **self.run_info}
@@ -137,7 +202,8 @@ class Trainer:
         start_step, resumed_from, rng = 0, None, None
         path = self._resume_path()
         if path is not None:
-            state = checkpoint.load_checkpoint(acc, self.model, self.optimizer, path)
+            state = checkpoint.load_checkpoint(acc, self.model, self.optimizer, path,
+                                               allow_missing_rng=loop.allow_missing_rng)
             start_step, rng, resumed_from = int(state["step"]), state.pop("rng"), str(path)
             totals = {k: state.get(k, v) for k, v in totals.items()}
             if state.get("world_size") != acc.num_processes:
@@ -176,11 +242,15 @@ class Trainer:
         clip = loop.grad_clip if loop.grad_clip > 0 else float("inf")
         started = last = time.perf_counter()
         stopped, done = None, start_step
+        scaled = loss_scale(self.setup, self.model) is not None  # a dynamic loss scaler skips non-finite steps
+        consecutive_skips = 0
+        step_loss = torch.zeros((), device=device)
         self.model.train()
         try:
             for step in range(start_step, loop.steps):
                 lr = optim.lr_at(step, loop.steps, loop.lr, loop.warmup_steps, loop.min_lr_ratio, loop.schedule)
                 optim.set_lr(self.optimizer, lr)
+                step_loss.zero_()
                 for _ in range(loop.grad_accum):
                     batch = next(batches)
                     n_tokens, n_flops = self.flops(batch)
@@ -190,14 +260,35 @@ class Trainer:
                     with acc.accumulate(self.model):  # syncs gradients (DDP) on the last micro-batch only
                         loss = self.loss_fn(self.model, batch)
                         acc.backward(loss)  # divides by grad_accum; fp16: scales the loss; DeepSpeed: steps
-                    loss_sum += loss.detach().float()
+                    step_loss += loss.detach().float()
                     n_micro += 1
+                loss_sum += step_loss
                 if not self.setup.deepspeed:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), clip)
-                self.optimizer.step()  # fp16: skipped when the gradients overflowed, and the loss scale drops
+                failed = None
+                if not scaled and not self.setup.deepspeed:  # decide before the optimizer applies anything
+                    nonfinite, stopped = self._agree(started, self._nonfinite(step_loss, grad_norm))
+                    if nonfinite:
+                        failed = self._describe_nonfinite(step + 1, step_loss, grad_norm)
+                if failed is None:
+                    self.optimizer.step()  # fp16: skipped when the gradients overflowed, and the loss scale drops
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.setup.deepspeed:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), clip)  # DeepSpeed's norm of this step
+                if scaled or self.setup.deepspeed:
+                    nonfinite, stopped = self._agree(started, self._nonfinite(step_loss, grad_norm))
+                    was_skipped = scaled and bool(acc.optimizer_step_was_skipped)
+                    consecutive_skips = consecutive_skips + 1 if was_skipped else 0
+                    if nonfinite and not was_skipped:
+                        failed = self._describe_nonfinite(step + 1, step_loss, grad_norm)
+                    elif consecutive_skips >= loop.max_consecutive_skips:
+                        failed = (f"{consecutive_skips} optimizer steps in a row (to step {step + 1}) were skipped "
+                                  "for non-finite fp16 gradients (max_consecutive_skips "
+                                  f"{loop.max_consecutive_skips}; loss scale now "
+                                  f"{loss_scale(self.setup, self.model)}): the run diverged")
+                if failed is not None:
+                    self._fail(failed, step, {**summary_base, "skipped_steps": totals["skipped_steps"] + skipped,
+                                              "train_loss": None}, writer)
                 skipped += int(acc.optimizer_step_was_skipped)
                 bar.update()
                 done = step + 1
@@ -240,8 +331,11 @@ class Trainer:
                         and done < loop.steps:
                     self._eval(done, writer)
 
-                stopped = self._should_stop(started)
                 at_interval = bool(loop.checkpoint_interval) and done % loop.checkpoint_interval == 0
+                if at_interval or stopped or done == loop.steps:
+                    if not self._weights_finite():
+                        self._fail(f"the weights became non-finite in step {done}'s optimizer update (lr {lr:.3g})",
+                                   done - 1, {**summary_base, "train_loss": None}, writer)
                 if at_interval or stopped or (done == loop.steps and loop.checkpoint_interval):
                     saving = time.perf_counter()
                     self._save(done, {**totals, "seconds": totals["seconds"] + saving - started,
@@ -273,9 +367,26 @@ class Trainer:
             "completed": done == loop.steps, "stopped": stopped, **{f"eval_{k}": v for k, v in final_eval.items()},
         }
 
+    @staticmethod
+    def _nonfinite(step_loss: torch.Tensor, grad_norm) -> torch.Tensor:
+        bad = ~torch.isfinite(step_loss)
+        if isinstance(grad_norm, torch.Tensor):
+            bad = bad | ~torch.isfinite(grad_norm.detach().to(bad.device).float())
+        elif grad_norm is not None:
+            bad = bad | (not math.isfinite(float(grad_norm)))
+        return bad
+
+    def _describe_nonfinite(self, step: int, step_loss: torch.Tensor, grad_norm) -> str:
+        loss = step_loss.item() / self.loop.grad_accum
+        norm = float(grad_norm) if grad_norm is not None else math.nan
+        where = f"loss {loss:.4g}, gradient norm {norm:.4g}"
+        if self.accelerator.num_processes > 1 and math.isfinite(loss) and math.isfinite(norm):
+            where += " here; non-finite on another process"
+        return f"non-finite values at step {step} ({where})"
+
     def _eval(self, step: int, writer) -> dict[str, float]:
         values = self.evaluate()
-        logger.info("eval step %d | %s", step, " | ".join(f"{('val ' + k) if k == 'loss' else k} {v:.4f}"
-                                                          for k, v in values.items()))
+        logger.info("eval step %d | %s", step, " | ".join(
+            f"{('val ' + k) if k == 'loss' else k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in values.items()))
         writer.write("eval", step, values)
         return values
