@@ -37,6 +37,9 @@ logger = logging.getLogger("volta_train")
 BACKEND_ENV = "VOLTA_TRAIN_BACKEND"
 BACKEND_CHOICES = ("auto", "kernel", "reference")
 ACCUM_CHOICES = ("fp32", "fp16")
+# "auto" (the default): FP16-ACC where the kernel's tile meets flash-attn's accuracy standard with it, else fp32
+# (kernels.launch.resolve_bwd_accum; docs/accuracy.md)
+BWD_ACCUM_CHOICES = ("auto", "fp32", "fp16")
 _INT64_WRAP = 1 << 64
 _logged_reasons: set[tuple[str, str]] = set()
 
@@ -310,7 +313,25 @@ def _setup_context(ctx, inputs, output):
             "dropout_p", "seed", "offset", "bwd_accum", "deterministic", "softcap",
         )
     }
+    if named["accum"] == "fp16" and out.is_cuda:
+        _warn_fp16_forward_with_gradients()
     ctx.mark_non_differentiable(lse)
+
+
+_warned_fp16_forward = False
+
+
+def _warn_fp16_forward_with_gradients() -> None:
+    """accum="fp16" saves an output and log-sum-exp from fp16-accumulated scores; the backward recomputes the scores
+    with fp32 accumulation, so its gradients carry the forward's rounding (measured bound in docs/accuracy.md)."""
+    global _warned_fp16_forward
+    if not _warned_fp16_forward:
+        _warned_fp16_forward = True
+        logger.warning(
+            "volta_train: accum='fp16' with gradients: the backward recomputes fp32-accumulated scores against the "
+            "fp16-accumulated forward's log-sum-exp, so gradients are up to ~5x further from float64 than PyTorch's "
+            "fp16 attention (docs/accuracy.md); use accum='fp32' (the default) for training"
+        )
 
 
 def _backward(ctx, dout, _dlse):

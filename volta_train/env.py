@@ -85,7 +85,8 @@ def transformers_lines() -> list[str]:
         import transformers
     except ImportError as error:
         return [f"transformers: not installed ({error}): volta_train.patch and the recipes need it"]
-    return [f"transformers {transformers.__version__}; volta_train.patch supports: "
+    return [f"transformers {transformers.__version__}; volta_train.patch takes any model transformers declares "
+            "flash-attention capable whose attention goes through its attention interface; tested: "
             + ", ".join(supported_families())]
 
 

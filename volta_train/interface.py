@@ -11,8 +11,11 @@ Differences from flash-attn, all explicit:
   (fp32, [batch, heads, seqlen_q]; [heads, total_q] for varlen) but not the
   probability matrix, which would need seqlen_q x seqlen_k memory.
 * ``accum`` ("fp32" or "fp16") picks the forward's tensor-core accumulation and
-  ``bwd_accum`` the backward's; both are keyword-only and ignored by the
-  reference backend, which always accumulates in fp32 (fp64 for fp64 inputs).
+  ``bwd_accum`` ("auto", "fp32" or "fp16") the backward's: "auto" takes FP16-ACC on the
+  tiles where it meets flash-attn's accuracy standard and fp32 elsewhere (docs/accuracy.md);
+  accum="fp16" is for inference (with gradients it warns once: docs/accuracy.md). Both are
+  keyword-only and ignored by the reference backend, which always accumulates in fp32
+  (fp64 for fp64 inputs).
 * A paged KV cache (``block_table`` not None) raises NotImplementedError.
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
@@ -59,8 +62,8 @@ def _require_tensors(**tensors) -> None:
 def _prepare(q, dropout_p, softmax_scale, accum, bwd_accum):
     if accum not in _dispatch.ACCUM_CHOICES:
         raise ValueError(f"accum is {accum!r}; accepted: {', '.join(_dispatch.ACCUM_CHOICES)}")
-    if bwd_accum not in _dispatch.ACCUM_CHOICES:
-        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(_dispatch.ACCUM_CHOICES)}")
+    if bwd_accum not in _dispatch.BWD_ACCUM_CHOICES:
+        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(_dispatch.BWD_ACCUM_CHOICES)}")
     # from the caller's head_dim: padding for the kernel (in the dispatcher) never changes the scale
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     seed, offset = (0, 0)
@@ -83,7 +86,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """Scaled dot-product attention on [batch, seqlen, heads, head_dim] tensors.
 
@@ -131,7 +134,7 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """Attention over sequences packed without padding: q [total_q, heads, head_dim], k/v [total_k, ...].
 
@@ -181,7 +184,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """qkv: [batch, seqlen, 3, heads, head_dim]; q, k and v are strided views of it (no copies)."""
     q, k, v = _unbind_packed("qkv", qkv, 2, 3, "batch, seqlen, 3, heads, head_dim")
@@ -204,7 +207,7 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """q: [batch, seqlen_q, heads, head_dim]; kv: [batch, seqlen_k, 2, kv_heads, head_dim]."""
     k, v = _unbind_packed("kv", kv, 2, 2, "batch, seqlen_k, 2, kv_heads, head_dim")
@@ -228,7 +231,7 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """qkv: [total, 3, heads, head_dim], packed as in :func:`flash_attn_varlen_func`; one cu_seqlens for q and k."""
     q, k, v = _unbind_packed("qkv", qkv, 1, 3, "total, 3, heads, head_dim")
@@ -255,7 +258,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     accum: str = "fp32",
-    bwd_accum: str = "fp16",
+    bwd_accum: str = "auto",
 ):
     """q: [total_q, heads, head_dim]; kv: [total_k, 2, kv_heads, head_dim] (see :func:`flash_attn_varlen_func`)."""
     k, v = _unbind_packed("kv", kv, 1, 2, "total_k, 2, kv_heads, head_dim")

@@ -39,7 +39,7 @@ from .base import (
     installed_transformers,
     release,
 )
-from .families import FAMILIES, REFUSED, SPECIAL, Family, softcap_supported
+from .families import FAMILIES, REFUSED, SPECIAL, TESTED_MODEL_TYPES, Family, softcap_supported, supported_model_types
 from .masks import Packing, padding_mask
 from .patching import PatchRecord, patch, register, unpatch
 
@@ -50,6 +50,8 @@ _installed_transformers = installed_transformers
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "FAMILIES",
+    "TESTED_MODEL_TYPES",
+    "supported_model_types",
     "Family",
     "MASK_INTERFACE_SINCE",
     "MIN_TRANSFORMERS",

@@ -272,6 +272,20 @@ FAMILIES = _Families()
 # ---- per-module features --------------------------------------------------------------------------------
 
 
+# The model types tests/test_patch_hf_families.py runs against eager attention (logits, gradients, padding, packing,
+# generate); patch() takes any other model that passes why_not_model() too.
+TESTED_MODEL_TYPES: tuple[str, ...] = (
+    "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "phi", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+    "mixtral", "olmo2", "opt", "starcoder2", "gpt_bigcode", "qwen2_moe", "qwen3_moe", "granite", "stablelm", "olmo",
+    "bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "modernbert",
+)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """The model types tested with patch(); support itself is generic (why_not_model)."""
+    return TESTED_MODEL_TYPES
+
+
 def softcap_supported() -> bool:
     """Whether volta_train's attention API takes ``softcap`` (the reference backend computes it).
 
