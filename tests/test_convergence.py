@@ -346,3 +346,34 @@ def test_convergence_cuda_fp16_kernel(name):
         )
     tail = sum(differences[-GPU_TAIL:]) / GPU_TAIL
     assert tail <= GPU_MEAN_ATOL, f"mean |difference| over the last {GPU_TAIL} steps {tail:.3g}"
+
+
+FP16_ACC_TAIL_ATOL = 2e-2  # accum="fp16" vs "fp32": mean |difference| over the last GPU_TAIL steps
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_training_with_fp16_accumulating_forward_follows_fp32():
+    """GPT-2, fp16 autocast + GradScaler, GPU_STEPS steps on the kernel: accum="fp16" (FP16-ACC forward, gradients
+    from the fp32-accumulating recomputation) against accum="fp32" (the default). Prints both curves' summary."""
+    import functools
+
+    from volta_train import interface
+
+    case = CASES["gpt2"]
+    data = batches(case, GPU_STEPS)
+    runs = {}
+    for accum in ("fp32", "fp16"):
+        with mock.patch.object(interface, "flash_attn_func", functools.partial(interface.flash_attn_func, accum=accum)), \
+                mock.patch.object(interface, "flash_attn_varlen_func",
+                                  functools.partial(interface.flash_attn_varlen_func, accum=accum)):
+            runs[accum] = train(case, data, patched=True, device="cuda", fp16=True)
+    fp32, fp16 = runs["fp32"], runs["fp16"]
+    print(_report("gpt2 accum=fp16 vs fp32", fp32, fp16))
+    _assert_learned(fp32)
+    _assert_learned(fp16)
+    differences = [abs(a - b) for a, b in zip(fp32.losses, fp16.losses)]
+    tail = sum(differences[-GPU_TAIL:]) / GPU_TAIL
+    print(f"accum=fp16 vs fp32: first loss {fp32.losses[0]:.4f}/{fp16.losses[0]:.4f}, last {fp32.losses[-1]:.4f}/"
+          f"{fp16.losses[-1]:.4f}, max |difference| {max(differences):.4f}, mean over the last {GPU_TAIL} {tail:.4f}")
+    assert tail <= FP16_ACC_TAIL_ATOL, f"mean |difference| over the last {GPU_TAIL} steps {tail:.3g}"

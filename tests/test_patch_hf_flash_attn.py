@@ -170,3 +170,19 @@ def test_flash_attention_2_fp16_kernel_matches_eager(kind, flash_attn):
     reference = _tiny(kind, "eager", device="cuda", dtype=torch.float32)
     ids, mask = _inputs("cuda")
     _assert_match(model, reference, ids, mask, rtol=2e-2)  # fp16 kernel against fp32 eager
+
+
+def test_older_transformers_distribution_mapping_follows_install(monkeypatch):
+    """transformers <= 5.17 keeps PACKAGE_DISTRIBUTION_MAPPING as a dict taken at import: install adds flash_attn to
+    it (the GPU check of 5.17 failed with "the package for FlashAttention2 doesn't seem to be installed"), uninstall
+    takes it out again."""
+    import transformers.utils.import_utils as utils
+
+    monkeypatch.setattr(utils, "PACKAGE_DISTRIBUTION_MAPPING", {"torch": ["torch"]}, raising=False)
+    flash_attn_compat.uninstall_flash_attn()
+    volta_train.install_flash_attn()
+    try:
+        assert utils.PACKAGE_DISTRIBUTION_MAPPING["flash_attn"] == ["flash-attn"]
+    finally:
+        flash_attn_compat.uninstall_flash_attn()
+    assert "flash_attn" not in utils.PACKAGE_DISTRIBUTION_MAPPING and utils.PACKAGE_DISTRIBUTION_MAPPING["torch"] == ["torch"]

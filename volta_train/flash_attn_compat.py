@@ -100,10 +100,20 @@ def _real_flash_attn() -> str | None:
 
 
 def _clear_transformers_caches() -> None:
-    """transformers caches its availability probes; they must see the change."""
+    """transformers caches its availability probes; they must see the change.
+
+    Releases before the cached ``_package_distribution_mapping()`` (5.17 and earlier, e.g.) keep a module-level
+    ``PACKAGE_DISTRIBUTION_MAPPING`` dict taken at import time: its flash_attn entry follows :func:`is_installed`.
+    """
     utils = sys.modules.get("transformers.utils.import_utils")
     if utils is None:
         return
+    mapping = getattr(utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
+    if isinstance(mapping, dict):
+        if is_installed():
+            mapping.setdefault("flash_attn", ["flash-attn"])
+        elif mapping.get("flash_attn") == ["flash-attn"]:
+            del mapping["flash_attn"]
     for name in ("_package_distribution_mapping", "is_flash_attn_2_available", "is_flash_attn_greater_or_equal",
                  "is_flash_attn_3_available", "is_flash_attn_4_available"):
         cache_clear = getattr(getattr(utils, name, None), "cache_clear", None)
