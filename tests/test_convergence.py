@@ -88,13 +88,20 @@ def markov_sequences(count: int, seed: int) -> list[torch.Tensor]:
 
 
 def padded_batch(sequences: list[torch.Tensor], side: str) -> dict[str, torch.Tensor]:
-    """input_ids / attention_mask / labels (-100 on padding), padded to SEQ on the right or the left."""
+    """input_ids / attention_mask / labels (-100 on padding), padded to SEQ on the right or the left.
+
+    Left padding: the first real token's label is -100 too. Its prediction would come from the last padding
+    position, a query that sees no key: flash-attn's semantics make its attention output 0, sdpa/eager attend
+    uniformly to the padding instead, so that one loss term differs by definition, not by accuracy."""
     ids = torch.full((len(sequences), SEQ), PAD)
     mask = torch.zeros(len(sequences), SEQ, dtype=torch.long)
+    labels = torch.full((len(sequences), SEQ), -100)
     for row, sequence in enumerate(sequences):
         span = slice(0, len(sequence)) if side == "right" else slice(SEQ - len(sequence), SEQ)
-        ids[row, span], mask[row, span] = sequence, 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        ids[row, span], mask[row, span], labels[row, span] = sequence, 1, sequence
+        if side == "left":
+            labels[row, span.start] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def masked_lm_batch(sequences: list[torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
