@@ -68,12 +68,7 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
                 if (KT::kDropout) dpz = tile_keep_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
                 ds[i] = p * (dpz - dsum[a][slot]);
             }
-            if (KT::kAccumF16) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) ds_own[a][nt][r] = pack_half2(ds[2 * r], ds[2 * r + 1]);
-            } else {
-                f32_acc_to_row_fragment(ds, lq.t, ds_own[a][nt]);
-            }
+            to_row_fragment<KT>(ds, lq, ds_own[a][nt]);
             share_with_partner_quad_pairs<KT>(ds_own[a][nt], ds_partner, a, nt);
         }
 }

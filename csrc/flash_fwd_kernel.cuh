@@ -77,12 +77,7 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
                 const int r = Layout::row_slot(i);
                 s[a][nt][i] = acc.softmax.exp2_and_sum(a, r, s[a][nt][i], score_scale, exp_offset[r]);
             }
-            if (KT::kAccumF16) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) p_own[a][nt][r] = pack_half2(s[a][nt][2 * r], s[a][nt][2 * r + 1]);
-            } else {
-                f32_acc_to_row_fragment(s[a][nt], lq.t, p_own[a][nt]);
-            }
+            to_row_fragment<KT>(s[a][nt], lq, p_own[a][nt]);
             if (KT::kDropout) {
                 const int row = g.mtile_row0(a) + lq.operand_row();
                 rng.apply(p_own[a][nt], (u32)((key0 + g.stile_key0(nt)) >> 3), (u32)row);

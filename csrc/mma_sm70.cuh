@@ -63,6 +63,10 @@ __device__ __forceinline__ void mma_rr_f16(u32 (&d)[4], u32 a0, u32 a1, u32 b0, 
         : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
 }
 
+// D = A * B + D, A row-major, B col-major, in the accumulator's type: f16x2 registers (FP16-ACC) or fp32.
+__device__ __forceinline__ void mma_rc(u32 (&d)[4], u32 a0, u32 a1, u32 b0, u32 b1) { mma_rc_f16(d, a0, a1, b0, b1); }
+__device__ __forceinline__ void mma_rc(float (&d)[8], u32 a0, u32 a1, u32 b0, u32 b1) { mma_rc_f32(d, a0, a1, b0, b1); }
+
 // ---- Hand-over from the f32 C/D layout to the A-operand layout (P of S = Q K^T becomes A of O = P V).
 
 // f32 accumulators: element i of an 8x8 tile belongs to the lane's row slot (i >> 1) & 1, i.e.

@@ -155,6 +155,22 @@ __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body bod
     }
 }
 
+// acc[a][nt] += A B^T over head_dim for every m-tile a and S tile nt (the loop of rows_times_tile_rows), in the
+// accumulator type of the mode: u32[4] (f16x2, FP16-ACC) or float[8] (FP32-ACC), through the matching mma_rc.
+template <class KT, class Acc>
+__device__ __forceinline__ void accumulate_rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
+                                                                const FwdWarpGeometry<KT>& g, Acc& acc) {
+    for_each_qk_step<KT>([&](int nt, int kk) {
+        const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + g.lq.operand_row()) * KT::kSmemStride + 8 * kk);
+#pragma unroll
+        for (int a = 0; a < KT::kMTiles; ++a) {
+            const u32x4 qa = q.chunk(a, kk);
+            mma_rc(acc[a][nt], qa.x, qa.y, b.x, b.y);
+            mma_rc(acc[a][nt], qa.z, qa.w, b.z, b.w);
+        }
+    });
+}
+
 // S-shaped products of one warp: s = A B^T with A = the warp's rows (Q, or dO in the dQ kernel) and B = the
 // rows of a [key][head_dim] tile in shared memory (col-major B: the lane feeds key column operand_row(), 8
 // head_dim values per 16-byte load). FP16-ACC accumulates in fp16 and widens the result.
@@ -162,7 +178,6 @@ template <class KT>
 __device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
                                                      const FwdWarpGeometry<KT>& g,
                                                      float (&s)[KT::kMTiles][KT::kSTilesPerQuadPair][8]) {
-    const LaneInQuadPair& lq = g.lq;
     if (KT::kAccumF16) {
         u32 s16[KT::kMTiles][KT::kSTilesPerQuadPair][4];
 #pragma unroll
@@ -171,15 +186,7 @@ __device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, cons
             for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) s16[a][nt][r] = 0u;
-        for_each_qk_step<KT>([&](int nt, int kk) {
-            const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
-#pragma unroll
-            for (int a = 0; a < KT::kMTiles; ++a) {
-                const u32x4 qa = q.chunk(a, kk);
-                mma_rc_f16(s16[a][nt], qa.x, qa.y, b.x, b.y);
-                mma_rc_f16(s16[a][nt], qa.z, qa.w, b.z, b.w);
-            }
-        });
+        accumulate_rows_times_tile_rows<KT>(q, b_tile, g, s16);
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -196,17 +203,21 @@ __device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, cons
             for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) s[a][nt][i] = 0.f;
-        for_each_qk_step<KT>([&](int nt, int kk) {
-            const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + lq.operand_row()) * KT::kSmemStride + 8 * kk);
-#pragma unroll
-            for (int a = 0; a < KT::kMTiles; ++a) {
-                const u32x4 qa = q.chunk(a, kk);
-                mma_rc_f32(s[a][nt], qa.x, qa.y, b.x, b.y);
-                mma_rc_f32(s[a][nt], qa.z, qa.w, b.z, b.w);
-            }
-        });
+        accumulate_rows_times_tile_rows<KT>(q, b_tile, g, s);
     }
+}
 
+// This lane's eight values of an S-shaped tile as the A-operand row fragment of the next product (P of O = P V,
+// dS of dQ = dS K): FP16-ACC lanes hold one row already and pack it; FP32-ACC lanes hold halves of two rows and
+// trade them with lane t ^ 2 (f32_acc_to_row_fragment, mma_sm70.cuh).
+template <class KT>
+__device__ __forceinline__ void to_row_fragment(const float (&x)[8], const LaneInQuadPair& lq, u32 (&frag)[4]) {
+    if (KT::kAccumF16) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) frag[r] = pack_half2(x[2 * r], x[2 * r + 1]);
+    } else {
+        f32_acc_to_row_fragment(x, lq.t, frag);
+    }
 }
 
 // O += P B for one key block, B given transposed in shared memory ([output column][key], e.g. V^T): the
