@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from naive import naive_attention, visible_mask  # noqa: E402
-from volta_train._options import AttentionOptions  # noqa: E402
-from volta_train.kernels import launch  # noqa: E402
+from volta_train._options import AttentionOptions
+from volta_train.kernels import launch
+from volta_train.testing import naive_attention, visible_mask
 
 SHAPES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
     (4, 1024, 1024, 8, 8, 64, False),

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import volta_train  # noqa: E402
-from volta_train import bench  # noqa: E402
-from volta_train._options import AttentionOptions  # noqa: E402
-from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward  # noqa: E402
-from volta_train.kernels import tiles, launch  # noqa: E402
+import volta_train
+from volta_train import bench
+from volta_train._options import AttentionOptions
+from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward
+from volta_train.kernels import launch, tiles
 
 try:
     from tqdm import tqdm

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from volta_train._options import AttentionOptions
-from volta_train.kernels import tiles, launch
+from volta_train.kernels import launch, tiles
 from volta_train.testing import (
     dense_keep_mask, error_vs_yardstick, naive_attention, saved_output_floors, torch_fp16_attention,
 )

@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from volta_train.kernels.nvrtc import compile_program, normalize_arch, parse_ptxas_log  # noqa: E402
-from volta_train.kernels.tiles import shipped_variants  # noqa: E402
-from volta_train.kernels.variants import KernelVariant, csrc_dir  # noqa: E402
+from volta_train.kernels.nvrtc import compile_program, normalize_arch, parse_ptxas_log
+from volta_train.kernels.tiles import shipped_variants
+from volta_train.kernels.variants import KernelVariant, csrc_dir
 
 # V100 (GV100, sm_70) per-SM limits, as the CUDA occupancy calculator uses them.
 V100_REGISTERS_PER_SM = 65536
