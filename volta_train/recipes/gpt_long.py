@@ -19,7 +19,6 @@ The corpus is generated or read locally, tokenised once and cached; nothing is d
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -38,9 +37,11 @@ from accelerate.utils import set_seed  # noqa: E402
 from .. import _resources  # noqa: E402
 from ..integrations import ulysses  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, checkpoint, chunked_loss, config, data, distributed, fsio, gpt, logs, metrics, optim, runlock, sequence_parallel,
+    attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
-from ..training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
+from ..training.trainer import (  # noqa: E402
+    LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
+)
 
 log = logging.getLogger("gpt_long")
 
@@ -265,21 +266,10 @@ def _main(argv, held: list) -> dict:
                       evaluate=evaluate if val_batches else None, run_info=run_info,
                       tokenizer=saved_tokenizer,
                       loss_fn=loss_fn)
-    try:
-        result = trainer.run()
-    except (TrainingFailed, fsio.WriteError) as e:
-        _fail(str(e))
-    except (FileNotFoundError, RuntimeError) as e:
-        if "checkpoint" in str(e) or "resume" in str(e):
-            _fail(str(e))
-        raise
-
-    if result["start_step"] >= result["planned_steps"]:
-        log.info("%s already holds the finished run (step %d); its summary.json stays. --resume never starts over",
-                 out_dir, result["start_step"])
-        accelerator.end_training()
-        previous = out_dir / "summary.json"
-        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
+    result = run_or_fail(trainer, _fail)
+    previous = finished_earlier(result, out_dir, accelerator, log, "--resume")
+    if previous is not None:
+        return previous
 
     val_loss = result.pop("eval_loss", math.nan)
     summary = {
@@ -289,11 +279,7 @@ def _main(argv, held: list) -> dict:
         "data_parallel_size": replicas, "chunked_loss": chunked,
         "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
-    if summary["checkpoint"]:
-        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
-                              tokenizer=saved_tokenizer)
-    if accelerator.is_main_process:
-        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+    save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer)
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
         "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"

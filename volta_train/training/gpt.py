@@ -10,13 +10,13 @@ run's ``final/``). Nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
+from .models import auto_precision, padded_vocab, read_model_config  # noqa: F401  (gpt.<name> for older imports)
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
 # arch "llama" uses the same shapes with RoPE, RMSNorm and a SwiGLU MLP of ~8/3 n_embd.
@@ -166,16 +166,6 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
     return cfg
 
 
-def auto_precision(default: str, kind: str) -> str:
-    """``mixed_precision`` "auto": a precision chosen through ``accelerate config`` (ACCELERATE_MIXED_PRECISION) wins
-    over the device default, except fp16 on CPU (a GPU config launched on a CPU machine): that stays fp32, since
-    CPU fp16 is an emulation for tests, asked for explicitly."""
-    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if env == "no" or (env == "fp16" and kind == "cpu"):
-        return default
-    return env
-
-
 def _swiglu_width(n_embd: int) -> int:
     return (8 * n_embd // 3 + 63) // 64 * 64
 
@@ -249,11 +239,6 @@ def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -
         raise ConfigError(deepspeed_note)
 
 
-def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """Round the embedding up to a multiple of 64 rows (tensor-core friendly; the extra ids are never seen)."""
-    return (vocab_size + multiple - 1) // multiple * multiple
-
-
 def default_tokenizer(cfg: GPTTrainConfig) -> str:
     """The tokenizer spec for ``cfg``: its own, else model_path's tokenizer files if any, else bytes."""
     if cfg.tokenizer:
@@ -262,23 +247,6 @@ def default_tokenizer(cfg: GPTTrainConfig) -> str:
                                                                            "vocab.json", "vocab.txt")):
         return cfg.model_path
     return "bytes"
-
-
-def read_model_config(path: str | Path):
-    """A transformers config from a config.json file or a directory holding one (no download)."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model config {str(path)!r}: cannot read it as JSON ({e})") from None
-    model_type = values.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError(f"model config {str(path)!r} has no model_type (e.g. \"gpt2\" or \"llama\")")
-    return AutoConfig.for_model(model_type, **values)
 
 
 def _preset_config(cfg: GPTTrainConfig, tokenizer):
