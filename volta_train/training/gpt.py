@@ -91,8 +91,8 @@ class GPTTrainConfig:
     beta1: float = field(0.9, "AdamW beta1")
     beta2: float = field(0.95, "AdamW beta2")
     grad_clip: float = field(1.0, "clip the gradient norm to this (0: off)")
-    mixed_precision: str | None = field(None, "accelerate mixed precision (auto: fp16 on GPU, no on CPU)",
-                                        choices=["no", "fp16", "bf16"])
+    mixed_precision: str = field("auto", "accelerate mixed precision: no, fp16, bf16, or auto (fp16 on GPU, no on CPU)",
+                                 choices=["no", "fp16", "bf16", "auto"])
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (PyTorch GradScaler; DeepSpeed "
                                             "takes its JSON's initial_scale_power)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
@@ -130,8 +130,9 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
     """Fill every auto field for ``device_type`` ('cuda' or anything else = CPU table) and check the result."""
     kind = "cuda" if device_type == "cuda" else "cpu"
     table = dict(AUTO[kind])
-    if cfg.mixed_precision is None:
+    if cfg.mixed_precision in (None, "auto"):  # "auto", as in the finetune config (None: the same, from code)
         # a precision chosen through `accelerate config` wins over the device default
+        cfg = dataclasses.replace(cfg, mixed_precision=None)
         table["mixed_precision"] = auto_precision(table["mixed_precision"], kind)
     external = cfg.model_path or cfg.model_config
     if external:
