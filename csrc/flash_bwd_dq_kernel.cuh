@@ -5,10 +5,14 @@
 //   S = Q K^T, dP = dO V^T   (A = the warp's Q / dO rows, B = K / V rows from shared memory)
 //   P = exp2(S * scale * log2 e - lse * log2 e),  dS = P * (dP * Z / (1 - p) - D)
 //   dQ += dS K               (A = dS row fragments, B = K^T from shared memory)
-// and writes dQ * softmax_scale. It reuses the forward's warp geometry, operands and P V product.
+// and writes dQ * softmax_scale. It shares the forward's warp tile (warp_tile.cuh): geometry, operands and
+// both products.
 #pragma once
-#include "flash_fwd_kernel.cuh"
+#include "dropout.cuh"
+#include "kernel_traits.cuh"
+#include "masking.cuh"
 #include "tile_io.cuh"
+#include "warp_tile.cuh"
 
 // Shared memory of the dQ kernel: K [key][head_dim], V [key][head_dim], K^T [head_dim][key] (the forward's
 // V^T slot) and the Q / dO tiles when they live in shared memory.
@@ -23,35 +27,17 @@ struct DqLayout {
     static_assert(kBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
 };
 
-// The 64 dropout keep bits of an 8x8 tile in every lane of a quad-pair: lane r (row r of the tile) computes
-// its row's Philox call for the tile's 8 keys and the eight lanes exchange bytes; bit 8 * row + key.
-__device__ __forceinline__ void keep_bits_of_tile(u32 my_row_bits, int lane, u32& lo, u32& hi) {
-    const int r = (lane & 3) + 4 * (lane >> 4);
-    lo = r < 4 ? my_row_bits << (8 * r) : 0u;
-    hi = r < 4 ? 0u : my_row_bits << (8 * (r - 4));
-#pragma unroll
-    for (int distance = 1; distance <= 16; distance <<= 1) {
-        if (distance == 4 || distance == 8) continue;  // quad-pair lanes differ in lane bits 0, 1 and 4
-        lo |= __shfl_xor_sync(0xffffffffu, lo, distance);
-        hi |= __shfl_xor_sync(0xffffffffu, hi, distance);
-    }
-}
-
-__device__ __forceinline__ bool tile_bit(u32 lo, u32 hi, int row, int col) {
-    const int bit = 8 * row + col;
-    return ((bit < 32 ? lo >> bit : hi >> (bit - 32)) & 1u) != 0;
-}
-
 // dS of one key block for one warp, as f16x2 row fragments (own quad-pair column and partners').
 template <class KT>
 __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperand<KT>& dout, const half_bits* k_tile,
                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
                                             int key0, bool needs_mask, float score_scale, float alibi_log2,
-                                            const float (&lse2)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
-                                            const float (&dsum)[KT::kMTiles][FwdAccumulators<KT>::kRowSlots],
+                                            const float (&lse2)[KT::kMTiles][FwdFragmentLayout<KT>::kRowSlots],
+                                            const float (&dsum)[KT::kMTiles][FwdFragmentLayout<KT>::kRowSlots],
                                             const DropoutRng& rng, float dropout_rescale,
                                             u32 (&ds_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                             u32 (&ds_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
+    using Layout = FwdFragmentLayout<KT>;
     const LaneInQuadPair& lq = g.lq;
     float s[KT::kMTiles][KT::kSTilesPerQuadPair][8], dp[KT::kMTiles][KT::kSTilesPerQuadPair][8];
     rows_times_tile_rows<KT>(q, k_tile, g, s);
@@ -69,9 +55,9 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
             float ds[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int row_in_tile = FwdAccumulators<KT>::o_row(lq, i);
-                const int col = FwdAccumulators<KT>::o_phys_col(lq, i);
-                const int slot = FwdAccumulators<KT>::o_row_slot(i);
+                const int row_in_tile = Layout::row(lq, i);
+                const int col = Layout::phys_col(lq, i);
+                const int slot = Layout::row_slot(i);
                 float score = s[a][nt][i];
                 float bias = 0.f;  // ALiBi, log2 domain
                 const int row = g.mtile_row0(a) + row_in_tile, key = key0 + g.stile_key0(nt) + col;
@@ -79,21 +65,11 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
                 else if (alibi_log2 != 0.f) bias = alibi_log2 * vis.diagonal_distance(row, key);
                 const float p = fast_exp2(fmaf(score, score_scale, -lse2[a][slot] - bias));
                 float dpz = dp[a][nt][i];
-                if (KT::kDropout) dpz = tile_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
+                if (KT::kDropout) dpz = tile_keep_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
                 ds[i] = p * (dpz - dsum[a][slot]);
             }
-            if (KT::kAccumF16) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) ds_own[a][nt][r] = pack_half2(ds[2 * r], ds[2 * r + 1]);
-            } else {
-                f32_acc_to_row_fragment(ds, lq.t, ds_own[a][nt]);
-            }
-#pragma unroll
-            for (int x = 1; x < KT::kQuadPairCols; ++x)
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    ds_partner[x - 1][a][nt][r] =
-                        __shfl_xor_sync(0xffffffffu, ds_own[a][nt][r], FwdWarpGeometry<KT>::partner_lane_xor(x));
+            to_row_fragment<KT>(ds, lq, ds_own[a][nt]);
+            share_with_partner_quad_pairs<KT>(ds_own[a][nt], ds_partner, a, nt);
         }
 }
 
@@ -101,6 +77,7 @@ template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_dq_kernel(const BackwardParams bp) {
     extern __shared__ __align__(16) unsigned char smem[];
     using L = DqLayout<KT>;
+    using Layout = FwdFragmentLayout<KT>;
     const AttentionParams& prm = bp.fwd;
     const int bh = prm.m_blocks_fastest ? (int)blockIdx.y : (int)blockIdx.x;
     const int m_block = prm.num_m_blocks - 1 - (int)(prm.m_blocks_fastest ? blockIdx.x : blockIdx.y);
@@ -130,19 +107,24 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     load_q<KT>(do_base, bp.do_row_stride, m0, seq.seqlen_q, 1.f, g, tid, reinterpret_cast<half_bits*>(smem + L::kOffDo),
                dout);
     // this lane's rows: log2-domain lse and dsum
-    constexpr int kSlots = FwdAccumulators<KT>::kRowSlots;
+    constexpr int kSlots = Layout::kRowSlots;
     float lse2[KT::kMTiles][kSlots], dsum[KT::kMTiles][kSlots];
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
         for (int r = 0; r < kSlots; ++r) {
-            const int row = g.mtile_row0(a) + (KT::kAccumF16 ? g.lq.operand_row() : (g.lq.t & 1) + 2 * r + 4 * g.lq.hi);
+            const int row = g.mtile_row0(a) + Layout::slot_row(g.lq, r);
             const bool valid = row < seq.seqlen_q;
             lse2[a][r] = valid ? lse_base[row] * kLog2e : pos_inf();
             dsum[a][r] = valid ? dsum_base[row] : 0.f;
         }
-    FwdAccumulators<KT> acc;  // acc.o holds dQ
-    acc.init();
+    float dq[KT::kMTiles][KT::kOTilesPerQuadPair][8];
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a)
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dq[a][ot][i] = 0.f;
     const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
     const float score_scale = KT::kAccumF16 ? 1.f : prm.scale_log2;
 
@@ -164,7 +146,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, alibi_slope_log2(prm, batch, head),
                         lse2, dsum, rng,
                         prm.dropout_rescale, ds_own, ds_partner);
-        fwd_accumulate_pv<KT>(ds_own, ds_partner, kt_tile, g, acc);  // dQ += dS K
+        accumulate_rows_times_transposed_tile<KT>(ds_own, ds_partner, kt_tile, g, dq);  // dQ += dS K
     }
 
     // dQ * softmax_scale through shared memory, 16-byte rows
@@ -177,10 +159,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
 #pragma unroll
             for (int i = 0; i < 8; i += 2) {
-                const int row = g.mtile_row0(a) - m0 + FwdAccumulators<KT>::o_row(g.lq, i);
-                const int col = g.o_col(ot, FwdAccumulators<KT>::o_phys_col(g.lq, i));
+                const int row = g.mtile_row0(a) - m0 + Layout::row(g.lq, i);
+                const int col = g.o_col(ot, Layout::phys_col(g.lq, i));
                 *reinterpret_cast<u32*>(stage + row * KT::kSmemStride + col) =
-                    pack_half2(acc.o[a][ot][i] * bp.softmax_scale, acc.o[a][ot][i + 1] * bp.softmax_scale);
+                    pack_half2(dq[a][ot][i] * bp.softmax_scale, dq[a][ot][i + 1] * bp.softmax_scale);
             }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {

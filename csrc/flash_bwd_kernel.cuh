@@ -14,14 +14,14 @@
 // atomics). S^T and dP^T always accumulate in fp32: P = exp(S - lse) amplifies S's rounding and dP - D
 // cancels, and fp16 there doubles dQ's error (docs/accuracy.md); the softmax statistics and dS stay fp32.
 #pragma once
+#include "dropout.cuh"
 #include "kernel_traits.cuh"
 #include "masking.cuh"
-#include "philox.cuh"
-#include "softmax.cuh"
+#include "mma_sm70.cuh"
 #include "tile_io.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-constexpr bool kBwdAccumulatorMajorMma = true;  // see kAccumulatorMajorMma in flash_fwd_kernel.cuh
+constexpr bool kBwdAccumulatorMajorMma = true;  // see kAccumulatorMajorMma in warp_tile.cuh
 #else
 constexpr bool kBwdAccumulatorMajorMma = false;
 #endif

@@ -50,3 +50,23 @@ struct VisibleKeys {
         return key_end <= seqlen_k && below_right && above_left;
     }
 };
+
+// Mask and ALiBi bias on a warp's S tiles s[a][nt][i] (m-tile a, S tile nt, element i; Layout says where
+// element i sits, Geometry where the tiles sit, as in warp_tile.cuh): with needs_mask, an element whose row may
+// not see its key becomes -inf; every other one gets -bias_per_step * |i + shift - j| (ALiBi; 0 without it).
+template <class Layout, class Geometry, int kMTiles, int kSTiles>
+__device__ __forceinline__ void mask_and_bias_scores(float (&s)[kMTiles][kSTiles][8], const Geometry& g,
+                                                     const VisibleKeys& vis, int key0, bool needs_mask,
+                                                     float bias_per_step) {
+#pragma unroll
+    for (int a = 0; a < kMTiles; ++a)
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int row = g.mtile_row0(a) + Layout::row(g.lq, i);
+                const int key = key0 + g.stile_key0(nt) + Layout::phys_col(g.lq, i);
+                if (needs_mask && !vis.visible(row, key)) s[a][nt][i] = neg_inf();
+                else s[a][nt][i] -= bias_per_step * vis.diagonal_distance(row, key);
+            }
+}

@@ -1,11 +1,12 @@
-// Online softmax on tensor-core fragments, and the hand-over of P from the accumulator layout of
-// S = Q K^T to the A-operand layout of O = P V, in both accumulation modes.
+// The online softmax of FlashAttention-2 on tensor-core fragments, in both accumulation modes: per key block,
+// raise the running row max, rescale what was summed so far, exponentiate, add to the row sums; at the end,
+// 1 / l and the log-sum-exp.
 //
 // Everything runs in the log2 domain: p = 2^(s * scale * log2(e) - m). Row maxima m and partial
 // row sums l stay fp32 in both modes. A row with no visible key keeps m = -inf; the "safe" max
 // used in the exponent is then 0, so exp2(-inf - 0) = 0 and nothing becomes NaN.
 #pragma once
-#include "mma_sm70.cuh"
+#include "warp_tile.cuh"
 
 __device__ __forceinline__ float safe_row_max(float m) { return m == neg_inf() ? 0.f : m; }
 
@@ -17,28 +18,74 @@ __device__ __forceinline__ float sum_over_lanes(float x, int lane_mask) {
     return x + __shfl_xor_sync(0xffffffffu, x, lane_mask);
 }
 
-// f32 accumulators: element i of an 8x8 tile belongs to the lane's row slot (i >> 1) & 1, i.e.
-// row (t & 1) + 2 * slot + 4 * hi. The full row is spread over lanes t and t ^ 2 (xor 2) and,
-// in the 2x2 arrangement, over the neighbouring quad-pair (xor 8).
-__device__ __forceinline__ int f32_acc_row_slot(int i) { return (i >> 1) & 1; }
+// Row statistics of one lane's rows (kMTiles m-tiles x kRowSlots row slots, FwdFragmentLayout). Each lane
+// keeps the max over the whole row but only its own part of the sum (reduced across lanes at the end).
+template <class KT>
+struct OnlineSoftmax {
+    using Layout = FwdFragmentLayout<KT>;
+    static constexpr int kRowSlots = Layout::kRowSlots;
+    float row_max[KT::kMTiles][kRowSlots];  // running max, log2 domain
+    float row_sum[KT::kMTiles][kRowSlots];  // this lane's partial sum of p
 
-// Moves P from the f32 accumulator layout (two rows x columns {c, c+1, c+4, c+5}, c = lane & 2)
-// to the A-operand layout (one row, columns 0..7 as four f16x2 registers): lane t keeps the half
-// of its values that lies in row t and trades the other half with lane t ^ 2.
-__device__ __forceinline__ void f32_acc_to_row_fragment(const float (&p)[8], int t, u32 (&frag)[4]) {
-    const u32 row_slot0_cols01 = pack_half2(p[0], p[1]);
-    const u32 row_slot1_cols01 = pack_half2(p[2], p[3]);
-    const u32 row_slot0_cols45 = pack_half2(p[4], p[5]);
-    const u32 row_slot1_cols45 = pack_half2(p[6], p[7]);
-    const bool upper = (t & 2) != 0;  // lane t's own row is row slot 1 iff t >= 2
-    const u32 keep_lo = upper ? row_slot1_cols01 : row_slot0_cols01;
-    const u32 keep_hi = upper ? row_slot1_cols45 : row_slot0_cols45;
-    const u32 send_lo = upper ? row_slot0_cols01 : row_slot1_cols01;
-    const u32 send_hi = upper ? row_slot0_cols45 : row_slot1_cols45;
-    const u32 recv_lo = __shfl_xor_sync(0xffffffffu, send_lo, 2);
-    const u32 recv_hi = __shfl_xor_sync(0xffffffffu, send_hi, 2);
-    frag[0] = upper ? recv_lo : keep_lo;  // columns 0, 1
-    frag[1] = upper ? keep_lo : recv_lo;  // columns 2, 3
-    frag[2] = upper ? recv_hi : keep_hi;  // columns 4, 5
-    frag[3] = upper ? keep_hi : recv_hi;  // columns 6, 7
-}
+    __device__ __forceinline__ void init_rows(int a) {
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            row_max[a][r] = neg_inf();
+            row_sum[a][r] = 0.f;
+        }
+    }
+
+    // A row is spread over lanes t and t ^ 2 (FP32-ACC) and over the quad-pairs of its key columns (2x2, 1x4).
+    __device__ __forceinline__ static float max_over_row_lanes(float x) {
+        if (!KT::kAccumF16) x = max_over_lanes(x, 2);
+#pragma unroll
+        for (int bit = 1; bit < KT::kQuadPairCols; bit <<= 1) x = max_over_lanes(x, FwdWarpGeometry<KT>::partner_lane_xor(bit));
+        return x;
+    }
+    __device__ __forceinline__ static float sum_over_row_lanes(float x) {
+        if (!KT::kAccumF16) x = sum_over_lanes(x, 2);
+#pragma unroll
+        for (int bit = 1; bit < KT::kQuadPairCols; bit <<= 1) x = sum_over_lanes(x, FwdWarpGeometry<KT>::partner_lane_xor(bit));
+        return x;
+    }
+
+    // A new key block's scores s[nt][i] of m-tile a (FP32-ACC: not yet multiplied by score_scale): raises the
+    // running max and rescales the row sums; returns the exponent offset of each row slot and the factor by
+    // which the rows' output accumulators must be rescaled.
+    __device__ __forceinline__ void update_max(int a, const float (&s)[KT::kSTilesPerQuadPair][8], float score_scale,
+                                               float (&exp_offset)[kRowSlots], float (&rescale)[kRowSlots]) {
+        float tile_max[kRowSlots];
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) tile_max[r] = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = Layout::row_slot(i);
+                tile_max[r] = fmaxf(tile_max[r], s[nt][i]);
+            }
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            tile_max[r] = max_over_row_lanes(tile_max[r]);
+            const float new_max = fmaxf(row_max[a][r], tile_max[r] * score_scale);
+            exp_offset[r] = safe_row_max(new_max);
+            rescale[r] = fast_exp2(row_max[a][r] - exp_offset[r]);
+            row_max[a][r] = new_max;
+            row_sum[a][r] *= rescale[r];
+        }
+    }
+
+    // p = 2^(score * score_scale - exp_offset) of one element of row slot r, added to the row's sum.
+    __device__ __forceinline__ float exp2_and_sum(int a, int r, float score, float score_scale, float exp_offset) {
+        const float p = fast_exp2(fmaf(score, score_scale, -exp_offset));
+        row_sum[a][r] += p;
+        return p;
+    }
+
+    // The sum l of row slot r of m-tile a over the lanes that share the row (at the end).
+    __device__ __forceinline__ float row_total(int a, int r) const { return sum_over_row_lanes(row_sum[a][r]); }
+    // The row's log-sum-exp in natural log, (m + log2 l) * ln 2; +inf for a row with no visible key (l = 0).
+    __device__ __forceinline__ float lse(int a, int r, float l) const {
+        return l > 0.f ? (row_max[a][r] + fast_log2(l)) * kLn2 : pos_inf();
+    }
+};

@@ -1,4 +1,4 @@
-// Global <-> shared memory tile movers shared by the kernels.
+// Global <-> shared memory tile movers of the kernels (16-byte chunks, rows past the sequence end read as zeros).
 #pragma once
 #include "transpose.cuh"
 
@@ -26,3 +26,61 @@ __device__ __forceinline__ void load_rows_and_transpose(const half_bits* base, l
     }
 }
 
+// Copies kBlockN rows x head_dim of K or V, starting at key row `key0`, from global memory into
+// registers; rows at or past `seqlen_k` become zeros (never read garbage: 0 * inf would be NaN).
+template <class KT>
+__device__ __forceinline__ void load_kv_block(const half_bits* base, long long row_stride, int key0, int seqlen_k,
+                                              int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        const bool in_tile = (KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks;
+        stage[c] = (in_tile && key0 + row < seqlen_k) ? load_global_16B(base + (long long)(key0 + row) * row_stride + col)
+                                                      : zero_u32x4();
+    }
+}
+
+template <class KT>
+__device__ __forceinline__ void store_kv_block(half_bits* tile, int tid, const u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
+            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            store_shared_16B(tile + row * KT::kSmemStride + col, stage[c]);
+        }
+    }
+}
+
+// V block -> registers, in the order the 8x8 transposes need: each group of eight lanes takes one 8-column
+// chunk of eight consecutive keys (lane i: key 8 * key_block8 + i). Rows past seqlen_k become zeros.
+template <class KT>
+__device__ __forceinline__ void load_v_block(const half_bits* base, long long row_stride, int key0, int seqlen_k,
+                                             int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        const int group8 = chunk >> 3;
+        const int key = 8 * (group8 / KT::kChunksPerRow) + (chunk & 7), col = (group8 % KT::kChunksPerRow) * 8;
+        const bool in_tile = (KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks;
+        stage[c] = (in_tile && key0 + key < seqlen_k) ? load_global_16B(base + (long long)(key0 + key) * row_stride + col)
+                                                      : zero_u32x4();
+    }
+}
+
+// Registers -> V^T block in shared memory: transposing each 8x8 chunk across its eight lanes turns
+// "one key, eight head_dim columns" into "one head_dim column, eight keys", stored as one 16-byte row piece.
+template <class KT>
+__device__ __forceinline__ void store_vt_block(half_bits* vt_tile, int tid, u32x4 (&stage)[KT::kChunksPerThread]) {
+#pragma unroll
+    for (int c = 0; c < KT::kChunksPerThread; ++c) {
+        const int chunk = tid + c * KT::kThreads;
+        transpose_8x8_halves(stage[c], tid & 31);
+        if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
+            const int group8 = chunk >> 3;
+            const int d = (group8 % KT::kChunksPerRow) * 8 + (chunk & 7), key = 8 * (group8 / KT::kChunksPerRow);
+            store_shared_16B(vt_tile + d * KT::kVtStride + key, stage[c]);
+        }
+    }
+}

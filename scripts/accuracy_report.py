@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from naive import naive_attention, visible_mask  # noqa: E402
-from volta_train._reference import AttentionParams  # noqa: E402
-from volta_train.kernels import launch  # noqa: E402
+from volta_train._options import AttentionOptions
+from volta_train.kernels import launch
+from volta_train.testing import naive_attention, visible_mask
 
 SHAPES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
     (4, 1024, 1024, 8, 8, 64, False),
@@ -54,7 +50,7 @@ def main() -> None:
         v = torch.randn(b, sk, hk, d, device="cuda").half()
         ref, ref_lse = naive_attention(q, k, v, causal=causal)
         rows = ~torch.isinf(ref_lse).transpose(1, 2)
-        params = AttentionParams(softmax_scale=d**-0.5, causal=causal)
+        params = AttentionOptions(softmax_scale=d**-0.5, causal=causal)
         errors = {}
         for accum in ("fp32", "fp16"):
             out, lse = launch.forward(q, k, v, None, None, sq, sk, params, None, accum)

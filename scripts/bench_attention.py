@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import volta_train  # noqa: E402
-from volta_train import bench  # noqa: E402
-from volta_train._reference import AttentionParams  # noqa: E402
-from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward  # noqa: E402
-from volta_train.kernels import configs, launch  # noqa: E402
+import volta_train
+from volta_train import bench
+from volta_train._options import AttentionOptions
+from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward
+from volta_train.kernels import launch, tiles
 
 try:
     from tqdm import tqdm
@@ -38,14 +36,14 @@ def volta_fn(pass_name, causal, accum, tile=None):
     """The Volta forward with a given tile shape (a sweep candidate), else volta_train's API (bench.volta_fn)."""
     if pass_name == "fwd" and tile is not None:
         def run(q, k, v):
-            params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
+            params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
             return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, tile=tile)
         return run
     return bench.volta_fn(pass_name, causal, accum)
 
 
 def run_bwd_sweep(args) -> list[dict]:
-    B = configs.BwdTile
+    B = tiles.BwdTile
     candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
                   B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
     if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated[,lean]]]]
@@ -57,10 +55,10 @@ def run_bwd_sweep(args) -> list[dict]:
     for d, n, causal, tile, accum in tqdm(cases, desc="bwd sweep"):
         heads, batch = args.hidden // d, max(1, args.tokens // n)
         try:
-            configs.bwd_variant(d, tile, accum == "fp16", False, True).compile(torch.cuda.get_device_capability()[0] * 10)
+            tiles.bwd_variant(d, tile, accum == "fp16", False, True).compile(torch.cuda.get_device_capability()[0] * 10)
         except Exception:  # no such shape for this head_dim (static_assert) or out of shared memory
             continue
-        params = AttentionParams(softmax_scale=d**-0.5, causal=causal)
+        params = AttentionOptions(softmax_scale=d**-0.5, causal=causal)
 
         def bwd(q, k, v, _cache={}):
             key = id(q)
@@ -114,7 +112,7 @@ def run_varlen(args) -> list[dict]:
 
 
 def run_sweep(args) -> list[dict]:
-    T = configs.FwdTile
+    T = tiles.FwdTile
     if args.tiles:
         candidates = [T(*t[:6], q_in_smem=bool(t[6]) if len(t) > 6 else False,
                         split_masked=bool(t[7]) if len(t) > 7 else False) for t in args.tiles]
@@ -131,7 +129,7 @@ def run_sweep(args) -> list[dict]:
     for d, n, causal, tile, accum in tqdm(cases, desc="sweep"):
         heads, batch = args.hidden // d, max(1, args.tokens // n)
         try:
-            configs.fwd_variant(d, tile, accum == "fp16", False)
+            tiles.fwd_variant(d, tile, accum == "fp16", False)
         except Exception as error:  # invalid shape for this head_dim
             continue
         ms, peak, note = measure(volta_fn("fwd", causal, accum, tile), batch, n, heads, d, "fwd", args)

@@ -35,7 +35,7 @@ any cap. Attention implementations: ``volta_train`` (``volta_train.patch``; on a
 kernel, on sm_80+ the same kernel emulated: check memory there, not speed), ``sdpa`` (PyTorch; on
 a V100 its memory-efficient kernel, on sm_80+ flash: O(n) memory like volta_train, and fast enough
 for 100k-token searches) and ``eager`` (materialised scores). Sequence parallelism (sp=2, two
-GPUs): ``scripts/sp_memory_probe.py --sp 2 --vocab V [--no-chunked-loss]``.
+GPUs): ``scripts/gpu_checks/sp_memory_probe.py --sp 2 --vocab V [--no-chunked-loss]``.
 
 Writes ``<out>/bench_train.json`` (every run and search), ``bench_train.md`` (tables) and
 ``bench_train.png`` (tokens/s and peak memory against sequence length, and the longest sequences;
@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -58,8 +57,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation at the cap
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from volta_train.training import chunked_loss, metrics  # noqa: E402
 from volta_train.training.gpt import PRESETS, describe  # noqa: E402

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from volta_train._reference import AttentionParams
-from volta_train.kernels import configs, launch
+from volta_train._options import AttentionOptions
+from volta_train.kernels import launch, tiles
 from volta_train.testing import (
     dense_keep_mask, error_vs_yardstick, naive_attention, saved_output_floors, torch_fp16_attention,
 )
@@ -51,15 +51,15 @@ def run_case(c: dict, table: str, accum: str, bwd_accum: str, seed: int):
     v = torch.randn(c["batch"], c["sk"], c["hk"], c["d"], generator=gen, device="cuda").half()
     dout = (torch.randn(c["batch"], c["sq"], c["h"], c["d"], generator=gen, device="cuda") * c["dout_scale"]).half()
     window = (c["window"][0], 0) if c["causal"] else c["window"]
-    prm = AttentionParams(softmax_scale=c["scale"], causal=c["causal"], window_left=window[0], window_right=window[1],
+    prm = AttentionOptions(softmax_scale=c["scale"], causal=c["causal"], window_left=window[0], window_right=window[1],
                           dropout_p=c["dropout"], seed=seed, offset=4 * (seed % 1000))
-    tiles = {}
+    chosen = {}
     if table == "sm70":
-        tiles = dict(fwd=configs.fwd_tile(c["d"], c["causal"], 70), bwd=configs.bwd_tile(c["d"], 70, bwd_accum == "fp16"),
-                     dq=configs.dq_tile(c["d"], 70))
-    out, lse = launch.forward(q, k, v, None, None, c["sq"], c["sk"], prm, None, accum, tile=tiles.get("fwd"))
+        chosen = dict(fwd=tiles.fwd_tile(c["d"], c["causal"], 70), bwd=tiles.bwd_tile(c["d"], 70, bwd_accum == "fp16"),
+                     dq=tiles.dq_tile(c["d"], 70))
+    out, lse = launch.forward(q, k, v, None, None, c["sq"], c["sk"], prm, None, accum, tile=chosen.get("fwd"))
     grads = launch.backward(dout, q, k, v, out, lse, None, None, c["sq"], c["sk"], prm, None, bwd_accum, False,
-                            tile=tiles.get("bwd"), dq_tile=tiles.get("dq"))
+                            tile=chosen.get("bwd"), dq_tile=chosen.get("dq"))
     keep = None
     if c["dropout"] > 0:
         keep = dense_keep_mask(prm.seed, prm.offset, c["dropout"], c["batch"], c["h"], c["sq"], c["sk"], "cuda")
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=40, help="random calls per head_dim, table and mode")
     parser.add_argument("--tables", default="default,sm70")
-    parser.add_argument("--head-dims", default=",".join(map(str, configs.SUPPORTED_HEAD_DIMS)))
+    parser.add_argument("--head-dims", default=",".join(map(str, tiles.SUPPORTED_HEAD_DIMS)))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 
     python scripts/kernel_report.py --arch sm_70 [--json-out FILE] [--cubin-dir DIR] [--no-cache]
 
-Compiles each variant of volta_train.kernels.variants.shipped_variants through the kernel cache (the same
+Compiles each variant of volta_train.kernels.tiles.shipped_variants through the kernel cache (the same
 compile function the run-time path uses) and prints one JSON line per kernel, then one summary line. The exit
 code is 1 when a kernel spills, needs more than 96 KB of shared memory, or cannot fit one block on a V100 SM.
 Occupancy uses the V100 (sm_70) limits whatever --arch is.
@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from volta_train.kernels.nvrtc import compile_program, normalize_arch, parse_ptxas_log  # noqa: E402
-from volta_train.kernels.variants import KernelVariant, csrc_dir, shipped_variants  # noqa: E402
+from volta_train.kernels.nvrtc import compile_program, normalize_arch, parse_ptxas_log
+from volta_train.kernels.tiles import shipped_variants
+from volta_train.kernels.variants import KernelVariant, csrc_dir
 
 # V100 (GV100, sm_70) per-SM limits, as the CUDA occupancy calculator uses them.
 V100_REGISTERS_PER_SM = 65536

@@ -41,12 +41,12 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
     import torch
 
     from volta_train import _reference
-    from volta_train._reference import AttentionParams
-    from volta_train.kernels import configs, launch
+    from volta_train._options import AttentionOptions
+    from volta_train.kernels import tiles, launch
 
     torch.manual_seed(0)
     dev = "cuda"
-    head_dims = configs.SUPPORTED_HEAD_DIMS[:2] if quick else configs.SUPPORTED_HEAD_DIMS
+    head_dims = tiles.SUPPORTED_HEAD_DIMS[:2] if quick else tiles.SUPPORTED_HEAD_DIMS
     failures: list[str] = []
     calls = 0
 
@@ -69,7 +69,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                     window=(12, 15), alibi=alibi, name="varlen window(12,15) alibi gqa")
 
     def params_of(c, dropout_p):
-        return AttentionParams(softmax_scale=c["q"].shape[-1] ** -0.5, causal=c["causal"], window_left=c["window"][0],
+        return AttentionOptions(softmax_scale=c["q"].shape[-1] ** -0.5, causal=c["causal"], window_left=c["window"][0],
                                window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8)
 
     def reference(c, prm):
@@ -96,7 +96,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                     prm = params_of(c, dropout_p)
                     ref_out, ref_lse = reference(c, prm) if check else (None, None)
                     for accum in ("fp32", "fp16"):
-                        tile = configs.fwd_tile(d, c["causal"], 70) if table == "sm70" else None
+                        tile = tiles.fwd_tile(d, c["causal"], 70) if table == "sm70" else None
                         out = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
                         lse_shape = (4, c["q"].shape[0]) if c["cu_q"] is not None else (2, 4, c["q"].shape[1])
                         lse = torch.full(lse_shape, float("nan"), device=dev)
@@ -113,8 +113,8 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                         ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
                         for bwd_accum in ("fp32", "fp16"):
                             for deterministic in (False, True):
-                                bt = configs.bwd_tile(d, 70, bwd_accum == "fp16") if table == "sm70" else None
-                                qt = configs.dq_tile(d, 70) if table == "sm70" else None
+                                bt = tiles.bwd_tile(d, 70, bwd_accum == "fp16") if table == "sm70" else None
+                                qt = tiles.dq_tile(d, 70) if table == "sm70" else None
                                 grads = launch.backward(dout, c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_k"],
                                                         c["max_q"], c["max_k"], prm, c["alibi"], bwd_accum,
                                                         deterministic, tile=bt, dq_tile=qt)
@@ -143,10 +143,10 @@ def _reference_grads(c, prm, dout):
 
 def precompile_tables(arch: int, threads: int = 16) -> int:
     """Compile every variant of both tile tables for arch, in parallel (NVRTC releases the GIL); returns the count."""
-    from volta_train.kernels import configs
+    from volta_train.kernels import tiles
 
     variants = {v.name + repr(v.name_expressions): v for table_arch in sorted({70, arch})
-                for v in configs.shipped_fwd_variants(table_arch) + configs.shipped_bwd_variants(table_arch)}
+                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda v: v.compile(arch), variants.values()))
     return len(variants)

@@ -9,7 +9,8 @@ import torch
 
 import volta_train
 from volta_train import _dispatch, _philox
-from volta_train._reference import AttentionParams, reference_backward, reference_forward
+from volta_train._options import AttentionOptions
+from volta_train._reference import reference_backward, reference_forward
 from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
 
@@ -76,7 +77,7 @@ def test_reference_dropout_equals_naive_with_the_same_mask(causal, rng):
     k = torch.randn(batch, sk, hk, d, generator=rng, dtype=torch.float64, requires_grad=True)
     v = torch.randn(batch, sk, hk, d, generator=rng, dtype=torch.float64, requires_grad=True)
     seed, offset = int(torch.randint(0, 2**62, (), generator=rng)), 4 * int(torch.randint(0, 1000, (), generator=rng))
-    params = AttentionParams(softmax_scale=d**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
+    params = AttentionOptions(softmax_scale=d**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     out, lse = reference_forward(q.detach(), k.detach(), v.detach(), params)
     keep = _full_mask(seed, offset, p, batch, h, sq, sk)
     ref, _ = naive_attention(q, k, v, causal=causal, keep_mask=keep, dropout_p=p)

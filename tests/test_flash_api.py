@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _dispatch, _philox, kernels
-from volta_train.kernels import configs
+from volta_train import _dispatch, _options, _philox, kernels
+from volta_train.kernels import tiles
 from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
 
@@ -170,7 +170,7 @@ def test_odd_head_dims_match_float64(head_dim, rng):
 
 
 def test_kernel_head_dim_is_the_next_one_built():
-    built = configs.SUPPORTED_HEAD_DIMS
+    built = tiles.SUPPORTED_HEAD_DIMS
     for d in range(1, 257):
         padded = _dispatch.kernel_head_dim(d)
         if d <= max(built):
@@ -195,15 +195,15 @@ def fake_kernel(monkeypatch):
     monkeypatch.setattr(kernels.support.CallDescription, "arch", property(lambda self: 70))
     monkeypatch.setattr(kernels.support.CallDescription, "device_name", property(lambda self: "FakeV100"))
     monkeypatch.setattr(kernels, "unsupported_reason",
-                        lambda call: None if call.head_dim in configs.SUPPORTED_HEAD_DIMS else "head_dim")
+                        lambda call: None if call.head_dim in tiles.SUPPORTED_HEAD_DIMS else "head_dim")
 
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, params, alibi, accum):
-        assert q.shape[-1] in configs.SUPPORTED_HEAD_DIMS and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        assert q.shape[-1] in tiles.SUPPORTED_HEAD_DIMS and k.shape[-1] == v.shape[-1] == q.shape[-1]
         calls.append(("forward", q.shape[-1], params))
         return _reference.reference_forward(q, k, v, params, alibi)
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, params, alibi, bwd_accum, deterministic):
-        assert all(t.shape[-1] in configs.SUPPORTED_HEAD_DIMS for t in (dout, q, k, v, out))
+        assert all(t.shape[-1] in tiles.SUPPORTED_HEAD_DIMS for t in (dout, q, k, v, out))
         padded_columns = (v == 0).flatten(0, -2).all(0)  # zero-padded features: out and dout must be 0 there
         assert not out[..., padded_columns].any() and not dout[..., padded_columns].any()
         calls.append(("backward", q.shape[-1], params))
@@ -678,7 +678,7 @@ def test_fp32_log_sum_exp_would_fail_the_large_score_bound(rng):
     from volta_train import _reference
 
     q, k, v = (t.detach() for t in _large_score_inputs(rng))
-    params = _reference.AttentionParams(softmax_scale=1.0)
+    params = _options.AttentionOptions(softmax_scale=1.0)
     out, lse = _reference.reference_forward(q, k, v, params)
     dout = torch.randn(out.shape, generator=rng, dtype=torch.float64)
     exact = _reference.reference_backward(dout, q, k, v, out, lse, params)

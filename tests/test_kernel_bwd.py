@@ -11,8 +11,8 @@ import torch.utils.checkpoint
 
 import volta_train
 from volta_train import _reference
-from volta_train._reference import AttentionParams
-from volta_train.kernels import configs, launch
+from volta_train._options import AttentionOptions
+from volta_train.kernels import tiles, launch
 from naive import naive_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +57,7 @@ def _reference_grads(q, k, v, dout, causal, window=(-1, -1)):
 
 def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
                   offset=0, tile=None, dq_tile=None):
-    params = AttentionParams(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
+    params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
                              window_right=window[1], dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, "fp32")
     return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, bwd_accum,
@@ -119,7 +119,7 @@ def test_dropout_gradients_equal_reference_backend(bwd_accum, causal, head_dim):
     dout = torch.randn(2, 257, 4, head_dim, generator=gen, device="cuda").half()
     seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
     grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, dropout_p=p, seed=seed, offset=offset)
-    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
+    params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     qd, kd, vd = q.double(), k.double(), v.double()
     out, lse = _reference.reference_forward(qd, kd, vd, params)
     ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
@@ -211,9 +211,9 @@ def test_small_model_under_compile_and_checkpointing(mode, monkeypatch):
         assert _rel(g, r) < 1e-2
 
 
-@pytest.mark.parametrize("tile", [configs.BwdTile(1, 4, 32), configs.BwdTile(1, 8, 64), configs.BwdTile(2, 4, 32),
-                                  configs.BwdTile(1, 4, 32, kv_in_smem=True),
-                                  configs.BwdTile(2, 4, 32, kv_in_smem=True, lean=True)], ids=repr)
+@pytest.mark.parametrize("tile", [tiles.BwdTile(1, 4, 32), tiles.BwdTile(1, 8, 64), tiles.BwdTile(2, 4, 32),
+                                  tiles.BwdTile(1, 4, 32, kv_in_smem=True),
+                                  tiles.BwdTile(2, 4, 32, kv_in_smem=True, lean=True)], ids=repr)
 def test_every_backward_tile(tile):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 333, 301, 4, 2, 64, gen)
@@ -232,7 +232,7 @@ def test_alibi_gradients(deterministic, causal):
     q, k, v = _inputs(2, 257, 300, 4, 2, 64, gen)
     dout = torch.randn(2, 257, 4, 64, generator=gen, device="cuda").half()
     slopes = torch.rand(2, 4, generator=gen, device="cuda") * 0.5
-    params = AttentionParams(softmax_scale=64**-0.5, causal=causal)
+    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal)
     out, lse = launch.forward(q, k, v, None, None, 257, 300, params, slopes, "fp32")
     grads = launch.backward(dout, q, k, v, out, lse, None, None, 257, 300, params, slopes, "fp32", deterministic)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -243,7 +243,7 @@ def test_alibi_gradients(deterministic, causal):
 
 
 def _sm70_tile_id(head_dim):
-    tile = configs.BWD_TILES_SM70[head_dim]
+    tile = tiles.BWD_TILES_SM70[head_dim]
     return "d{}_qp{}x{}_n{}_m{}{}{}{}".format(head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n,
                                            tile.block_m, "_kvsmem" if tile.kv_in_smem else "",
                                            "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel")
@@ -253,13 +253,13 @@ def _sm70_tile_id(head_dim):
 @pytest.mark.parametrize("dropout", [False, True], ids=["nodrop", "dropout"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
-@pytest.mark.parametrize("head_dim", sorted(configs.BWD_TILES_SM70), ids=_sm70_tile_id)
+@pytest.mark.parametrize("head_dim", sorted(tiles.BWD_TILES_SM70), ids=_sm70_tile_id)
 def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, dropout, deterministic):
     """Every tile of the V100 tables (BWD_TILES_SM70 and DQ_TILES_SM70), run at its own head_dim on whatever GPU is
     present (the tables are what a V100 runs; elsewhere they are reached only through tile=): GQA, odd lengths
     (a partial key block and a partial query block), both accumulation modes, causal and not, dropout, and the
     deterministic path (dK/dV kernel without atomics + the sm_70 dQ kernel)."""
-    tile, dq_tile = configs.BWD_TILES_SM70[head_dim], configs.dq_tile(head_dim, 70)
+    tile, dq_tile = tiles.BWD_TILES_SM70[head_dim], tiles.dq_tile(head_dim, 70)
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 203, 237, 4, 2, head_dim, gen)
     dout = torch.randn(2, 203, 4, head_dim, generator=gen, device="cuda").half()
@@ -275,7 +275,7 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
     seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
     grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, dropout_p=p, seed=seed,
                           offset=offset, tile=tile, dq_tile=dq_tile)
-    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
+    params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     qd, kd, vd = q.double(), k.double(), v.double()
     out, lse = _reference.reference_forward(qd, kd, vd, params)
     ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)

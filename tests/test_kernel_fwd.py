@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 import volta_train
 from volta_train import _philox, _reference, kernels
-from volta_train._reference import AttentionParams
-from volta_train.kernels import configs, launch
+from volta_train._options import AttentionOptions
+from volta_train.kernels import tiles, launch
 from naive import naive_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
 
-HEAD_DIMS = list(configs.SUPPORTED_HEAD_DIMS)
+HEAD_DIMS = list(tiles.SUPPORTED_HEAD_DIMS)
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,7 @@ def _torch_fp16_attention(q, k, v, causal, scale, window=(-1, -1)):
 def _kernel_forward(q, k, v, causal=False, scale=None, accum="fp32", window=(-1, -1), dropout_p=0.0, seed=0,
                     offset=0, tile=None):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    params = AttentionParams(softmax_scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+    params = AttentionOptions(softmax_scale=scale, causal=causal, window_left=window[0], window_right=window[1],
                              dropout_p=dropout_p, seed=seed, offset=offset)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
@@ -127,15 +127,15 @@ def test_forward_accuracy(case, accum):
 
 
 ARRANGEMENTS = [  # (head_dim, tile): every quad-pair arrangement and block shape the sweep considers
-    (64, configs.FwdTile(4, 1, 4, 32)), (64, configs.FwdTile(2, 1, 4, 16)), (64, configs.FwdTile(1, 1, 4, 32)),
-    (64, configs.FwdTile(1, 1, 8, 64)), (64, configs.FwdTile(1, 2, 4, 32)), (128, configs.FwdTile(2, 1, 4, 16)),
-    (128, configs.FwdTile(1, 1, 8, 32)), (96, configs.FwdTile(1, 1, 4, 32)), (80, configs.FwdTile(2, 1, 8, 16)),
-    (32, configs.FwdTile(1, 1, 4, 32)), (32, configs.FwdTile(4, 2, 4, 32)),
-    (64, configs.FwdTile(2, 1, 4, 32, q_in_smem=True)), (128, configs.FwdTile(2, 1, 4, 16, q_in_smem=True)),
-    (128, configs.FwdTile(1, 1, 4, 32, q_in_smem=True)), (96, configs.FwdTile(1, 2, 4, 32, q_in_smem=True)),
-    (64, configs.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=True)),
-    (128, configs.FwdTile(2, 1, 4, 16, q_in_smem=True, split_masked=True)),
-    (32, configs.FwdTile(4, 1, 4, 32, split_masked=True)),
+    (64, tiles.FwdTile(4, 1, 4, 32)), (64, tiles.FwdTile(2, 1, 4, 16)), (64, tiles.FwdTile(1, 1, 4, 32)),
+    (64, tiles.FwdTile(1, 1, 8, 64)), (64, tiles.FwdTile(1, 2, 4, 32)), (128, tiles.FwdTile(2, 1, 4, 16)),
+    (128, tiles.FwdTile(1, 1, 8, 32)), (96, tiles.FwdTile(1, 1, 4, 32)), (80, tiles.FwdTile(2, 1, 8, 16)),
+    (32, tiles.FwdTile(1, 1, 4, 32)), (32, tiles.FwdTile(4, 2, 4, 32)),
+    (64, tiles.FwdTile(2, 1, 4, 32, q_in_smem=True)), (128, tiles.FwdTile(2, 1, 4, 16, q_in_smem=True)),
+    (128, tiles.FwdTile(1, 1, 4, 32, q_in_smem=True)), (96, tiles.FwdTile(1, 2, 4, 32, q_in_smem=True)),
+    (64, tiles.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=True)),
+    (128, tiles.FwdTile(2, 1, 4, 16, q_in_smem=True, split_masked=True)),
+    (32, tiles.FwdTile(4, 1, 4, 32, split_masked=True)),
 ]
 
 
@@ -147,7 +147,7 @@ def test_every_tile_arrangement(head_dim, tile, accum, dropout):
     q, k, v = _inputs(2, 333, 301, 4, 2, head_dim, gen)
     seed, p = random.getrandbits(64), 0.25 if dropout else 0.0
     out, lse = _kernel_forward(q, k, v, causal=True, accum=accum, dropout_p=p, seed=seed, offset=8, tile=tile)
-    params = AttentionParams(softmax_scale=head_dim**-0.5, causal=True, dropout_p=p, seed=seed, offset=8)
+    params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=True, dropout_p=p, seed=seed, offset=8)
     ref, ref_lse = _reference.reference_forward(q.double(), k.double(), v.double(), params)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)
     assert not torch.isnan(out).any()
@@ -161,7 +161,7 @@ def test_every_tile_arrangement(head_dim, tile, accum, dropout):
 def test_local_window(accum, window, split):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
-    tile = configs.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=split)
+    tile = tiles.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=split)
     out, lse = _kernel_forward(q, k, v, window=window, accum=accum, tile=tile)
     ref, ref_lse = naive_attention(q, k, v, window_size=window)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)
@@ -225,7 +225,7 @@ def test_dropout_output_equals_reference_backend(accum, causal):
     q, k, v = _inputs(2, 257, 300, 4, 2, 64, gen)
     seed, offset = random.getrandbits(64), 4 * random.getrandbits(20)
     out, lse = _kernel_forward(q, k, v, causal=causal, dropout_p=0.2, seed=seed, offset=offset, accum=accum)
-    params = AttentionParams(softmax_scale=64**-0.5, causal=causal, dropout_p=0.2, seed=seed, offset=offset)
+    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal, dropout_p=0.2, seed=seed, offset=offset)
     ref, ref_lse = _reference.reference_forward(q.double(), k.double(), v.double(), params)
     assert _rel(out, ref) < (2e-3 if accum == "fp32" else 1e-2)
 
@@ -290,7 +290,7 @@ def test_alibi_forward(accum, causal, per_batch):
     q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
     shape = (2, 4) if per_batch else (4,)
     slopes = torch.rand(shape, generator=gen, device="cuda") * 0.5
-    params = AttentionParams(softmax_scale=64**-0.5, causal=causal)
+    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal)
     out, lse = launch.forward(q, k, v, None, None, 300, 357, params, slopes, accum)
     ref, ref_lse = naive_attention(q, k, v, causal=causal, alibi_slopes=slopes)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from volta_train.kernels import cache, nvrtc, variants
+from volta_train.kernels import cache, nvrtc, tiles, variants
 from volta_train.kernels.cache import CacheDirError, get_or_compile
 from volta_train.kernels.nvrtc import CompileError, NvrtcNotFoundError, compile_program, parse_ptxas_log
 from volta_train.kernels.variants import PROBE_VARIANT, KernelVariant
@@ -489,7 +489,7 @@ def test_precompile_all_fills_the_cache(nvrtc70, cache_dir, capsys):
     from volta_train.kernels.precompile import precompile_all
 
     programs = precompile_all("sm_70")
-    assert len(programs) == len(variants.shipped_variants(70)) == len(_entries(cache_dir))
+    assert len(programs) == len(tiles.shipped_variants(70)) == len(_entries(cache_dir))
     assert "probe_mma" in capsys.readouterr().out
 
 

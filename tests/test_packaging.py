@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from volta_train.kernels import cache, nvrtc
-from volta_train.kernels.variants import shipped_variants
+from volta_train.kernels.tiles import shipped_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _reference as reference
+from ._options import AttentionOptions
 from . import kernels
 
 logger = logging.getLogger("volta_train")
@@ -63,7 +64,7 @@ def kernel_supports(feature: str) -> bool:
 
 def kernel_head_dim(head_dim: int) -> int | None:
     """The smallest head_dim the kernel is built for that holds ``head_dim`` (inputs are zero-padded to it)."""
-    from .kernels.configs import SUPPORTED_HEAD_DIMS
+    from .kernels.tiles import SUPPORTED_HEAD_DIMS
 
     fits = [d for d in SUPPORTED_HEAD_DIMS if d >= head_dim]
     return min(fits) if fits else None
@@ -144,7 +145,7 @@ def _describe_call(q, k, v, cu_seqlens_q, causal, window, alibi, dropout_p, accu
 
 
 def _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset, softcap=0.0):
-    return reference.AttentionParams(
+    return AttentionOptions(
         softmax_scale=softmax_scale,
         causal=causal,
         window_left=window_left,

@@ -25,31 +25,16 @@ never repeated in memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ._options import AttentionOptions
 from ._philox import dropout_keep_mask
 
 BLOCK_K = 256  # keys per block of the online softmax
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """Everything but the tensors that defines one attention call."""
-
-    softmax_scale: float
-    causal: bool = False
-    window_left: int = -1  # -1: unbounded
-    window_right: int = -1  # -1: unbounded (causal forces 0)
-    dropout_p: float = 0.0
-    seed: int = 0
-    offset: int = 0
-    softcap: float = 0.0  # 0: off; > 0: scores become softcap * tanh(scores / softcap)
-
-    @property
-    def right_limit(self) -> int:
-        return 0 if self.causal else self.window_right
+# The call options' earlier name, kept for code that imports it from here.
+AttentionParams = AttentionOptions
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,7 +42,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _visible_and_bias(
-    params: AttentionParams,
+    params: AttentionOptions,
     rows: torch.Tensor,
     cols: torch.Tensor,
     seqlen_q: int,
@@ -84,7 +69,7 @@ def _visible_and_bias(
     return visible, bias
 
 
-def _block_is_empty(params: AttentionParams, col0: int, col1: int, seqlen_q: int, seqlen_k: int) -> bool:
+def _block_is_empty(params: AttentionOptions, col0: int, col1: int, seqlen_q: int, seqlen_k: int) -> bool:
     """True when no query row sees any key in [col0, col1)."""
     shift = seqlen_k - seqlen_q
     if params.right_limit >= 0 and col0 > (seqlen_q - 1) + shift + params.right_limit:
@@ -149,7 +134,7 @@ def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    params: AttentionParams,
+    params: AttentionOptions,
     alibi_slopes: torch.Tensor | None = None,
     batch_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +194,7 @@ def reference_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    params: AttentionParams,
+    params: AttentionOptions,
     alibi_slopes: torch.Tensor | None = None,
     batch_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -149,11 +149,12 @@ def measure(fn, batch, seqlen, heads, d, pass_name, args):
 
 def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device="cuda") -> dict[str, float]:
     """Errors of ``forward`` (fp16 in) against volta_train's float64 reference on a [1, seqlen, heads, d] slice."""
-    from ._reference import AttentionParams, reference_backward, reference_forward
+    from ._options import AttentionOptions
+    from ._reference import reference_backward, reference_forward
 
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(1, seqlen, heads, d, device=device, generator=gen).half() for _ in range(4))
-    params = AttentionParams(softmax_scale=d ** -0.5, causal=causal)
+    params = AttentionOptions(softmax_scale=d ** -0.5, causal=causal)
     q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
     with torch.no_grad():
         ref_out, lse = reference_forward(q64, k64, v64, params)

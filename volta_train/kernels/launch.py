@@ -7,9 +7,9 @@ import math
 import torch
 
 from .. import _philox
-from .._reference import AttentionParams as CallParams
-from . import configs, driver
-from .params import AttentionParams, BackwardParams
+from .._options import AttentionOptions
+from . import driver, tiles
+from .params import BackwardKernelParams, KernelParams
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -31,8 +31,8 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                params: CallParams, block_m: int, alibi_slopes: torch.Tensor | None = None) -> tuple[int, int]:
+def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                params: AttentionOptions, block_m: int, alibi_slopes: torch.Tensor | None = None) -> tuple[int, int]:
     """Pointers, strides, lengths, masks and dropout state; returns the launch grid."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -72,8 +72,8 @@ def fill_common(prm: AttentionParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
     return grid
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams, alibi_slopes,
-            accum: str, tile: configs.FwdTile | None = None, out: torch.Tensor | None = None,
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionOptions, alibi_slopes,
+            accum: str, tile: tiles.FwdTile | None = None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None):
     """Volta forward kernel: returns (out, lse) like the reference backend.
 
@@ -89,10 +89,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    tile = tile or configs.fwd_tile(head_dim, params.causal, _arch(q.device))
-    variant = configs.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0)
+    tile = tile or tiles.fwd_tile(head_dim, params.causal, _arch(q.device))
+    variant = tiles.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0)
     kernel = _kernel(variant, q.device)
-    prm = AttentionParams()
+    prm = KernelParams()
     grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
                        tile.block_m, alibi_slopes)
     kernel.launch(grid, tile.threads, variant.dynamic_smem_bytes, [prm])
@@ -108,15 +108,15 @@ def _set_strides(prm, name: str, t: torch.Tensor, varlen: bool) -> None:
 
 def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
     """"fp16" or "fp32": ``"auto"`` takes FP16-ACC where the tile of (head_dim, arch) meets flash-attn's accuracy
-    standard with it, else fp32 accumulation (configs.fp16_backward_meets_standard; docs/accuracy.md)."""
+    standard with it, else fp32 accumulation (tiles.fp16_backward_meets_standard; docs/accuracy.md)."""
     if bwd_accum != "auto":
         return bwd_accum
-    return "fp16" if configs.fp16_backward_meets_standard(head_dim, arch) else "fp32"
+    return "fp16" if tiles.fp16_backward_meets_standard(head_dim, arch) else "fp32"
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: CallParams,
-             alibi_slopes, bwd_accum: str, deterministic: bool, tile: configs.BwdTile | None = None,
-             dq_tile: configs.FwdTile | None = None):
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionOptions,
+             alibi_slopes, bwd_accum: str, deterministic: bool, tile: tiles.BwdTile | None = None,
+             dq_tile: tiles.FwdTile | None = None):
     """Volta backward: (dq, dk, dv). dK/dV kernel over key blocks; dQ by its fp32 atomics, or (deterministic,
     or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible."""
     alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
@@ -129,13 +129,13 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     accum_f16, dropout = bwd_accum == "fp16", params.dropout_p > 0
-    tile = tile or configs.bwd_tile(head_dim, arch, accum_f16)
+    tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
     use_atomics = tile.dq_atomic and not deterministic
     # D = rowsum(dO * O) in fp32, laid out like lse ([B, H, Nq] or [H, total_q])
     dsum = (dout.float() * out.float()).sum(-1)
     dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()
 
-    bp = BackwardParams()
+    bp = BackwardKernelParams()
     fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
                 tile.block_m, alibi_slopes)
     bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
@@ -152,14 +152,14 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     bp.dq = dq.data_ptr() if dq is not None else None
     _set_strides(bp, "dq", dq_target, varlen)
 
-    variant = configs.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics)
+    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics)
     _kernel(variant, q.device).launch((bp.num_n_blocks, batch * nheads_kv), tile.threads, variant.dynamic_smem_bytes,
                                       [bp])
     if use_atomics:
         return (dq_accum * params.softmax_scale).to(q.dtype), dk, dv
-    dq_tile = dq_tile or configs.dq_tile(head_dim, arch)
+    dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
                        dq_tile.block_m, alibi_slopes)
-    dq_var = configs.dq_variant(head_dim, dq_tile, False, dropout)
+    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout)
     _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
     return dq, dk, dv

@@ -1,4 +1,5 @@
-"""ctypes mirror of ``AttentionParams`` in csrc/params.cuh: same fields, same order."""
+"""ctypes mirrors of the kernels' parameter structs in csrc/params.cuh (``AttentionParams``, ``BackwardParams``):
+same fields, same order."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ _STRIDES = (
 )
 
 
-class AttentionParams(ctypes.Structure):
+class KernelParams(ctypes.Structure):
+    """ctypes mirror of ``AttentionParams`` in csrc/params.cuh: what every kernel reads."""
+
     _fields_ = (
         [(name, ctypes.c_void_p) for name in _POINTERS]
         + [(name, ctypes.c_longlong) for name in _STRIDES]
@@ -36,21 +39,21 @@ class AttentionParams(ctypes.Structure):
     )
 
 
-assert ctypes.sizeof(AttentionParams) == 248, "AttentionParams must match csrc/params.cuh (248 bytes)"
+assert ctypes.sizeof(KernelParams) == 248, "KernelParams must match AttentionParams in csrc/params.cuh (248 bytes)"
 
 
 _BWD_STRIDES = tuple(f"{t}_{axis}_stride" for t in ("do", "dq", "dk", "dv") for axis in ("batch", "row", "head"))
 
 
-class BackwardParams(ctypes.Structure):
+class BackwardKernelParams(ctypes.Structure):
     """ctypes mirror of ``BackwardParams`` in csrc/params.cuh."""
 
     _fields_ = (
-        [("fwd", AttentionParams)]
+        [("fwd", KernelParams)]
         + [(name, ctypes.c_void_p) for name in ("dout", "dq_accum", "dq", "dk", "dv", "dsum")]
         + [(name, ctypes.c_longlong) for name in _BWD_STRIDES]
         + [("softmax_scale", ctypes.c_float), ("num_n_blocks", ctypes.c_int)]
     )
 
 
-assert ctypes.sizeof(BackwardParams) == 248 + 6 * 8 + 12 * 8 + 8, "BackwardParams must match csrc/params.cuh"
+assert ctypes.sizeof(BackwardKernelParams) == 248 + 6 * 8 + 12 * 8 + 8, "BackwardKernelParams must match BackwardParams in csrc/params.cuh"

@@ -10,7 +10,8 @@ import time
 
 from .cache import ensure_cache_dir
 from .nvrtc import CompiledProgram, find_nvrtc, normalize_arch
-from .variants import csrc_dir, shipped_variants
+from .tiles import shipped_variants
+from .variants import csrc_dir
 
 
 def _compile_one(task: tuple[int, int]) -> tuple[str, int, float]:

@@ -62,7 +62,7 @@ def _compiler_problem(arch: int) -> str | None:
 
 def unsupported_reason(call: CallDescription) -> str | None:
     """None when the kernel runs this call; otherwise one short sentence saying why not."""
-    from .configs import SUPPORTED_HEAD_DIMS
+    from .tiles import SUPPORTED_HEAD_DIMS
 
     if call.device.type != "cuda":
         return f"input is on {call.device.type}: the Volta kernel needs a CUDA GPU"

@@ -2,8 +2,10 @@
 
 A :class:`KernelVariant` is one NVRTC program (one or more csrc/ files compiled as one translation unit, with
 ``csrc/`` on the include path) and the kernels taken from it (name expressions such as
-``"volta_fwd_kernel<64, 64, 4, true>"``). :func:`shipped_variants` is what ``precompile_all`` and
-``scripts/kernel_report.py`` compile.
+``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). The attention
+kernels' variants are built from the tile tables in :mod:`volta_train.kernels.tiles`, whose
+:func:`~volta_train.kernels.tiles.shipped_variants` is what ``precompile_all`` and ``scripts/kernel_report.py``
+compile; this module does not import that one.
 """
 
 from __future__ import annotations
@@ -74,10 +76,3 @@ PROBE_VARIANT = KernelVariant(
     meta={"warps_per_block": PROBE_WARPS_PER_BLOCK, "purpose": "compile/cache/launch pipeline probe"},
 )
 
-
-def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
-    """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
-    from .configs import shipped_bwd_variants, shipped_fwd_variants  # configs builds on KernelVariant
-
-    target = normalize_arch(arch)
-    return shipped_fwd_variants(target) + shipped_bwd_variants(target) + [PROBE_VARIANT]

@@ -14,7 +14,6 @@ Models, tokenizers and data are read from local paths only; nothing is downloade
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -31,11 +30,13 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import _resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, checkpoint, chunked_loss, config, data, distributed, fsio, logs, metrics, optim, runlock,
+    attention, chunked_loss, config, data, distributed, logs, metrics, optim, runlock,
 )
 from ..training import finetune as ft  # noqa: E402
-from ..training.gpt import auto_precision  # noqa: E402
-from ..training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
+from ..training.models import auto_precision  # noqa: E402
+from ..training.trainer import (  # noqa: E402
+    LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
+)
 
 log = logging.getLogger("finetune")
 
@@ -283,30 +284,15 @@ def _main(argv, held: list) -> dict:
         if chunked else None
     trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=flops, evaluate=evaluate,
                       run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
-    try:
-        result = trainer.run()
-    except (TrainingFailed, fsio.WriteError) as e:
-        _fail(str(e))
-    except (FileNotFoundError, RuntimeError) as e:
-        if "checkpoint" in str(e) or "resume" in str(e):
-            _fail(str(e))
-        raise
-
-    if result["start_step"] >= result["planned_steps"]:
-        log.info("%s already holds the finished run (step %d); its summary.json stays. "
-                 "--checkpoint.resume never starts over",
-                 out_dir, result["start_step"])
-        accelerator.end_training()
-        previous = out_dir / "summary.json"
-        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
+    result = run_or_fail(trainer, _fail)
+    previous = finished_earlier(result, out_dir, accelerator, log, "--checkpoint.resume")
+    if previous is not None:
+        return previous
 
     summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
                "zero_stage": setup.zero_stage, "processes": world, "labels": names or None,
                "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
-    if summary["model"]:
-        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=hf_tokenizer)
-    if accelerator.is_main_process:
-        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+    save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer)
     evals = " | ".join(f"eval {k.removeprefix('eval_')} {'n/a' if v is None else f'{v:.4f}'}"
                        for k, v in summary.items() if k.startswith("eval_"))
     log.info("done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f%s | attention %s%s | model %s | %s",

@@ -19,7 +19,6 @@ The corpus is generated or read locally, tokenised once and cached; nothing is d
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -38,9 +37,11 @@ from accelerate.utils import set_seed  # noqa: E402
 from .. import _resources  # noqa: E402
 from ..integrations import ulysses  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, checkpoint, chunked_loss, config, data, distributed, fsio, gpt, logs, metrics, optim, runlock, sequence_parallel,
+    attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
-from ..training.trainer import LoopConfig, Trainer, TrainingFailed  # noqa: E402
+from ..training.trainer import (  # noqa: E402
+    LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
+)
 
 log = logging.getLogger("gpt_long")
 
@@ -101,6 +102,73 @@ def main(argv=None) -> dict:
 
 
 def _main(argv, held: list) -> dict:
+    cfg, state = _start(argv, held)
+    out_dir = Path(cfg.out_dir)
+    tokenizer, train_tokens, val_tokens = _load_data(cfg, state)
+    model = _build_model(cfg, state, tokenizer)
+    shape = gpt.describe(model)
+    impl = model.config._attn_implementation
+    documents, packing_note = resolve_packing(cfg, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
+    log.info(
+        "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",
+        shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["hidden"], n_params / 1e6,
+        cfg.seq_len, impl, ", gradient checkpointing" if cfg.gradient_checkpointing else "",
+    )
+    log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
+             packing_note)
+    chunked, loss_note = chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)
+    log.info("%s", loss_note)
+    eos = tokenizer.eos_token_id
+    train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+    val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+
+    setup, grad_factor = _accelerator(cfg, state, model)
+    accelerator = setup.accelerator
+    log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
+             setup.precision, torch.get_num_threads())
+    optimizer = make_optimizer(setup, model, cfg)
+    with ulysses.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
+        model, optimizer = accelerator.prepare(model, optimizer)
+    step = _StepFunctions(cfg, model, accelerator, train_set, val_set, flops, impl, grad_factor, chunked)
+
+    replicas = step.layout.dp
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
+    log.info(
+        "training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
+        "%d sequences per epoch",
+        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
+        cfg.warmup_steps, step.batches_per_epoch * cfg.batch_size * replicas,
+    )
+    run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
+                "sequence_parallel_size": cfg.sequence_parallel_size, "chunked_loss": chunked}
+    saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
+    trainer = Trainer(setup, model, optimizer, _loop_config(cfg), batches=step.batches, flops=step.count,
+                      evaluate=step.evaluate if step.val_batches else None, run_info=run_info,
+                      tokenizer=saved_tokenizer, loss_fn=step.loss)
+    result = run_or_fail(trainer, _fail)
+    previous = finished_earlier(result, out_dir, accelerator, log, "--resume")
+    if previous is not None:
+        return previous
+
+    val_loss = result.pop("eval_loss", math.nan)
+    summary = {
+        **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
+        "packing": "documents" if documents else "stream", "precision": setup.precision,
+        "zero_stage": setup.zero_stage, "processes": accelerator.num_processes,
+        "sequence_parallel_size": cfg.sequence_parallel_size, "data_parallel_size": replicas, "chunked_loss": chunked,
+        "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
+    }
+    save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer)
+    _log_done(summary, val_loss, impl, out_dir)
+    accelerator.end_training()
+    return summary
+
+
+def _start(argv, held: list):
+    """The resolved config and the process state; out_dir locked for this run, logging and seeds set up."""
     try:
         argv = _resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
@@ -127,8 +195,11 @@ def _main(argv, held: list) -> dict:
         torch.set_num_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
     logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process)
+    return cfg, state
 
-    # data: text -> cached token stream -> fixed-length sequences
+
+def _load_data(cfg, state):
+    """Text -> cached token stream -> (tokenizer, training tokens, validation tokens)."""
     try:
         tokenizer = data.load_tokenizer(gpt.default_tokenizer(cfg))
         with state.local_main_process_first():
@@ -136,8 +207,11 @@ def _main(argv, held: list) -> dict:
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.val_fraction, cfg.seq_len)
     except (OSError, ValueError) as e:
         _fail(str(e))
+    return tokenizer, train_tokens, val_tokens
 
-    # model, then its attention: volta_train's (patch) or stock SDPA
+
+def _build_model(cfg, state, tokenizer):
+    """The model, then its attention: volta_train's (patch) or stock SDPA; its heads checked against the processes."""
     sp = cfg.sequence_parallel_size
     try:
         model = gpt.build_model(cfg, tokenizer)
@@ -153,24 +227,12 @@ def _main(argv, held: list) -> dict:
                         cfg.attn_pdrop, sp)
     except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
-    shape = gpt.describe(model)
-    impl = model.config._attn_implementation
-    documents, packing_note = resolve_packing(cfg, model)
-    n_params = sum(p.numel() for p in model.parameters())
-    flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
-    log.info(
-        "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",
-        shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["hidden"], n_params / 1e6,
-        cfg.seq_len, impl, ", gradient checkpointing" if cfg.gradient_checkpointing else "",
-    )
-    log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
-             packing_note)
-    chunked, loss_note = chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)
-    log.info("%s", loss_note)
-    eos = tokenizer.eos_token_id
-    train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
-    val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+    return model
 
+
+def _accelerator(cfg, state, model):
+    """(accelerate setup, gradient factor of sequence parallelism under ZeRO-3)."""
+    sp = cfg.sequence_parallel_size
     try:
         parallelism = ulysses.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
         setup = distributed.build_accelerator(
@@ -182,74 +244,79 @@ def _main(argv, held: list) -> dict:
             if sp > 1 else 1.0
     except (config.ConfigError, ulysses.SequenceParallelError) as e:
         _fail(str(e))
-    accelerator = setup.accelerator
-    log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
-             setup.precision, torch.get_num_threads())
-    optimizer = make_optimizer(setup, model, cfg)
-    with ulysses.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
-        model, optimizer = accelerator.prepare(model, optimizer)
+    return setup, grad_factor
 
-    rank, world = accelerator.process_index, accelerator.num_processes
-    layout = sequence_parallel.layout(rank, world, sp)
-    uattn = None
-    if layout.enabled:
-        uattn = ulysses.install(impl)
-        log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
-                 f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
-    replicas, replica = layout.dp, layout.dp_rank  # processes of a sequence-parallel group read the same batches
-    try:
-        probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed)
-    except ValueError as e:
-        _fail(f"{e}: give more data or a shorter seq_len")
-    pin = accelerator.device.type == "cuda"
-    shards: list[sequence_parallel.ShardedBatches] = []
 
-    def batches(start: int):
-        sampler = data.ShardedBatchSampler(len(train_set), cfg.batch_size, replicas, replica, seed=cfg.seed,
-                                           start=start)
-        loader = data.micro_batches(train_set, sampler, num_workers=cfg.num_workers, pin_memory=pin)
-        if not layout.enabled:
-            return loader
-        shards[:] = [sequence_parallel.ShardedBatches(loader, layout, flops)]
-        return shards[0]
+class _StepFunctions:
+    """What the trainer calls per step: the batches from a micro-batch index on, their token and FLOP counts, the
+    loss of a micro-batch and the evaluation; under sequence parallelism each process sees its shard of a sequence."""
 
-    def count(batch: dict) -> tuple[int, float]:
-        return shards[0].counts(batch) if layout.enabled else flops(batch)
-
-    def loss_fn(engine, batch: dict) -> torch.Tensor:
-        """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
+    def __init__(self, cfg, model, accelerator, train_set, val_set, flops, impl: str, grad_factor: float,
+                 chunked: bool):
+        self.cfg, self.model, self.accelerator = cfg, model, accelerator
+        self.train_set, self.val_set, self.flops, self.impl = train_set, val_set, flops, impl
+        self.grad_factor, self.chunked = grad_factor, chunked
+        rank, world = accelerator.process_index, accelerator.num_processes
+        self.layout = layout = sequence_parallel.layout(rank, world, cfg.sequence_parallel_size)
+        self.uattn = None
         if layout.enabled:
-            ulysses.ensure_installed(impl, uattn)
-            return sequence_parallel.sharded_loss(engine, batch, layout.group, grad_factor, chunked=chunked,
-                                                  chunk_tokens=cfg.loss_chunk_tokens)
-        if chunked:
+            self.uattn = ulysses.install(impl)
+            log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
+                     f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
+        # processes of a sequence-parallel group read the same batches
+        self.replicas, self.replica = layout.dp, layout.dp_rank
+        try:
+            probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, self.replicas, self.replica, seed=cfg.seed)
+        except ValueError as e:
+            _fail(f"{e}: give more data or a shorter seq_len")
+        self.batches_per_epoch = probe.batches_per_epoch
+        self.pin = accelerator.device.type == "cuda"
+        self.shards: list[sequence_parallel.ShardedBatches] = []
+        self.val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, self.replicas,
+                                             self.replica)
+
+    def batches(self, start: int):
+        cfg = self.cfg
+        sampler = data.ShardedBatchSampler(len(self.train_set), cfg.batch_size, self.replicas, self.replica,
+                                           seed=cfg.seed, start=start)
+        loader = data.micro_batches(self.train_set, sampler, num_workers=cfg.num_workers, pin_memory=self.pin)
+        if not self.layout.enabled:
+            return loader
+        self.shards[:] = [sequence_parallel.ShardedBatches(loader, self.layout, self.flops)]
+        return self.shards[0]
+
+    def count(self, batch: dict) -> tuple[int, float]:
+        return self.shards[0].counts(batch) if self.layout.enabled else self.flops(batch)
+
+    def loss(self, engine, batch: dict) -> torch.Tensor:
+        """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
+        cfg = self.cfg
+        if self.layout.enabled:
+            ulysses.ensure_installed(self.impl, self.uattn)
+            return sequence_parallel.sharded_loss(engine, batch, self.layout.group, self.grad_factor,
+                                                  chunked=self.chunked, chunk_tokens=cfg.loss_chunk_tokens)
+        if self.chunked:
             return chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=cfg.loss_chunk_tokens)
         return engine(**batch).loss
 
-    val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, replicas, replica)
-
     @torch.no_grad()
-    def evaluate() -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        model, layout = self.model, self.layout
         model.eval()
         losses = []
-        for idx in val_batches:
-            batch = torch.utils.data.default_collate([val_set[i] for i in idx])
+        for idx in self.val_batches:
+            batch = torch.utils.data.default_collate([self.val_set[i] for i in idx])
             if layout.enabled:
                 batch = sequence_parallel.shard_batch(batch, layout.sp, layout.sp_rank)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            loss = loss_fn(model, batch)
+            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+            loss = self.loss(model, batch)
             losses.append(loss.float())
         model.train()
-        return {"loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+        return {"loss": self.accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
-    log.info(
-        "training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
-        "%d sequences per epoch",
-        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
-        cfg.warmup_steps, probe.batches_per_epoch * cfg.batch_size * replicas,
-    )
-    loop = LoopConfig(
+
+def _loop_config(cfg) -> LoopConfig:
+    return LoopConfig(
         steps=cfg.steps, grad_accum=cfg.grad_accum, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
         min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip, log_interval=cfg.log_interval,
         eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
@@ -257,43 +324,9 @@ def _main(argv, held: list) -> dict:
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
     )
-    run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
-                "sequence_parallel_size": sp, "chunked_loss": chunked}
-    saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
-    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=count,
-                      evaluate=evaluate if val_batches else None, run_info=run_info,
-                      tokenizer=saved_tokenizer,
-                      loss_fn=loss_fn)
-    try:
-        result = trainer.run()
-    except (TrainingFailed, fsio.WriteError) as e:
-        _fail(str(e))
-    except (FileNotFoundError, RuntimeError) as e:
-        if "checkpoint" in str(e) or "resume" in str(e):
-            _fail(str(e))
-        raise
 
-    if result["start_step"] >= result["planned_steps"]:
-        log.info("%s already holds the finished run (step %d); its summary.json stays. --resume never starts over",
-                 out_dir, result["start_step"])
-        accelerator.end_training()
-        previous = out_dir / "summary.json"
-        return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
 
-    val_loss = result.pop("eval_loss", math.nan)
-    summary = {
-        **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
-        "packing": "documents" if documents else "stream", "precision": setup.precision,
-        "zero_stage": setup.zero_stage, "processes": world, "sequence_parallel_size": sp,
-        "data_parallel_size": replicas, "chunked_loss": chunked,
-        "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
-    }
-    if summary["checkpoint"]:
-        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary,
-                              tokenizer=saved_tokenizer)
-    if accelerator.is_main_process:
-        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+def _log_done(summary: dict, val_loss: float, impl: str, out_dir: Path) -> None:
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
         "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
@@ -304,8 +337,6 @@ def _main(argv, held: list) -> dict:
         impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
         logs.run_files(out_dir),
     )
-    accelerator.end_training()
-    return summary
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 
 from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
-from .gpt import padded_vocab, read_model_config
+from .models import padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ run's ``final/``). Nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
+from .models import auto_precision, padded_vocab, read_model_config  # noqa: F401  (gpt.<name> for older imports)
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
 # arch "llama" uses the same shapes with RoPE, RMSNorm and a SwiGLU MLP of ~8/3 n_embd.
@@ -91,8 +91,8 @@ class GPTTrainConfig:
     beta1: float = field(0.9, "AdamW beta1")
     beta2: float = field(0.95, "AdamW beta2")
     grad_clip: float = field(1.0, "clip the gradient norm to this (0: off)")
-    mixed_precision: str | None = field(None, "accelerate mixed precision (auto: fp16 on GPU, no on CPU)",
-                                        choices=["no", "fp16", "bf16"])
+    mixed_precision: str = field("auto", "accelerate mixed precision: no, fp16, bf16, or auto (fp16 on GPU, no on CPU)",
+                                 choices=["no", "fp16", "bf16", "auto"])
     loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (PyTorch GradScaler; DeepSpeed "
                                             "takes its JSON's initial_scale_power)")
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
@@ -130,8 +130,9 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
     """Fill every auto field for ``device_type`` ('cuda' or anything else = CPU table) and check the result."""
     kind = "cuda" if device_type == "cuda" else "cpu"
     table = dict(AUTO[kind])
-    if cfg.mixed_precision is None:
+    if cfg.mixed_precision in (None, "auto"):  # "auto", as in the finetune config (None: the same, from code)
         # a precision chosen through `accelerate config` wins over the device default
+        cfg = dataclasses.replace(cfg, mixed_precision=None)
         table["mixed_precision"] = auto_precision(table["mixed_precision"], kind)
     external = cfg.model_path or cfg.model_config
     if external:
@@ -164,16 +165,6 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
         cfg = dataclasses.replace(cfg, synthetic_mb=float(min(mb, MAX_SYNTHETIC_MB)))
     check(cfg)
     return cfg
-
-
-def auto_precision(default: str, kind: str) -> str:
-    """``mixed_precision`` "auto": a precision chosen through ``accelerate config`` (ACCELERATE_MIXED_PRECISION) wins
-    over the device default, except fp16 on CPU (a GPU config launched on a CPU machine): that stays fp32, since
-    CPU fp16 is an emulation for tests, asked for explicitly."""
-    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if env == "no" or (env == "fp16" and kind == "cpu"):
-        return default
-    return env
 
 
 def _swiglu_width(n_embd: int) -> int:
@@ -249,11 +240,6 @@ def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -
         raise ConfigError(deepspeed_note)
 
 
-def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """Round the embedding up to a multiple of 64 rows (tensor-core friendly; the extra ids are never seen)."""
-    return (vocab_size + multiple - 1) // multiple * multiple
-
-
 def default_tokenizer(cfg: GPTTrainConfig) -> str:
     """The tokenizer spec for ``cfg``: its own, else model_path's tokenizer files if any, else bytes."""
     if cfg.tokenizer:
@@ -262,23 +248,6 @@ def default_tokenizer(cfg: GPTTrainConfig) -> str:
                                                                            "vocab.json", "vocab.txt")):
         return cfg.model_path
     return "bytes"
-
-
-def read_model_config(path: str | Path):
-    """A transformers config from a config.json file or a directory holding one (no download)."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model config {str(path)!r}: cannot read it as JSON ({e})") from None
-    model_type = values.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError(f"model config {str(path)!r} has no model_type (e.g. \"gpt2\" or \"llama\")")
-    return AutoConfig.for_model(model_type, **values)
 
 
 def _preset_config(cfg: GPTTrainConfig, tokenizer):

@@ -72,3 +72,27 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     fig.savefig(tmp, dpi=100)
     tmp.replace(path)  # a viewer never sees a half-written file
     return path
+
+
+def plot_loss_curves(curves: dict[str, list[dict]], title: str, path: Path) -> bool:
+    """Training-loss curves of several runs (rows of their ``train.csv``) in one PNG, one line per label (x: ``step``,
+    y: ``loss``); False when matplotlib is not installed. The GPU checks (scripts/gpu_checks/) compare runs with it."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in curves.items():
+        ax.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

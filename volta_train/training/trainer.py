@@ -390,3 +390,40 @@ class Trainer:
             f"{('val ' + k) if k == 'loss' else k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in values.items()))
         writer.write("eval", step, values)
         return values
+
+
+# ---- the end of a recipe's run (gpt_long, finetune): run, or report the run out_dir already finished; save, summarise
+
+
+def run_or_fail(trainer: Trainer, fail: Callable[[str], None]) -> dict:
+    """``trainer.run()``; a stop for non-finite values, a file that cannot be written, or a checkpoint that cannot be
+    resumed ends in ``fail(message)`` (the recipes exit with it); anything else propagates."""
+    try:
+        return trainer.run()
+    except (TrainingFailed, fsio.WriteError) as e:
+        fail(str(e))
+    except (FileNotFoundError, RuntimeError) as e:
+        if "checkpoint" in str(e) or "resume" in str(e):
+            fail(str(e))
+        raise
+
+
+def finished_earlier(result: dict, out_dir: Path, accelerator, log: logging.Logger, resume_flag: str) -> dict | None:
+    """When out_dir already held the finished run (this call trained nothing): logs so, ends training and returns
+    that run's summary.json (``result`` if there is none). Otherwise None."""
+    if result["start_step"] < result["planned_steps"]:
+        return None
+    log.info("%s already holds the finished run (step %d); its summary.json stays. %s never starts over",
+             out_dir, result["start_step"], resume_flag)
+    accelerator.end_training()
+    previous = out_dir / "summary.json"
+    return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
+
+
+def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, final_key: str, cfg, tokenizer) -> None:
+    """The final model into ``out_dir/final`` when ``summary[final_key]`` names it, then ``summary.json`` (main
+    process)."""
+    if summary[final_key]:
+        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
+    if accelerator.is_main_process:
+        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)

@@ -289,13 +289,13 @@ def supported_model_types() -> tuple[str, ...]:
 def softcap_supported() -> bool:
     """Whether volta_train's attention API takes ``softcap`` (the reference backend computes it).
 
-    TODO(api19): the flash-attn API issue adds ``softcap`` to the reference backend (_reference.AttentionParams)
+    TODO(api19): the flash-attn API issue adds ``softcap`` to the reference backend (_options.AttentionOptions)
     and to flash_attn_func / flash_attn_varlen_func; from then on soft-capped models run (on the reference
     backend until the kernel has it) instead of being refused.
     """
-    from ... import _reference
+    from ... import _options
 
-    return "softcap" in {f.name for f in dataclasses.fields(_reference.AttentionParams)}
+    return "softcap" in {f.name for f in dataclasses.fields(_options.AttentionOptions)}
 
 
 def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
@@ -324,7 +324,7 @@ def check_head_dim(model_type: Any, head_dim: int, source: str) -> None:
 
 
 def kernel_head_dims() -> tuple[int, ...]:
-    from ...kernels.configs import SUPPORTED_HEAD_DIMS
+    from ...kernels.tiles import SUPPORTED_HEAD_DIMS
 
     return tuple(SUPPORTED_HEAD_DIMS)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device session: environment, the gpu-marked tests, then optional benchmark arguments.
-#   bash scripts/gpu_session.sh "<pytest selection>" "<bench_attention.py args or empty>"
-# Logs go to $OUT (the device tool brings them back) or ./gpu_out.
+# One GPU check session: environment, the gpu-marked tests, then optional benchmark arguments.
+#   bash scripts/gpu_checks/gpu_session.sh "<pytest selection>" "<bench_attention.py args or empty>"
+# From the repository root on a GPU machine; logs go to the output directory $OUT (default ./gpu_out).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

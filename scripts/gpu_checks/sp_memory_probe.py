@@ -27,7 +27,7 @@ Steps, all processes together, one micro-batch of one sequence per data-parallel
 Output: one JSON (``--out``) with every step's peaks and seconds, the fit, the prediction and the
 verification. ``--cpu``: gloo, a tiny model, no memory figures (a smoke test of the code path).
 
-    python -m torch.distributed.run --nproc_per_node 4 scripts/sp_memory_probe.py --sp 4 --out sp4.json
+    python -m torch.distributed.run --nproc_per_node 4 scripts/gpu_checks/sp_memory_probe.py --sp 4 --out sp4.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -45,8 +44,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf, ulysses  # noqa: E402

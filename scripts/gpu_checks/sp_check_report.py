@@ -1,9 +1,9 @@
-"""The report of scripts/gpu_sp_check.sh: tables, PASS/FAIL lines and RESULT, from what its runs left in OUT.
+"""The report of scripts/gpu_checks/gpu_sp_check.sh: tables, PASS/FAIL lines and RESULT, from what its runs left in OUT.
 
-    python scripts/sp_check_report.py out/gpu_sp_check        # prints the report (markdown); exit 1 on FAIL
+    python scripts/gpu_checks/sp_check_report.py out/gpu_sp_check        # prints the report (markdown); exit 1 on FAIL
 
 Reads OUT/settings.json, OUT/skipped.txt, OUT/loss_sp*/{summary.json,train.csv} (recipes/gpt_long.py) and
-OUT/probe_sp*.json (scripts/sp_memory_probe.py); writes OUT/loss.png when matplotlib is there.
+OUT/probe_sp*.json (scripts/gpu_checks/sp_memory_probe.py); writes OUT/loss.png when matplotlib is there.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss_plot import plot_loss_curves  # noqa: E402
+from volta_train.training.plots import plot_loss_curves
 
 
 def main(out: Path) -> int:

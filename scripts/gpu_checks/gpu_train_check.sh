@@ -3,11 +3,11 @@
 # volta_train: a few hundred steps each, the loss trajectory and the figures for the issue note.
 # About 4-7 minutes; every run is capped (time_limit_min + timeout) so the whole script stays under 8.
 #
-#   bash scripts/gpu_train_check.sh                  # from the repository root, on a machine with 2 GPUs
-#   STEPS=200 SEQ_LEN=1024 bash scripts/gpu_train_check.sh
+#   bash scripts/gpu_checks/gpu_train_check.sh       # from the repository root, on a machine with 2 GPUs
+#   STEPS=200 SEQ_LEN=1024 bash scripts/gpu_checks/gpu_train_check.sh
 #
-# DeepSpeed is not installed on the GPU machines and they have no network: carry its wheel and the
-# pure-Python dependencies they lack in .whl/ (ignored by git; the device tool's `carry` takes it):
+# DeepSpeed and a few of its pure-Python dependencies, when the GPU machine lacks them and has no network, are
+# installed from wheels in the directory WHEELS (default .whl/, ignored by git):
 #   deepspeed-0.19.8-py3-none-any.whl        (PyPI ships only the sdist: build it once, on any machine,
 #                                             DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl)
 #   hjson-3.1.0-py3-none-any.whl
@@ -24,9 +24,10 @@
 # Output: out/gpu_train_check/{zero2,zero3}/ (train.csv, eval.csv, summary.json, train.log, TensorBoard),
 # out/gpu_train_check/report.md (the table and trajectories printed at the end), loss.png.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's volta_train
 
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NCCL without NVLink SHARP/multicast: the checks do not need it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
 PY=${PYTHON:-python3}
 OUT=${OUT_DIR:-out/gpu_train_check}
@@ -43,7 +44,7 @@ echo "== environment"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 if ! $PY -c "import deepspeed" 2>/dev/null; then
   echo "deepspeed not installed: installing from $WHEELS/"
-  $PY -m pip install --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2 || { echo "FAILED: carry the wheels listed at the top"; exit 1; }
+  $PY -m pip install --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2 || { echo "FAILED: put the wheels listed at the top in $WHEELS"; exit 1; }
 fi
 $PY - <<'EOF'
 import torch, transformers, accelerate, deepspeed
@@ -122,8 +123,7 @@ if len(runs) == 2:
     if diffs:
         print(f"\nzero2 vs zero3: max |loss difference| over {len(diffs)} logged steps = {max(diffs):.4f} "
               "(same seed and data; fp16 reductions differ in order)")
-sys.path.insert(0, "scripts")
-from loss_plot import plot_loss_curves
+from volta_train.training.plots import plot_loss_curves
 if plot_loss_curves({f"{n} ({s['attention']})": rows for n, (s, rows) in runs.items()},
                     "gpt_long.py, 2 GPUs, DeepSpeed fp16", out / "loss.png"):
     print(f"\nplot: {out / 'loss.png'}")

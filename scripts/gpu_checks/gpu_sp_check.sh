@@ -5,7 +5,7 @@
 #   loss    recipes/gpt_long.py under ZeRO-3 and fp16 with sequence_parallel_size 1, 2 (and 4 with 4 GPUs), the
 #           same global batch (GLOBAL_BATCH sequences per step) and data: STEPS steps each; the loss trajectories
 #           of sp>1 must match sp=1 within TOL_MEAN (mean |difference| over the logged steps) and TOL_MAX (largest).
-#   memory  scripts/sp_memory_probe.py with sp=1 and sp=PROBE_SP (default: all GPUs), the same GPUs, ZeRO-3, fp16,
+#   memory  scripts/gpu_checks/sp_memory_probe.py with sp=1 and sp=PROBE_SP (default: all GPUs), the same GPUs, ZeRO-3, fp16,
 #           activation checkpointing, a GPT-2-medium-shaped model (24 layers, 16 heads, width 1024; Llama-style so
 #           no position table grows with the sequence), each process capped at MEM_GB GiB: the longest sequence
 #           that trains (fitted on three lengths, then verified by a step), and the ratio sp=N / sp=1, which must be
@@ -13,20 +13,21 @@
 #           window (its memory does not depend on the window; full attention over 1M tokens would take hours on
 #           an emulating GPU); a window-vs-full step at TWIN_SHARD tokens per GPU checks that premise (TOL_TWIN).
 #
-#   bash scripts/gpu_sp_check.sh                        # from the repository root; about 7 minutes on 4 H200
-#   PHASES=loss bash scripts/gpu_sp_check.sh            # one phase per call (each well under 8 minutes)
-#   NPROC=2 STEPS=150 MEM_GB=32 bash scripts/gpu_sp_check.sh
-#   MODEL_ARGS="--model small" SEQ_LEN=4096 PHASES=loss bash scripts/gpu_sp_check.sh
+#   bash scripts/gpu_checks/gpu_sp_check.sh                        # from the repository root; about 7 minutes on 4 H200
+#   PHASES=loss bash scripts/gpu_checks/gpu_sp_check.sh            # one phase per call (each well under 8 minutes)
+#   NPROC=2 STEPS=150 MEM_GB=32 bash scripts/gpu_checks/gpu_sp_check.sh
+#   MODEL_ARGS="--model small" SEQ_LEN=4096 PHASES=loss bash scripts/gpu_checks/gpu_sp_check.sh
 #
-# Every launch has a timeout (RUN_TIMEOUT, PROBE_TIMEOUT), cut to what is left of BUDGET_S seconds (default 450);
-# what no longer fits is skipped and listed in the report. Expected: ~3 min for the loss phase, ~3 min for memory.
-# DeepSpeed is installed from wheels carried in .whl/ when missing (see scripts/gpu_train_check.sh's header).
+# Every launch has a timeout (RUN_TIMEOUT, PROBE_TIMEOUT), cut to what is left of the check's time limit, BUDGET_S
+# seconds (default 450); what no longer fits is skipped and listed in the report. Expected: ~3 min for the loss phase, ~3 min for memory.
+# DeepSpeed is installed from the wheels in .whl/ when missing (see scripts/gpu_checks/gpu_train_check.sh's header).
 # Output: $OUT_DIR (default out/gpu_sp_check): report.md, loss_sp{1,2,4}/ (train.csv, summary.json, ...), *.log,
 # probe_sp*.json, loss.png.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's volta_train
 
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NCCL without NVLink SHARP/multicast: the checks do not need it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1 VOLTA_TRAIN_CACHE_DIR=${VOLTA_TRAIN_CACHE_DIR:-/tmp/volta_train_cache}
 PY=${PYTHON:-python3}
@@ -79,7 +80,7 @@ if ! $PY -c "import deepspeed" 2>/dev/null; then
   echo "deepspeed not installed: installing from $WHEELS/"
   $PY -m pip install -q --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2
   if ! $PY -c "import deepspeed" 2>/dev/null; then
-    echo "FAIL: deepspeed cannot be imported; carry the wheels listed in scripts/gpu_train_check.sh"; exit 1
+    echo "FAIL: deepspeed cannot be imported; put the wheels listed in scripts/gpu_checks/gpu_train_check.sh in .whl/"; exit 1
   fi
 fi
 $PY - <<'EOF'
@@ -122,7 +123,7 @@ EOF
     fi
     limit=$(allowed "$RUN_TIMEOUT")
     if [ "$limit" -eq 0 ]; then
-      echo "loss sp=$sp: skipped, the time budget (BUDGET_S=${BUDGET_S} s) is spent" | tee -a "$OUT/skipped.txt"
+      echo "loss sp=$sp: skipped, the time limit (BUDGET_S=${BUDGET_S} s) is reached" | tee -a "$OUT/skipped.txt"
       continue
     fi
     echo "== loss sp=$sp: GPT-2 $MODEL_ARGS, $SEQ_LEN tokens, $NPROC GPUs = sp $sp x dp $dp," \
@@ -147,13 +148,13 @@ if [[ " $PHASES " == *" memory "* ]]; then
   for sp in 1 "$PROBE_SP"; do
     limit=$(allowed "$PROBE_TIMEOUT")
     if [ "$limit" -eq 0 ]; then
-      echo "memory sp=$sp: skipped, the time budget (BUDGET_S=${BUDGET_S} s) is spent" | tee -a "$OUT/skipped.txt"
+      echo "memory sp=$sp: skipped, the time limit (BUDGET_S=${BUDGET_S} s) is reached" | tee -a "$OUT/skipped.txt"
       continue
     fi
     echo "== memory sp=$sp: $PROBE_ARCH $PROBE_MODEL, $NPROC GPUs, ZeRO-3, activation checkpointing," \
          "${MEM_GB} GiB per GPU"
     began=$(date +%s)
-    timeout "$limit" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/sp_memory_probe.py \
+    timeout "$limit" $PY -m torch.distributed.run --nproc_per_node "$NPROC" scripts/gpu_checks/sp_memory_probe.py \
         --sp "$sp" --memory-gb "$MEM_GB" --arch "$PROBE_ARCH" --model "$PROBE_MODEL" --shard-lengths "$SHARD_LENGTHS" \
         --twin-shard-length "$TWIN_SHARD" --window "$WINDOW" "${PROBE_CPU[@]}" --out "$OUT/probe_sp$sp.json" \
         > "$OUT/probe_sp$sp.log" 2>&1
@@ -163,7 +164,7 @@ if [[ " $PHASES " == *" memory "* ]]; then
   done
 fi
 
-$PY scripts/sp_check_report.py "$OUT" | tee "$OUT/report.md"
+$PY scripts/gpu_checks/sp_check_report.py "$OUT" | tee "$OUT/report.md"
 report=${PIPESTATUS[0]}
 echo "report: $OUT/report.md ($(elapsed) s in all)"
 exit $report

@@ -1,0 +1,295 @@
+"""Tile tables of the Volta kernels: the tile shape per head_dim, mask, accumulation mode and target, and the
+NVRTC variant (volta_train/kernels/variants.py) of each.
+
+The sm_70 tables come from the static V100 model, the sm_80+ ones from the measured sweeps; the reasons sit next to
+each table and the figures in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .nvrtc import normalize_arch
+from .variants import PROBE_VARIANT, KernelVariant
+
+SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+V100_SMEM_PER_BLOCK = 96 * 1024
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """Template parameters of FwdKernelTraits (csrc/kernel_traits.cuh)."""
+
+    quad_pair_rows: int  # 4: 4x1 quad-pair arrangement (8-row quad-pairs, all keys); 2: 2x2
+    m_tiles: int  # 8-row tiles per quad-pair
+    warps: int
+    block_n: int  # keys per block
+    min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
+    min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
+    q_in_smem: bool = False  # Q read from shared memory per use instead of held in registers
+    split_masked: bool = False  # masked key blocks in their own loop, skipped by warps that see none of them
+
+    @property
+    def rows_per_warp(self) -> int:
+        return 8 * self.quad_pair_rows * self.m_tiles
+
+    @property
+    def block_m(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K block [key][head_dim] + V^T block [head_dim][key], rows padded by 16 B; or the O staging."""
+        k_tile = self.block_n * (head_dim + 8) * 2
+        vt_tile = head_dim * (self.block_n + 8) * 2
+        q_tile = self.block_m * (head_dim + 8) * 2 if self.q_in_smem else 0
+        return max(k_tile + vt_tile + q_tile, self.block_m * (head_dim + 8) * 2)
+
+
+EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, not a tensor-core instruction
+
+# Forward tiles per target, head_dim -> tile (on sm_70 causal and full attention share a tile: the V100 model has
+# no causal-specific winner; sm_80+ has a causal table below). Head dims not listed use the next larger one's tile.
+#
+# sm_70 (V100): from the static V100 model on the sm_70 cubins (tensor-core utilisation bound of the main
+#   loop, `must` view) and the V100 occupancy of each candidate, docs/performance.md. Q stays in registers
+#   (reading it from shared memory per use makes head_dim 128 shared-memory bound: 59% vs 84%).
+# sm_80+ (the Volta build on an H100/H200): from the measured sweep, docs/performance.md. Q lives in shared
+#   memory there: the emulated m8n8k4 wants resident warps more than shared-memory bandwidth.
+FWD_TILES_SM70: dict[int, FwdTile] = {
+    48: FwdTile(4, 1, 4, 32),   # 4x1 quad-pairs, 128x32 blocks, 4 warps: model 91%, 2 CTAs/SM (d 16-48)
+    64: FwdTile(2, 1, 4, 32),   # 2x2, 64x32, 4 warps: model 84%, 3 CTAs/SM
+    96: FwdTile(2, 1, 4, 32),   # 2x2, 64x32: model 84-87%, 2 CTAs/SM (d 80, 96)
+    128: FwdTile(2, 1, 4, 16),  # 2x2, 64x16: model 84-86%, 2 CTAs/SM (d 112, 128)
+}
+FWD_TILES_EMULATED: dict[int, FwdTile] = {
+    # measured 14.4-15.6 TFLOP/s (d 16-64); the register cap of 4 CTAs per SM spills 20 B on sm_90 and is
+    # still 0.5-1 TFLOP/s faster than 3 CTAs without spills (docs/bench/fwd_sweep_occupancy.md)
+    64: FwdTile(2, 1, 4, 32, min_blocks_emulated=4, q_in_smem=True),
+    # 3 CTAs per SM (the cap of 168 registers is spill-free; uncapped, NVRTC 13 takes 171 registers and 2 CTAs
+    # fit): 13.7-14.8 TFLOP/s on an H100 against 11.2-12.9 uncapped (docs/bench/fwd_sweep_h100_occupancy.md)
+    128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True),
+}
+
+
+# Causal attention on sm_80+: smaller key blocks (d64) and the split masked loop (d 80-128: warps that see none of
+# a diagonal block skip it) cut the diagonal's cost, which decides short causal sequences: on an H100 at N = 1024
+# 14.2 against 14.0-14.1 (d64) and 14.3 against 13.6 (d128) TFLOP/s (docs/bench/fwd_sweep_h100_causal.md); the
+# split loop's 168-register cap spills 12 B on sm_90.
+FWD_TILES_EMULATED_CAUSAL: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 4, 16, min_blocks_emulated=4, q_in_smem=True),
+    128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True, split_masked=True),
+}
+
+
+def fwd_tile(head_dim: int, causal: bool = False, arch: int = 70) -> FwdTile:
+    if arch >= EMULATED_MMA_ARCH:
+        table = FWD_TILES_EMULATED_CAUSAL if causal else FWD_TILES_EMULATED
+    else:
+        table = FWD_TILES_SM70
+    for listed in sorted(table):
+        if head_dim <= listed:
+            return table[listed]
+    raise ValueError(f"head_dim {head_dim}: the Volta forward kernel supports {SUPPORTED_HEAD_DIMS}")
+
+
+def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> str:
+    flag = lambda b: "true" if b else "false"
+    return (
+        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
+        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
+        f"{flag(tile.q_in_smem)}, {flag(tile.split_masked)}>>"
+    )
+
+
+def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout)
+    return KernelVariant(
+        name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
+        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
+        f"{'_split' if tile.split_masked else ''}",
+        sources=("flash_fwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=tile.smem_bytes(head_dim),
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "fwd"},
+    )
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """Template parameters of BwdKernelTraits (csrc/kernel_traits.cuh): the dK/dV kernel."""
+
+    quad_pair_rows: int  # 2: 2x2 quad-pairs (16 keys per warp); 1: 1x4 (8 keys per warp)
+    warps: int
+    block_m: int  # queries per iteration
+    kv_in_smem: bool = False  # K, V read from shared memory per use instead of held in registers
+    min_blocks_per_sm: int = 1
+    min_blocks_emulated: int = 1
+    # dQ by fp32 atomics from this kernel (else always the separate, deterministic dQ kernel: the 2x2 tiles
+    # of head dims 16/48/80/112 have no registers left for the atomic path's dQ tile)
+    dq_atomic: bool = True
+    # register-lean code path (BwdKernelTraits LEAN): for 2x2 tiles of head_dim 96/128 on sm_70, whose dK/dV
+    # accumulators leave little room (docs/performance.md, "Backward tile choice")
+    lean: bool = False
+
+    @property
+    def block_n(self) -> int:
+        return self.warps * 8 * self.quad_pair_rows
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int, dq_atomic: bool) -> int:
+        """Mirrors BwdKernelTraits::kSmemBytes."""
+        row = (head_dim + 8) * 2
+        tiles = 2 * self.block_m * row + 2 * head_dim * (self.block_m + 8) * 2 + 2 * self.block_m * 4
+        if dq_atomic:
+            tiles += head_dim * (self.block_n + 8) * 2 + self.block_m * (self.block_n + 8) * 2
+        if self.kv_in_smem:
+            tiles += 2 * self.block_n * row
+        return max(tiles, self.block_n * row)
+
+
+# Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
+# 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
+# head dims take 2x2 tiles of 2 warps (32 keys per CTA) and the dQ kernel.
+# sm_70: from the V100 model (docs/performance.md): d 32/64 on 1x4, 8 warps, 64x64 blocks (75.5%, spill-free);
+#   d 96/128 on 2x2, 4 warps, 64 keys x 32 queries, K and V in shared memory, register-lean code path (model
+#   68.1% / 69.5% in both accumulation modes, spill-free; the 1x4 tile with K/V in smem they replace: 54-55%).
+BWD_TILES_SM70: dict[int, BwdTile] = {
+    16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
+    64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(2, 4, 32, kv_in_smem=True, lean=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+}
+# sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
+# emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
+BWD_TILES_EMULATED: dict[int, BwdTile] = {
+    # d 64: 4 CTAs per SM (128 registers, 16 B of L1 spills on sm_90): 12.9-14.3 TFLOP/s on an H100 against
+    # 10.1-11.0 with 166 registers and 3 CTAs (docs/bench/bwd_sweep_h100_occupancy.md)
+    **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True),
+    64: BwdTile(1, 4, 32, kv_in_smem=True, min_blocks_emulated=4),
+    96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
+}
+# bwd_accum="fp16", d 64/128: the register-lean 2x2 tile (the V100's d96/d128 tile), whose dK/dV products
+# accumulate in fp32 (dQ's block sums stay fp16): the emulated f32-accumulating m8n8k4 is the faster one (17.0 vs
+# 13.4 TFLOP/s): 11.7-13.5 TFLOP/s (d64) and 10.1-11.6 (d128) on an H100, against 9.3-10.5 and 9.1-10.1 for the
+# fp16-product tiles (docs/bench/bwd_sweep_h100_fp16_lean.md)
+BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
+    **BWD_TILES_EMULATED, 32: BwdTile(2, 4, 32, kv_in_smem=True), 64: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+}
+DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
+    64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
+    112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32),
+}
+DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+
+
+def _pick(table: dict, head_dim: int):
+    for listed in sorted(table):
+        if head_dim <= listed:
+            return table[listed]
+    raise ValueError(f"head_dim {head_dim}: the Volta kernels support {SUPPORTED_HEAD_DIMS}")
+
+
+def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
+    if arch < EMULATED_MMA_ARCH:
+        return _pick(BWD_TILES_SM70, head_dim)
+    return _pick(BWD_TILES_EMULATED_FP16 if accum_f16 else BWD_TILES_EMULATED, head_dim)
+
+
+# Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
+# float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others. From
+# scripts/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md): only the register-lean tiles of d96/d128 (dK/dV
+# products in fp32, dQ's block sums in fp16) meet it; the fp16-product tiles miss it by up to 1.6x in dV, dK and dQ.
+# On a V100 both modes run at the same HMMA rate; fp16 saves registers only.
+BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset({96, 128})
+BWD_FP16_MEETS_STANDARD_EMULATED: frozenset[int] = frozenset({128})
+
+
+def fp16_backward_meets_standard(head_dim: int, arch: int = 70) -> bool:
+    table = BWD_FP16_MEETS_STANDARD_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_FP16_MEETS_STANDARD_SM70
+    listed = [d for d in sorted(SUPPORTED_HEAD_DIMS) if head_dim <= d]
+    return bool(listed) and listed[0] in table
+
+
+def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
+    return _pick(DQ_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DQ_TILES_SM70, head_dim)
+
+
+def _flag(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool) -> KernelVariant:
+    expression = (
+        f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
+        f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
+        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}{', true' if tile.lean else ''}>>"
+    )
+    return KernelVariant(
+        name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
+        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}",
+        sources=("flash_bwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=tile.smem_bytes(head_dim, dq_atomic),
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dkdv"},
+    )
+
+
+def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
+    """The deterministic path's dQ kernel (shipped with fp32 accumulation in both modes: its dQ sums over every
+    key block in registers, where fp16 would cost accuracy for no memory saving)."""
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout).replace("flash_fwd_kernel", "flash_bwd_dq_kernel")
+    row = (head_dim + 8) * 2
+    q_tiles = 2 * tile.block_m * row if tile.q_in_smem else 0
+    smem = max(2 * tile.block_n * row + head_dim * (tile.block_n + 8) * 2 + q_tiles, tile.block_m * row)
+    return KernelVariant(
+        name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
+        f"{'_qsmem' if tile.q_in_smem else ''}",
+        sources=("flash_bwd.cu",),
+        name_expressions=(expression,),
+        dynamic_smem_bytes=smem,
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dq"},
+    )
+
+
+def shipped_bwd_variants(arch: int = 70) -> list[KernelVariant]:
+    variants = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for dropout in (False, True):
+            for accum_f16 in (False, True):
+                tile = bwd_tile(head_dim, arch, accum_f16)
+                for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
+                    variants.append(bwd_variant(head_dim, tile, accum_f16, dropout, dq_atomic))
+            variants.append(dq_variant(head_dim, dq_tile(head_dim, arch), False, dropout))
+    return variants
+
+
+def shipped_fwd_variants(arch: int = 70) -> list[KernelVariant]:
+    """Every forward variant the dispatcher can launch on arch."""
+    variants = []
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        tiles = {fwd_tile(head_dim, causal, arch) for causal in (False, True)}
+        for tile in sorted(tiles, key=repr):
+            for accum_f16 in (False, True):
+                for dropout in (False, True):
+                    variants.append(fwd_variant(head_dim, tile, accum_f16, dropout))
+    return variants
+
+
+def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
+    """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
+    target = normalize_arch(arch)
+    return shipped_fwd_variants(target) + shipped_bwd_variants(target) + [PROBE_VARIANT]

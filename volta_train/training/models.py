@@ -1,0 +1,42 @@
+"""Model helpers shared by the recipes (gpt_long, finetune): precision "auto", the padded vocabulary, a local
+model config."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import ConfigError
+
+
+def auto_precision(default: str, kind: str) -> str:
+    """``mixed_precision`` "auto": a precision chosen through ``accelerate config`` (ACCELERATE_MIXED_PRECISION) wins
+    over the device default, except fp16 on CPU (a GPU config launched on a CPU machine): that stays fp32, since
+    CPU fp16 is an emulation for tests, asked for explicitly."""
+    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if env == "no" or (env == "fp16" and kind == "cpu"):
+        return default
+    return env
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the embedding up to a multiple of 64 rows (tensor-core friendly; the extra ids are never seen)."""
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+def read_model_config(path: str | Path):
+    """A transformers config from a config.json file or a directory holding one (no download)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model config {str(path)!r}: cannot read it as JSON ({e})") from None
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(f"model config {str(path)!r} has no model_type (e.g. \"gpt2\" or \"llama\")")
+    return AutoConfig.for_model(model_type, **values)
