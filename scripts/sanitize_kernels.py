@@ -190,6 +190,8 @@ def _run_tool(tool: str, table: str, out: Path, quick: bool, timeout_s: float | 
     log.write_text(text)
     errors = [int(m) for m in _SUMMARY.findall(text)]
     race = _RACE.findall(text)
+    if race and not errors:  # racecheck prints its own summary line, "... (N errors, M warnings)"
+        errors = [int(race[-1][1])]
     wrong = re.findall(r"\[workload\] (\d+) kernel calls, (\d+) wrong results", text)
     ours = len(_OURS.findall(text))
     return {
