@@ -11,6 +11,7 @@
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
 #include "masking.cuh"
+#include "softcap.cuh"
 #include "tile_io.cuh"
 #include "warp_tile.cuh"
 
@@ -31,7 +32,8 @@ struct DqLayout {
 template <class KT>
 __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperand<KT>& dout, const half_bits* k_tile,
                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
-                                            int key0, bool needs_mask, float score_scale, float alibi_log2,
+                                            int key0, bool needs_mask, float score_scale, float softcap_log2,
+                                            float alibi_log2,
                                             const float (&lse2)[KT::kMTiles][FwdFragmentLayout<KT>::kRowSlots],
                                             const float (&dsum)[KT::kMTiles][FwdFragmentLayout<KT>::kRowSlots],
                                             const DropoutRng& rng, float dropout_rescale,
@@ -42,6 +44,12 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
     float s[KT::kMTiles][KT::kSTilesPerQuadPair][8], dp[KT::kMTiles][KT::kSTilesPerQuadPair][8];
     rows_times_tile_rows<KT>(q, k_tile, g, s);
     rows_times_tile_rows<KT>(dout, v_tile, g, dp);
+    float to_tanh = 0.f;  // soft-capping: S -> argument of tanh (softcap.cuh)
+    if (KT::kSoftcap) {
+        const SoftCap cap(softcap_log2, score_scale);
+        to_tanh = cap.to_tanh;
+        score_scale = cap.score_scale;
+    }
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -59,6 +67,11 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
                 const int col = Layout::phys_col(lq, i);
                 const int slot = Layout::row_slot(i);
                 float score = s[a][nt][i];
+                float capped_slope = 1.f;  // d(capped score)/d(score), up to the scale change
+                if (KT::kSoftcap) {
+                    score = tanh_by_exp2(score * to_tanh);
+                    capped_slope = SoftCap::derivative(score);
+                }
                 float bias = 0.f;  // ALiBi, log2 domain
                 const int row = g.mtile_row0(a) + row_in_tile, key = key0 + g.stile_key0(nt) + col;
                 if (needs_mask && !vis.visible(row, key)) score = neg_inf();
@@ -67,6 +80,7 @@ __device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q, const QOperan
                 float dpz = dp[a][nt][i];
                 if (KT::kDropout) dpz = tile_keep_bit(keep_lo, keep_hi, row_in_tile, col) ? dpz * dropout_rescale : 0.f;
                 ds[i] = p * (dpz - dsum[a][slot]);
+                if (KT::kSoftcap) ds[i] *= capped_slope;
             }
             to_row_fragment<KT>(ds, lq, ds_own[a][nt]);
             share_with_partner_quad_pairs<KT>(ds_own[a][nt], ds_partner, a, nt);
@@ -143,7 +157,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
         u32 ds_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
         u32 ds_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
-        dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, alibi_slope_log2(prm, batch, head),
+        dq_block_ds<KT>(q, dout, k_tile, v_tile, g, vis, key0, needs_mask, score_scale, prm.softcap_log2,
+                        alibi_slope_log2(prm, batch, head),
                         lse2, dsum, rng,
                         prm.dropout_rescale, ds_own, ds_partner);
         accumulate_rows_times_transposed_tile<KT>(ds_own, ds_partner, kt_tile, g, dq);  // dQ += dS K

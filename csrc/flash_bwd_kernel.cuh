@@ -18,6 +18,7 @@
 #include "kernel_traits.cuh"
 #include "masking.cuh"
 #include "mma_sm70.cuh"
+#include "softcap.cuh"
 #include "tile_io.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -256,7 +257,8 @@ struct BwdBlockState {
     const VisibleKeys& vis;
     const DropoutRng& rng;
     unsigned char* smem;
-    float score_scale;  // scale * log2 e applied to S^T
+    float score_scale;  // scale * log2 e applied to S^T (softcap * log2 e under soft-capping)
+    float to_tanh;      // soft-capping: S^T -> argument of tanh (softcap.cuh)
     float dropout_rescale;
     float alibi_log2;   // ALiBi slope of this head times log2 e (0: none)
 };
@@ -306,6 +308,11 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
         for (int i = 0; i < 8; ++i) {
             const int key = bwd_elem_key<KT>(g, i), query_in_block = bwd_elem_query<KT>(g, nt, i);
             float score = s[nt][i];
+            float capped_slope = 1.f;  // d(capped score)/d(score), up to the scale change
+            if (KT::kSoftcap) {
+                score = tanh_by_exp2(score * st.to_tanh);
+                capped_slope = SoftCap::derivative(score);
+            }
             float bias = 0.f;  // ALiBi, log2 domain
             if (needs_mask && !st.vis.visible(m0 + query_in_block, key)) score = neg_inf();
             else if (st.alibi_log2 != 0.f) bias = st.alibi_log2 * st.vis.diagonal_distance(m0 + query_in_block, key);
@@ -319,6 +326,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             }
             p_kept[i] = kept ? p : 0.f;
             ds[i] = p * (dpz - dsum[query_in_block]);
+            if (KT::kSoftcap) ds[i] *= capped_slope;
         }
         f32_acc_to_row_fragment(p_kept, lq.t, p_own[nt]);
         f32_acc_to_row_fragment(ds, lq.t, ds_own[nt]);
@@ -424,7 +432,12 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
 
     const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
     const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
-    const float score_scale = prm.scale_log2;
+    float score_scale = prm.scale_log2, to_tanh = 0.f;
+    if (KT::kSoftcap) {
+        const SoftCap cap(prm.softcap_log2, prm.scale_log2);
+        score_scale = cap.score_scale;
+        to_tanh = cap.to_tanh;
+    }
     KvOperand<KT> k_op, v_op;
     load_kv_operand<KT>(k_base, prm.k_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
                         reinterpret_cast<half_bits*>(smem + KT::kOffK), k_op);
@@ -449,7 +462,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
         const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
         float* dq_base = bp.dq_accum + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
         const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
-        BwdBlockState<KT> st{k_op, v_op, acc, g, vis, rng, smem, score_scale, prm.dropout_rescale,
+        BwdBlockState<KT> st{k_op, v_op, acc, g, vis, rng, smem, score_scale, to_tanh, prm.dropout_rescale,
                              alibi_slope_log2(prm, batch, head)};
         for (int m_block = q_begin / KT::kBlockM; m_block * KT::kBlockM < q_end; ++m_block) {
             const int m0 = m_block * KT::kBlockM;
@@ -462,7 +475,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
                 asm volatile("" : "+r"(tid_it), "+r"(head_it));
                 const BwdHeadPointers hp(prm, bp, batch, head_it, seq.q_start);
                 const DropoutRng rng_it(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head_it));
-                BwdBlockState<KT> st_it{k_op, v_op, acc, g, vis, rng_it, smem, score_scale, prm.dropout_rescale,
+                BwdBlockState<KT> st_it{k_op, v_op, acc, g, vis, rng_it, smem, score_scale, to_tanh, prm.dropout_rescale,
                                         alibi_slope_log2(prm, batch, head_it)};
                 __syncthreads();  // the previous block's tiles (and dS) are no longer read
                 bwd_load_query_block<KT>(hp.q, prm.q_row_stride, hp.dout, bp.do_row_stride, hp.lse, hp.dsum, m0,

@@ -15,6 +15,7 @@
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
 #include "masking.cuh"
+#include "softcap.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 #include "warp_tile.cuh"
@@ -43,8 +44,8 @@ struct FwdAccumulators {
 template <class KT>
 __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const half_bits* k_tile,
                                                     const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
-                                                    int key0, bool needs_mask, float scale_log2, float alibi_log2,
-                                                    const DropoutRng& rng, FwdAccumulators<KT>& acc,
+                                                    int key0, bool needs_mask, float scale_log2, float softcap_log2,
+                                                    float alibi_log2, const DropoutRng& rng, FwdAccumulators<KT>& acc,
                                                     u32 (&p_own)[KT::kMTiles][KT::kSTilesPerQuadPair][4],
                                                     u32 (&p_partner)[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4]) {
     using Layout = FwdFragmentLayout<KT>;
@@ -54,10 +55,17 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
     float s[KT::kMTiles][KT::kSTilesPerQuadPair][8];
     rows_times_tile_rows<KT>(q, k_tile, g, s);
 
+    // ---- soft-capping (before bias and masks, as in flash-attn): tanh of the scaled score, new score scale
+    float score_scale = KT::kAccumF16 ? 1.f : scale_log2;
+    if (KT::kSoftcap) {
+        const SoftCap cap(softcap_log2, score_scale);
+        cap_scores(s, cap);
+        score_scale = cap.score_scale;
+    }
+
     // ---- mask and ALiBi bias: only key blocks that cross a boundary (or calls with ALiBi) pay for it.
     // FP32-ACC scores are not yet scaled: the bias is divided by the scale so that it comes out as
     // -slope * log2(e) * |i + shift - j| in the exponent (scale > 0, so max commutes with it).
-    const float score_scale = KT::kAccumF16 ? 1.f : scale_log2;
     if (needs_mask || alibi_log2 != 0.f)
         mask_and_bias_scores<Layout>(s, g, vis, key0, needs_mask, alibi_log2 / score_scale);
 
@@ -194,8 +202,8 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
     u32 p_own[KT::kMTiles][KT::kSTilesPerQuadPair][4];
     u32 p_partner[KT::kPartnerSlots][KT::kMTiles][KT::kSTilesPerQuadPair][4];
     if (warp_active)
-        fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, MAY_MASK && needs_mask, st.prm.scale_log2, st.alibi_log2,
-                                st.rng, st.acc, p_own, p_partner);
+        fwd_scores_to_probs<KT>(st.q, st.k_tile, st.g, st.vis, key0, MAY_MASK && needs_mask, st.prm.scale_log2,
+                                st.prm.softcap_log2, st.alibi_log2, st.rng, st.acc, p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
     store_vt_block<KT>(st.v_tile, st.tid, st.stage);
     if (next_block >= 0)

@@ -31,7 +31,8 @@ __host__ __device__ constexpr int launch_min_blocks(int sm70, int emulated) {
 // MIN_BLOCKS_EMULATED the one on sm_80+, where m8n8k4 is an emulation subroutine whose latency only more
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
-          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false>
+          int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false,
+          bool SOFTCAP = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -50,6 +51,7 @@ struct FwdKernelTraits {
     // Masked key blocks in a loop of their own, where warps skip the blocks their rows cannot see (less
     // causal waste, more registers), or one loop for all blocks (see flash_fwd_kernel.cuh).
     static constexpr bool kSplitMaskedLoop = SPLIT_MASKED_LOOP;
+    static constexpr bool kSoftcap = SOFTCAP;  // logit soft-capping (softcap.cuh)
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;
@@ -88,7 +90,8 @@ struct FwdKernelTraits {
 // dQ = dS K is computed by all warps from dS in shared memory, each warp owning kDqRowsPerWarp queries, and
 // added into an fp32 buffer with atomics (DQ_ATOMIC; the deterministic path computes dQ in its own kernel).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
-          bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false>
+          bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false,
+          bool SOFTCAP = false>
 struct BwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -107,6 +110,7 @@ struct BwdKernelTraits {
     // registers per lane): per-query-block recomputation of addresses, head pointers and Philox keys, and dK/dV
     // products accumulated in fp32 in both modes (see flash_bwd_kernel.cuh). Off: every other tile is unchanged.
     static constexpr bool kLean = LEAN;
+    static constexpr bool kSoftcap = SOFTCAP;  // logit soft-capping (softcap.cuh)
     // dV += P^T dO and dK += dS^T Q as fp16-accumulating products (FP16-ACC, not lean): the block's partial sums
     // then sit in the f16 accumulator layout (row operand_row(), 8 consecutive columns), else the f32 one.
     static constexpr bool kDkDvF16Products = ACCUM_F16 && !LEAN;

@@ -29,6 +29,7 @@ struct AttentionParams {
     u32 dropout_threshold;      // keep iff 16-bit uniform >= threshold
     float dropout_rescale;      // 1 / (1 - p)
     int m_blocks_fastest;       // grid order: 1 = (query blocks, batch * heads), 0 = (batch * heads, query blocks)
+    float softcap_log2;         // softcap * log2(e), read by the kernels built with SOFTCAP (softcap.cuh)
 };
 
 // The backward's extra tensors. dq_accum (fp32, zeroed by the caller, strides dq_*) receives the dK/dV

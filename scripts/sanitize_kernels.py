@@ -10,8 +10,10 @@ writes ``sanitizer.md`` (a table per tool and table) and ``sanitizer.json`` to -
 
 The workload launches every kernel variant the dispatcher can pick on this GPU ("default": on an H100 the
 emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override):
-forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off), backward
-dK/dV (both accumulation modes, dropout, dQ by atomics and the deterministic dQ kernel) on two calls each:
+forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off; logit
+soft-capping on and off), backward dK/dV (both accumulation modes, dropout, soft-capping, dQ by atomics and the
+deterministic dQ kernel) on two calls each (soft-capping: the dense call without dropout and the varlen call with it;
+the forward also with the other setting):
 
 * dense, causal, seqlen_q 203 > seqlen_k 113 (90 query rows see no key: whole key-less query blocks and a mixed
   one), GQA (4 query heads on 2 KV heads), a partial key and query block;
@@ -24,6 +26,7 @@ Each call's output is also checked: finite, key-less rows exactly 0, and within 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -69,8 +72,11 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                     window=(12, 15), alibi=alibi, name="varlen window(12,15) alibi gqa")
 
     def params_of(c, dropout_p):
+        # soft-capping on half of the calls, so that every kernel is built and checked with and without it: the dense
+        # call without dropout, the varlen call with dropout
+        softcap = 6.0 if (c["cu_q"] is None) == (dropout_p == 0.0) else 0.0
         return AttentionOptions(softmax_scale=c["q"].shape[-1] ** -0.5, causal=c["causal"], window_left=c["window"][0],
-                               window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8)
+                               window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8, softcap=softcap)
 
     def reference(c, prm):
         args = (c["q"].float(), c["k"].float(), c["v"].float())
@@ -103,10 +109,19 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                         out, lse = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
                                                   prm, c["alibi"], accum, tile=tile, out=out, lse=lse)
                         calls += 1
-                        label = f"{table} d{d} {c['name']} p={dropout_p} fwd accum={accum}"
+                        label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum={accum}"
                         compare(label, out, ref_out)
                         if check and not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
                             failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
+                        # the forward with the other soft-capping setting too: the dense call is causal and the
+                        # varlen one not, so each of the causal and the full tiles runs every (dropout, softcap) pair
+                        other = dataclasses.replace(prm, softcap=0.0 if prm.softcap else 6.0)
+                        out2 = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
+                        out2, _ = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
+                                                 other, c["alibi"], accum, tile=tile, out=out2)
+                        calls += 1
+                        compare(f"{label} (softcap={other.softcap})", out2,
+                                reference(c, other)[0] if check else None)
                         if accum != "fp32":
                             continue
                         dout = torch.randn_like(c["q"])

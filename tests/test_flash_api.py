@@ -229,6 +229,8 @@ def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded
 
 
 def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel, monkeypatch, rng, caplog):
+    assert _dispatch.kernel_supports("softcap")  # the kernels have it (csrc/softcap.cuh)
+    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset(), raising=False)  # a kernel package without it
     q, k, v = _qkv(rng, 1, 9, 9, 2, 2, 16)
     with caplog.at_level(logging.INFO, logger="volta_train"):
         out = volta_train.flash_attn_func(q, k, v, softcap=4.0)

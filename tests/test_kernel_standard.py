@@ -52,16 +52,17 @@ def _tiles(table: str, head_dim: int, causal: bool, bwd_accum: str) -> dict:
                 dq=configs.dq_tile(head_dim, 70))
 
 
-def _params(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0, offset=0):
+def _params(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
     right = 0 if causal else window[1]
     return AttentionParams(softmax_scale=scale if scale is not None else q.shape[-1] ** -0.5, causal=causal,
-                           window_left=window[0], window_right=right, dropout_p=dropout_p, seed=seed, offset=offset)
+                           window_left=window[0], window_right=right, dropout_p=dropout_p, seed=seed, offset=offset,
+                           softcap=softcap)
 
 
 def kernel_call(q, k, v, dout=None, *, table="default", causal=False, window=(-1, -1), scale=None, accum="fp32",
-                bwd_accum=DEFAULT_BWD_ACCUM, deterministic=False, dropout_p=0.0, seed=0, offset=0):
+                bwd_accum=DEFAULT_BWD_ACCUM, deterministic=False, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
     """(out, lse) or (out, lse, dq, dk, dv) from the kernels, outputs poisoned with NaN before the launch."""
-    prm = _params(q, causal, window, scale, dropout_p, seed, offset)
+    prm = _params(q, causal, window, scale, dropout_p, seed, offset, softcap)
     arch = 70 if table == "sm70" else launch._arch(q.device)
     bwd_accum = launch.resolve_bwd_accum(bwd_accum, q.shape[-1], arch)
     tiles = _tiles(table, q.shape[-1], causal, bwd_accum)
@@ -89,8 +90,10 @@ class Oracle:
     """The float64 truth of (out, dq, dk, dv), the same from PyTorch's fp16 attention, the float64 lse, and the floors
     of dq/dk for the rounding of the saved output (volta_train.testing.saved_output_floors)."""
 
-    def __init__(self, q, k, v, dout, *, causal=False, window=(-1, -1), scale=None, keep=None, dropout_p=0.0):
-        kw = dict(causal=causal, softmax_scale=scale, window_size=window, keep_mask=keep, dropout_p=dropout_p)
+    def __init__(self, q, k, v, dout, *, causal=False, window=(-1, -1), scale=None, keep=None, dropout_p=0.0,
+                 softcap=0.0):
+        kw = dict(causal=causal, softmax_scale=scale, window_size=window, keep_mask=keep, dropout_p=dropout_p,
+                  softcap=softcap)
         q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
         out64, lse64, probs = naive_attention(q64, k64, v64, return_probs=True, **kw)
         self.truth = tuple(t.detach() for t in (out64, *torch.autograd.grad(out64, (q64, k64, v64), dout.double())))
@@ -318,3 +321,97 @@ def test_fp16_accumulating_forward_keeps_its_documented_bound(head_dim, table):
         e = error_vs_yardstick(g, y, t, floor)
         limit = FP16_FORWARD_OUT_LIMIT if name == "out" else FP16_FORWARD_GRAD_LIMIT
         assert e.ratio <= limit, f"accum=fp16 {name}: {e}"
+
+
+# --- logit soft-capping (softcap > 0, Gemma-2): every head_dim, both tables, both accumulation modes, dropout ---------
+
+
+def _softcap_cases() -> list[tuple]:
+    """(head_dim, causal, window, dropout_p, softcap, bwd_accum): every head_dim once per table with fp32 and with
+    fp16 backward accumulation, caps from tight (most scores saturate) to loose, causal, windows and dropout."""
+    r = random.Random(19)
+    cases = []
+    for d in HEAD_DIMS:
+        for bwd_accum in ("fp32", "fp16"):
+            causal = r.random() < 0.5
+            window = (-1, -1) if causal or r.random() < 0.5 else (r.randint(3, 40), r.randint(0, 20))
+            cases.append((d, causal, window, r.choice([0.0, 0.0, 0.17]), r.choice([0.5, 2.0, 8.0, 30.0]), bwd_accum))
+    return cases
+
+
+SOFTCAP = _softcap_cases()
+
+
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("case", SOFTCAP, ids=lambda c: "d{}_{}{}_drop{}_cap{}_bwd{}".format(
+    c[0], "causal" if c[1] else "full", "" if c[2] == (-1, -1) else f"_win{c[2][0]}.{c[2][1]}", *c[3:]))
+def test_softcap_meets_the_standard(case, table):
+    """softcap * tanh(scaled score / softcap) before masks, in the forward (FP32-ACC), the dK/dV kernel and the dQ
+    kernel (deterministic), against the float64 oracle with the same cap and dropout mask; key-less rows 0."""
+    d, causal, window, dropout_p, softcap, bwd_accum = case
+    seed = _seed()
+    batch, sq, sk, h, hk = 2, random.choice([1, 97, 203]), random.choice([64, 113, 260]), 4, 2
+    q, k, v, dout = _inputs(batch, sq, sk, h, hk, d, seed)
+    q = (q.float() * 4.0).half()  # scores of several units: caps of 0.5-8 saturate many of them, 30 bends them
+    scale = d**-0.5 * random.uniform(0.7, 1.3)
+    offset = 4 * random.getrandbits(20)
+    keep = dense_keep_mask(seed, offset, dropout_p, batch, h, sq, sk, "cuda") if dropout_p else None
+    oracle = Oracle(q, k, v, dout, causal=causal, window=window, scale=scale, keep=keep, dropout_p=dropout_p,
+                    softcap=softcap)
+    plain = Oracle(q, k, v, dout, causal=causal, window=window, scale=scale, keep=keep, dropout_p=dropout_p)
+    # the cap matters for these inputs (a kernel that ignored it would fail)
+    assert (oracle.truth[0] - plain.truth[0]).abs().max() > 1e-2
+    for deterministic in (False, True):
+        out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=causal, window=window, scale=scale,
+                                           bwd_accum=bwd_accum, deterministic=deterministic, dropout_p=dropout_p,
+                                           seed=seed, offset=offset, softcap=softcap)
+        what = f"{table} softcap={softcap} bwd_accum={bwd_accum} deterministic={deterministic}"
+        assert_keyless_rows(out, lse, oracle.lse, dq, what=what)
+        lse_err = (lse.double() - oracle.lse)[torch.isfinite(oracle.lse)].abs().max().item() if sq else 0.0
+        assert lse_err < 2e-3 * max(1.0, softcap), f"{what}: lse max-abs error {lse_err:.3e}"
+        if bwd_accum == "fp32" or launch.resolve_bwd_accum("auto", d, 70 if table == "sm70" else launch._arch(q.device)) == "fp16":
+            assert_standard((out, dq, dk, dv), oracle, what=what)
+        else:  # explicit fp16 on an fp16-product tile: the documented factor (test_explicit_backward_modes...)
+            for name, g, tr, y, floor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), oracle.truth, oracle.yard,
+                                             oracle.floors(out)):
+                e = error_vs_yardstick(g, y, tr, floor)
+                assert e.ratio <= FP16_PRODUCT_LIMIT, f"{what} {name}: {e}"
+
+
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_softcap_fp16_accumulating_forward(head_dim, table):
+    """FP16-ACC forward with soft-capping (Q pre-scaled, scores capped in fp32): its documented, looser bound."""
+    q, k, v, dout = _inputs(2, 150, 211, 4, 2, head_dim, _seed())
+    out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=True, accum="fp16", softcap=3.0)
+    oracle = Oracle(q, k, v, dout, causal=True, softcap=3.0)
+    assert_keyless_rows(out, lse, oracle.lse, dq, what=f"{table} accum=fp16 softcap")
+    for name, g, t, y, floor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), oracle.truth, oracle.yard,
+                                    oracle.floors(out)):
+        e = error_vs_yardstick(g, y, t, floor)
+        limit = FP16_FORWARD_OUT_LIMIT if name == "out" else FP16_FORWARD_GRAD_LIMIT
+        assert e.ratio <= limit, f"accum=fp16 softcap {name}: {e}"
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_softcap_repeated_calls_are_bitwise_equal(table):
+    q, k, v, dout = _inputs(1, 190, 190, 4, 4, 64, _seed())
+    first = kernel_call(q, k, v, dout, table=table, causal=True, dropout_p=0.1, seed=7, softcap=5.0, deterministic=True)
+    for _ in range(10):
+        again = kernel_call(q, k, v, dout, table=table, causal=True, dropout_p=0.1, seed=7, softcap=5.0,
+                            deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_softcap_through_the_public_api_runs_the_kernel(monkeypatch, caplog):
+    """flash_attn_func(softcap=...) on a GPU runs the Volta kernel (no reference fallback), forward and backward."""
+    import logging
+
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")  # a fallback would raise instead of running
+    q, k, v, dout = _inputs(2, 131, 131, 4, 2, 80, _seed())
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        out = volta_train.flash_attn_func(q, k, v, causal=True, softcap=4.0)
+        out.backward(dout)
+    oracle = Oracle(q.detach(), k.detach(), v.detach(), dout, causal=True, softcap=4.0)
+    assert_standard((out.detach(), q.grad, k.grad, v.grad), oracle, what="flash_attn_func softcap")

@@ -64,6 +64,7 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     prm.seed, prm.offset = params.seed, params.offset
     prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
     prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
+    prm.softcap_log2 = params.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
     prm.m_blocks_fastest = 0 if (params.causal or batch * nheads > 65535) else 1
     grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
@@ -90,7 +91,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
     if out.numel() == 0:
         return out, lse
     tile = tile or tiles.fwd_tile(head_dim, params.causal, _arch(q.device))
-    variant = tiles.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0)
+    variant = tiles.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0, params.softcap > 0)
     kernel = _kernel(variant, q.device)
     prm = KernelParams()
     grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
@@ -152,7 +153,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     bp.dq = dq.data_ptr() if dq is not None else None
     _set_strides(bp, "dq", dq_target, varlen)
 
-    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics)
+    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, params.softcap > 0)
     _kernel(variant, q.device).launch((bp.num_n_blocks, batch * nheads_kv), tile.threads, variant.dynamic_smem_bytes,
                                       [bp])
     if use_atomics:
@@ -160,6 +161,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
                        dq_tile.block_m, alibi_slopes)
-    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout)
+    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout, params.softcap > 0)
     _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
     return dq, dk, dv

@@ -35,6 +35,7 @@ class KernelParams(ctypes.Structure):
             ("dropout_threshold", ctypes.c_uint),
             ("dropout_rescale", ctypes.c_float),
             ("m_blocks_fastest", ctypes.c_int),
+            ("softcap_log2", ctypes.c_float),  # fills what was the struct's tail padding: the size is unchanged
         ]
     )
 

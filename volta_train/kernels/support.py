@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 MIN_ARCH = 70  # sm_70 (Volta): mma.sync.m8n8k4 and nothing newer
+# flash-attn 2.8 features of volta_train._dispatch.KERNEL_FEATURE_GAPS the kernels have (the dispatcher sends such
+# calls to them): logit soft-capping in every forward, backward and dQ kernel (csrc/softcap.cuh)
+KERNEL_FEATURES: frozenset[str] = frozenset({"softcap"})
 ALIGN_BYTES = 16  # the kernels move K, V, Q and O in 16-byte vectors
 
 

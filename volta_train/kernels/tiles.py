@@ -96,19 +96,20 @@ def fwd_tile(head_dim: int, causal: bool = False, arch: int = 70) -> FwdTile:
     raise ValueError(f"head_dim {head_dim}: the Volta forward kernel supports {SUPPORTED_HEAD_DIMS}")
 
 
-def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> str:
+def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> str:
     flag = lambda b: "true" if b else "false"
     return (
         f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
         f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
-        f"{flag(tile.q_in_smem)}, {flag(tile.split_masked)}>>"
+        f"{flag(tile.q_in_smem)}, {flag(tile.split_masked)}{', true' if softcap else ''}>>"
     )
 
 
-def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
-    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout)
+def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> KernelVariant:
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap)
     return KernelVariant(
         name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"{'_softcap' if softcap else ''}"
         f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
         f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
         f"{'_split' if tile.split_masked else ''}",
@@ -116,7 +117,8 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) ->
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim),
         threads_per_block=tile.threads,
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "fwd"},
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
+              "pass": "fwd"},
     )
 
 
@@ -228,64 +230,76 @@ def _flag(b: bool) -> str:
     return "true" if b else "false"
 
 
-def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool) -> KernelVariant:
+def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool,
+                softcap: bool = False) -> KernelVariant:
+    tail = f", {_flag(tile.lean)}, true" if softcap else (", true" if tile.lean else "")
     expression = (
         f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
         f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
-        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}{', true' if tile.lean else ''}>>"
+        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}{tail}>>"
     )
     return KernelVariant(
         name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
-        f"{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
+        f"{'_softcap' if softcap else ''}{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
         f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}",
         sources=("flash_bwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim, dq_atomic),
         threads_per_block=tile.threads,
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dkdv"},
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
+              "pass": "bwd_dkdv"},
     )
 
 
-def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool) -> KernelVariant:
+def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> KernelVariant:
     """The deterministic path's dQ kernel (shipped with fp32 accumulation in both modes: its dQ sums over every
     key block in registers, where fp16 would cost accuracy for no memory saving)."""
-    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout).replace("flash_fwd_kernel", "flash_bwd_dq_kernel")
+    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap).replace("flash_fwd_kernel",
+                                                                                         "flash_bwd_dq_kernel")
     row = (head_dim + 8) * 2
     q_tiles = 2 * tile.block_m * row if tile.q_in_smem else 0
     smem = max(2 * tile.block_n * row + head_dim * (tile.block_n + 8) * 2 + q_tiles, tile.block_m * row)
     return KernelVariant(
         name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
+        f"{'_softcap' if softcap else ''}"
         f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
         f"{'_qsmem' if tile.q_in_smem else ''}",
         sources=("flash_bwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=smem,
         threads_per_block=tile.threads,
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "pass": "bwd_dq"},
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
+              "pass": "bwd_dq"},
     )
 
 
-def shipped_bwd_variants(arch: int = 70) -> list[KernelVariant]:
+SOFTCAP_CHOICES = (False, True)  # every kernel is built with and without logit soft-capping (csrc/softcap.cuh)
+
+
+def shipped_bwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHOICES) -> list[KernelVariant]:
+    """Every backward variant (dK/dV and dQ kernels) the dispatcher can launch on arch."""
     variants = []
-    for head_dim in SUPPORTED_HEAD_DIMS:
-        for dropout in (False, True):
-            for accum_f16 in (False, True):
-                tile = bwd_tile(head_dim, arch, accum_f16)
-                for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
-                    variants.append(bwd_variant(head_dim, tile, accum_f16, dropout, dq_atomic))
-            variants.append(dq_variant(head_dim, dq_tile(head_dim, arch), False, dropout))
+    for cap in softcap:
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            for dropout in (False, True):
+                for accum_f16 in (False, True):
+                    tile = bwd_tile(head_dim, arch, accum_f16)
+                    for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
+                        variants.append(bwd_variant(head_dim, tile, accum_f16, dropout, dq_atomic, cap))
+                variants.append(dq_variant(head_dim, dq_tile(head_dim, arch), False, dropout, cap))
     return variants
 
 
-def shipped_fwd_variants(arch: int = 70) -> list[KernelVariant]:
+def shipped_fwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHOICES) -> list[KernelVariant]:
     """Every forward variant the dispatcher can launch on arch."""
     variants = []
-    for head_dim in SUPPORTED_HEAD_DIMS:
-        tiles = {fwd_tile(head_dim, causal, arch) for causal in (False, True)}
-        for tile in sorted(tiles, key=repr):
-            for accum_f16 in (False, True):
-                for dropout in (False, True):
-                    variants.append(fwd_variant(head_dim, tile, accum_f16, dropout))
+    for cap in softcap:
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            tiles = {fwd_tile(head_dim, causal, arch) for causal in (False, True)}
+            for tile in sorted(tiles, key=repr):
+                for accum_f16 in (False, True):
+                    for dropout in (False, True):
+                        variants.append(fwd_variant(head_dim, tile, accum_f16, dropout, cap))
     return variants
 
 

@@ -287,12 +287,8 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def softcap_supported() -> bool:
-    """Whether volta_train's attention API takes ``softcap`` (the reference backend computes it).
-
-    TODO(api19): the flash-attn API issue adds ``softcap`` to the reference backend (_options.AttentionOptions)
-    and to flash_attn_func / flash_attn_varlen_func; from then on soft-capped models run (on the reference
-    backend until the kernel has it) instead of being refused.
-    """
+    """Whether volta_train's attention API takes ``softcap`` (it does: the options carry it, the Volta kernel and the
+    reference backend compute it); soft-capped models are refused only where it does not."""
     from ... import _options
 
     return "softcap" in {f.name for f in dataclasses.fields(_options.AttentionOptions)}
