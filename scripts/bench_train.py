@@ -125,8 +125,36 @@ def _cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def profile_step(step, device: torch.device, top: int = 8) -> dict:
+    """One step under torch.profiler: host wall time, GPU kernel time and count, host-device synchronisations (what
+    stalls the host's launch queue), and the kernels that take the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        began = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - began
+    kernels, syncs, rows = 0, {}, []
+    for e in prof.key_averages():
+        gpu_us = getattr(e, "device_time_total", 0.0) or 0.0
+        if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+                     "aten::_local_scalar_dense", "aten::is_nonzero", "aten::item"):
+            syncs[e.key] = syncs.get(e.key, 0) + e.count
+        if gpu_us > 0 and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            kernels += e.count
+            rows.append((e.key[:100], round(gpu_us / 1000, 3), e.count))
+    rows.sort(key=lambda r: -r[1])
+    gpu_ms = sum(r[1] for r in rows)
+    return {"wall_ms": round(wall * 1000, 3), "gpu_kernel_ms": round(gpu_ms, 3), "kernels": kernels,
+            "host_syncs": syncs, "top_kernels": rows[:top]}
+
+
 def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
-                device: torch.device, checkpointing: bool, vocab: int, loss_impl: str = "chunked") -> dict:
+                device: torch.device, checkpointing: bool, vocab: int, loss_impl: str = "chunked",
+                profile: bool = False, chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
     """Run warmup + timed training steps; a dict with s/step (median), tokens/s, peak memory, status ('ok'/'oom')."""
     fp16 = device.type == "cuda"
     result = {"model": model_name, "vocab": vocab, "attention": attention, "loss_impl": loss_impl, "seq_len": seq_len,
@@ -142,7 +170,7 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
         def step():
             with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
                 if loss_impl == "chunked":
-                    loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+                    loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids}, budget_mib=chunk_mib)
                 else:
                     loss = model(input_ids=ids, labels=ids).loss
             scaler.scale(loss).backward()
@@ -169,6 +197,9 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
             sync()
             times.append(time.perf_counter() - start)
         loss = float(loss)
+        if profile:
+            result["profile"] = profile_step(step, device)
+            print(f"  profile {model_name}:{vocab} {loss_impl} {seq_len}x{batch}: {result['profile']}", flush=True)
         median = statistics.median(times)
         mem, _ = metrics.peak_memory(device)
         n_params = sum(p.numel() for p in model.parameters())
@@ -417,6 +448,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--cpu", action="store_true", help="run on CPU even with a GPU")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run: nano GPT-2 and Llama, 64/128 tokens, 1+1 steps, both losses, a search")
+    parser.add_argument("--loss-chunk-mib", type=float, default=chunked_loss.DEFAULT_CHUNK_MIB,
+                        help="the chunked loss's budget: MiB of fp32 logits per chunk (default: the recipes')")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one extra step of each timed run (GPU kernel time, host syncs, top kernels)")
     parser.add_argument("--out", default="out/bench_train")
     args = parser.parse_args(argv)
     default_vocab = args.vocab
@@ -466,7 +501,7 @@ def main(argv=None) -> dict:
             for attention in args.attention:
                 for loss_impl in args.loss:
                     r = train_steps(model, n, attention, batch, args.steps, args.warmup, device,
-                                    args.gradient_checkpointing, vocab, loss_impl)
+                                    args.gradient_checkpointing, vocab, loss_impl, args.profile, args.loss_chunk_mib)
                     runs.append(r)
                     label = f"{model}:{vocab} {attention} {loss_impl}"
                     if r["status"] == "ok":

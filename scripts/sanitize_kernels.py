@@ -156,15 +156,31 @@ def _reference_grads(c, prm, dout):
     return _reference.reference_varlen_backward(dout.float(), q, k, v, out, lse, c["cu_q"], c["cu_k"], prm, c["alibi"])
 
 
-def precompile_tables(arch: int, threads: int = 16) -> int:
-    """Compile every variant of both tile tables for arch, in parallel (NVRTC releases the GIL); returns the count."""
+def _table_variants(arch: int) -> list:
     from volta_train.kernels import tiles
 
     variants = {v.name + repr(v.name_expressions): v for table_arch in sorted({70, arch})
                 for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda v: v.compile(arch), variants.values()))
+    return list(variants.values())
+
+
+def _compile_slice(task: tuple[int, int, int]) -> int:
+    arch, start, step = task
+    variants = _table_variants(arch)[start::step]
+    for variant in variants:
+        variant.compile(arch)
     return len(variants)
+
+
+def precompile_tables(arch: int, processes: int | None = None) -> int:
+    """Compile every variant of both tile tables for arch into the kernel cache, in worker processes (NVRTC 13
+    holds the GIL: threads compiled one at a time, 7 minutes for ~450 variants); returns the count."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    processes = processes or max(1, min(32, os.cpu_count() or 1))
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return sum(pool.map(_compile_slice, [(arch, i, processes) for i in range(processes)]))
 
 
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
