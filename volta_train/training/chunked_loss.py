@@ -46,8 +46,10 @@ from torch import nn
 logger = logging.getLogger("volta_train")
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_MIB = 256
-"""Default budget: a chunk's fp32 logits take at most this many MiB (the chunk holds about twice that)."""
+DEFAULT_CHUNK_MIB = 1024
+"""Default budget: a chunk's fp32 logits take at most this many MiB (the chunk holds about twice that). Each chunk
+reads and writes the fp32 ``[vocab, hidden]`` weight gradient once; with 256 MiB (512 tokens at 128k words) that
+traffic cost the step 7.5% on an H100, with 1 GiB (2,048 tokens) 2.6% (docs/performance.md, "Loss memory")."""
 
 # config attributes of transformers models that change the logits after the head (Gemma-2 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling): the chunked loss would not be the model's loss
@@ -94,17 +96,10 @@ def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     key = (str(device), dtype)
     if key not in _OUT_DTYPE_WORKS:
         try:
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(48, 40, device=device, generator=gen).to(dtype)
-            b = torch.randn(40, 24, device=device, generator=gen).to(dtype)
-            product = a.float() @ b.float()
-            acc = torch.randn(48, 24, device=device, generator=gen)
-            expected = acc + product
-            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
-            fresh = torch.full((48, 24), float("nan"), device=device)
-            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=fresh)
-            ok = bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3)) and \
-                bool(torch.allclose(fresh, product, rtol=1e-3, atol=1e-3))
+            # autocast off: under fp16 autocast the fp32 reference product below would be an fp16 one, the check
+            # would fail, and every chunk would take the slower scaled path (it did: issue 15's step time)
+            with torch.autocast(device.type, enabled=False):
+                ok = _out_dtype_check(device, dtype)
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             ok = False
         _OUT_DTYPE_WORKS[key] = ok
@@ -112,6 +107,21 @@ def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
             logger.info("chunked loss: no fp16->fp32 matmul (aten::mm.dtype_out) on %s for %s: scaled fp16 products "
                         "instead", device, dtype)
     return _OUT_DTYPE_WORKS[key]
+
+
+def _out_dtype_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """One small (add)mm.dtype_out against the fp32 product (call with autocast off)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(48, 40, device=device, generator=gen).to(dtype)
+    b = torch.randn(40, 24, device=device, generator=gen).to(dtype)
+    product = a.float() @ b.float()
+    acc = torch.randn(48, 24, device=device, generator=gen)
+    expected = acc + product
+    torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    fresh = torch.full((48, 24), float("nan"), device=device)
+    torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=fresh)
+    return bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3)) and \
+        bool(torch.allclose(fresh, product, rtol=1e-3, atol=1e-3))
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, low: torch.dtype, accumulate: bool,
@@ -144,8 +154,9 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, low: torch.dty
         return
     limit = 32768.0
     b_max = b.abs().amax().float()
-    bound = torch.as_tensor(a_row_bound if a_row_bound is not None else a.abs().sum(1).amax(), dtype=torch.float32,
-                            device=a.device)
+    # a Python bound becomes a device scalar by a fill, not a host-to-device copy (which synchronised every chunk)
+    bound = torch.full((), a_row_bound, dtype=torch.float32, device=a.device) if isinstance(a_row_bound, float) else \
+        (a_row_bound if a_row_bound is not None else a.abs().sum(1).amax()).to(torch.float32)
     a_max = a.abs().amax().float()
     # the largest power of two with s * max|a| <= limit and s * bound * max|b| <= limit (and within [2^-24, 2^24])
     room = torch.minimum(limit / a_max.clamp_min(1e-30), limit / (bound * b_max).clamp_min(1e-30))

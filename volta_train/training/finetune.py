@@ -107,7 +107,7 @@ class TrainSection:
     time_limit_min: float = field(0.0, "stop with a checkpoint after this many minutes (0: none)")
     chunked_loss: bool = field(True, "causal_lm: loss over chunks of tokens, never the whole [tokens, vocab] logits "
                                      "(volta_train/training/chunked_loss.py); false: the model's own loss")
-    loss_chunk_tokens: int | None = field(None, "causal_lm: tokens per chunk of the chunked loss (auto: 256 MiB of "
+    loss_chunk_tokens: int | None = field(None, "causal_lm: tokens per chunk of the chunked loss (auto: 1 GiB of "
                                                 "fp32 logits)")
 
 

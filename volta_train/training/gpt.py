@@ -70,7 +70,7 @@ class GPTTrainConfig:
     gradient_checkpointing: bool = field(False, "recompute block activations in the backward (long sequences)")
     chunked_loss: bool = field(True, "loss over chunks of tokens, never the whole [tokens, vocab] logits "
                                      "(volta_train/training/chunked_loss.py); --no-chunked-loss: the model's own loss")
-    loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 256 MiB of fp32 logits)")
+    loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 1 GiB of fp32 logits)")
     # data
     data: str = field("synthetic", "'synthetic', or a .txt/.jsonl file or a directory of them")
     synthetic_mb: float | None = field(None, "size of the synthetic corpus in MB (auto: enough for the run)")
