@@ -567,3 +567,21 @@ def test_gpu_out_dtype_matmul_found_under_autocast(monkeypatch):
     monkeypatch.setattr(cl, "_OUT_DTYPE_WORKS", {})
     with torch.autocast("cuda", dtype=torch.float16):
         assert cl._out_dtype_works(device, torch.float16)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_targets_make_loss_and_gradients_nan_and_are_named():
+    device = torch.device("cuda")
+    hidden = torch.randn(37, 16, device=device, requires_grad=True)
+    weight = torch.randn(50, 16, device=device, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), device=device)
+    loss = cl.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(hidden.grad).all() and cl.describe_bad_targets() is None
+    hidden.grad = weight.grad = None
+    targets[5], targets[9] = 50, -3
+    loss = cl.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(hidden.grad).all() and torch.isnan(weight.grad).all()
+    assert cl.describe_bad_targets() == ("targets: 2 id(s) outside [0, 50) (the head's vocabulary) that are not "
+                                         "ignore_index (-100), e.g. 50")

@@ -60,6 +60,25 @@ class ChunkedLossError(ValueError):
     """A model or input the chunked loss cannot take (the message says why and what would work)."""
 
 
+_LAST_BAD_TARGETS: dict[str, Any] = {}
+
+
+def _bad_targets_message(count: int, vocab: int, ignore_index: int, example: int) -> str:
+    return (f"targets: {count} id(s) outside [0, {vocab}) (the head's vocabulary) that are not ignore_index "
+            f"({ignore_index}), e.g. {example}")
+
+
+def describe_bad_targets() -> str | None:
+    """Why the last GPU call of :func:`linear_cross_entropy` returned NaN, if its targets were the reason (one host
+    synchronisation; for error messages: on a GPU out-of-range targets make the loss and gradients NaN rather than
+    stop the host every call to check them). None when they were all in range."""
+    count = _LAST_BAD_TARGETS.get("count")
+    if count is None or int(count) == 0:
+        return None
+    return _bad_targets_message(int(count), _LAST_BAD_TARGETS["vocab"], _LAST_BAD_TARGETS["ignore_index"],
+                                int(_LAST_BAD_TARGETS["example"]))
+
+
 # --------------------------------------------------------------------------------------------------
 # chunk size
 # --------------------------------------------------------------------------------------------------
@@ -247,10 +266,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Sum over target tokens of ``cross_entropy(hidden @ weight.T + bias, targets)``; gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, needs, mode):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, needs, mode, bad_count):  # noqa: D102
         loss, grad_h, grad_w, grad_b = _chunked_forward(hidden, weight, bias, targets, chunk, ignore_index, needs,
                                                          mode)
         ctx.grads = (grad_h, grad_w, grad_b)
+        ctx.bad_count = bad_count
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
@@ -263,10 +283,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         ctx.grads = None  # released once handed on; the in-place scaling below reuses their memory
         shape, h_dtype, w_dtype, b_dtype = ctx.shapes
         g = grad_output.detach()
+        if ctx.bad_count is not None:  # targets outside the vocabulary (GPU): NaN gradients, as the loss
+            g = torch.where(ctx.bad_count > 0, torch.nan, g)
         out_h = grad_h.mul_(g).to(h_dtype).reshape(shape) if grad_h is not None else None
         out_w = grad_w.mul_(g).to(w_dtype) if grad_w is not None else None
         out_b = grad_b.mul_(g).to(b_dtype) if grad_b is not None else None
-        return out_h, out_w, out_b, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -282,6 +304,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     chunk (default from ``budget_mib``, see :func:`chunk_size`). The returned loss (fp32; fp64 for
     fp64 inputs) takes one backward. ``matmul`` ("auto", "out_dtype", "scaled") picks the fp16
     product's accumulation (for tests). See the module doc.
+
+    A target outside ``[0, V)`` that is not ``ignore_index`` raises :class:`ChunkedLossError` on the CPU; on a GPU,
+    where checking would stop the host every call, it makes the loss and every gradient NaN instead, and
+    :func:`describe_bad_targets` names it (the recipes' trainer stops on the NaN with that message).
     """
     if reduction not in ("mean", "sum"):
         raise ChunkedLossError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -303,17 +329,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ChunkedLossError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     valid = targets != ignore_index
     bad = valid & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        raise ChunkedLossError(f"targets: {int(bad.sum())} id(s) outside [0, {vocab}) (the head's vocabulary) that are "
-                               f"not ignore_index ({ignore_index}), e.g. {int(targets[bad][0])}")
+    if targets.device.type == "cpu":
+        if bool(bad.any()):
+            raise ChunkedLossError(_bad_targets_message(int(bad.sum()), vocab, ignore_index, int(targets[bad][0])))
+        bad_count = None
+    else:
+        # on a GPU the check must not stop the host (a synchronisation per step cost GPT-2 small's step 1.3x): the
+        # loss and the gradients become NaN instead, which the trainer stops on, naming this (describe_bad_targets)
+        bad_count = bad.sum()
+        _LAST_BAD_TARGETS.update(count=bad_count, vocab=vocab, ignore_index=ignore_index,
+                                 example=targets.reshape(-1)[bad.reshape(-1).to(torch.uint8).argmax()]
+                                 if targets.numel() else bad_count)
+        targets = torch.where(bad, ignore_index, targets)  # nothing out of range is gathered or scattered
     chunk = chunk_size(vocab, max(1, targets.numel()), chunk_tokens, budget_mib)
     grad = torch.is_grad_enabled()
     needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
     if any(needs):
-        total = _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk, ignore_index, needs, matmul)
+        total = _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk, ignore_index, needs, matmul,
+                                             bad_count)
     else:
         total = _chunked_forward(hidden, weight, bias, targets, chunk, ignore_index, needs, matmul)[0]
+    if bad_count is not None:
+        total = torch.where(bad_count > 0, torch.nan, total)
     if reduction == "sum":
         return total
     return total / valid.sum().clamp_min(1).to(total.dtype)
