@@ -9,7 +9,8 @@ checking only volta_train's kernels (``--kernel-name kns=flash_``: PyTorch's own
 writes ``sanitizer.md`` (a table per tool and table) and ``sanitizer.json`` to --out, plus each tool's full log.
 
 The workload launches every kernel variant the dispatcher can pick on this GPU ("default": on an H100 the
-emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override):
+emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override),
+by the calls of ``volta_train.kernels.tiles.table_calls`` (scripts/smem_conflicts.py makes them too):
 forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off), backward
 dK/dV (both accumulation modes, dropout, dQ by atomics and the deterministic dQ kernel) on two calls each:
 
@@ -88,6 +89,8 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
         if err > 2e-2 * max(1.0, want.float().abs().max().item()):
             failures.append(f"{label}: max-abs error {err:.3e} against the reference backend")
 
+    major, minor = torch.cuda.get_device_capability()
+    arch = 10 * major + minor
     for table in tables:
         for d in head_dims:
             for make in (dense_call, varlen_call):
@@ -95,32 +98,32 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
                 for dropout_p in (0.0, 0.2):
                     prm = params_of(c, dropout_p)
                     ref_out, ref_lse = reference(c, prm) if check else (None, None)
-                    for accum in ("fp32", "fp16"):
-                        tile = tiles.fwd_tile(d, c["causal"], 70) if table == "sm70" else None
+                    label = f"{table} d{d} {c['name']} p={dropout_p} fwd accum=fp32"
+                    # the forward in each mode, then the backward in each mode on the fp32 forward's output
+                    for call in tiles.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
+                                                  dropout=(dropout_p > 0,)):
+                        if call.pass_name == "bwd":
+                            grads = launch.backward(dout, c["q"], c["k"], c["v"], fwd_out, fwd_lse, c["cu_q"],
+                                                    c["cu_k"], c["max_q"], c["max_k"], prm, c["alibi"], call.accum,
+                                                    call.deterministic, **call.overrides)
+                            calls += 1
+                            for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+                                compare(f"{label} bwd_accum={call.accum} det={call.deterministic} {name}", g, r)
+                            continue
                         out = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
                         lse_shape = (4, c["q"].shape[0]) if c["cu_q"] is not None else (2, 4, c["q"].shape[1])
                         lse = torch.full(lse_shape, float("nan"), device=dev)
                         out, lse = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
-                                                  prm, c["alibi"], accum, tile=tile, out=out, lse=lse)
+                                                  prm, c["alibi"], call.accum, out=out, lse=lse, **call.overrides)
                         calls += 1
-                        label = f"{table} d{d} {c['name']} p={dropout_p} fwd accum={accum}"
-                        compare(label, out, ref_out)
+                        fwd_label = f"{table} d{d} {c['name']} p={dropout_p} fwd accum={call.accum}"
+                        compare(fwd_label, out, ref_out)
                         if check and not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
-                            failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
-                        if accum != "fp32":
-                            continue
-                        dout = torch.randn_like(c["q"])
-                        ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
-                        for bwd_accum in ("fp32", "fp16"):
-                            for deterministic in (False, True):
-                                bt = tiles.bwd_tile(d, 70, bwd_accum == "fp16") if table == "sm70" else None
-                                qt = tiles.dq_tile(d, 70) if table == "sm70" else None
-                                grads = launch.backward(dout, c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_k"],
-                                                        c["max_q"], c["max_k"], prm, c["alibi"], bwd_accum,
-                                                        deterministic, tile=bt, dq_tile=qt)
-                                calls += 1
-                                for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-                                    compare(f"{label} bwd_accum={bwd_accum} det={deterministic} {name}", g, r)
+                            failures.append(f"{fwd_label}: lse is not +inf exactly on the rows that see no key")
+                        if call.accum == "fp32":
+                            fwd_out, fwd_lse = out, lse
+                            dout = torch.randn_like(c["q"])
+                            ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
                 torch.cuda.synchronize()
                 print(f"[workload] {table} d{d} {c['name']}: done ({calls} calls so far)", flush=True)
     torch.cuda.synchronize()
@@ -144,12 +147,11 @@ def _reference_grads(c, prm, dout):
 def precompile_tables(arch: int, threads: int = 16) -> int:
     """Compile every variant of both tile tables for arch, in parallel (NVRTC releases the GIL); returns the count."""
     from volta_train.kernels import tiles
+    from volta_train.kernels.precompile import compile_variants
 
-    variants = {v.name + repr(v.name_expressions): v for table_arch in sorted({70, arch})
-                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda v: v.compile(arch), variants.values()))
-    return len(variants)
+    variants = [v for table_arch in sorted({70, arch})
+                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)]
+    return compile_variants(variants, arch, threads)
 
 
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 from .cache import ensure_cache_dir
 from .nvrtc import CompiledProgram, find_nvrtc, normalize_arch
 from .tiles import shipped_variants
-from .variants import csrc_dir
+from .variants import KernelVariant, csrc_dir
 
 
 def _compile_one(task: tuple[int, int]) -> tuple[str, int, float]:
@@ -52,6 +54,18 @@ def precompile_all(arch: int | str = "sm_70", jobs: int = 1) -> list[CompiledPro
                   flush=True)
     print(f"volta_train precompile: {len(programs)} variants ready in {time.perf_counter() - started_all:.1f} s")
     return programs
+
+
+def compile_variants(variants: Iterable[KernelVariant], arch: int | str, threads: int = 16) -> int:
+    """Compile variants for arch through the kernel cache, ``threads`` at a time (NVRTC releases the GIL), e.g.
+    another arch's tile table for this GPU; returns how many distinct variants there were."""
+    if threads < 1:
+        raise ValueError(f"threads={threads}; accepted: 1 or more")
+    target = normalize_arch(arch)
+    distinct = {(v.name, v.name_expressions): v for v in variants}
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda v: v.compile(target), distinct.values()))
+    return len(distinct)
 
 
 def main(argv: list[str] | None = None) -> None:
