@@ -9,11 +9,12 @@ checking only volta_train's kernels (``--kernel-name kns=flash_``: PyTorch's own
 writes ``sanitizer.md`` (a table per tool and table) and ``sanitizer.json`` to --out, plus each tool's full log.
 
 The workload launches every kernel variant the dispatcher can pick on this GPU ("default": on an H100 the
-emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override):
+emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override),
+by the calls of ``volta_train.kernels.tiles.table_calls`` (scripts/smem_conflicts.py makes them too):
 forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off; logit
 soft-capping on and off), backward dK/dV (both accumulation modes, dropout, soft-capping, dQ by atomics and the
 deterministic dQ kernel) on two calls each (soft-capping: the dense call without dropout and the varlen call with it;
-the forward also with the other setting):
+the forward also with the other setting, so that the causal and the full tiles each run every pair):
 
 * dense, causal, seqlen_q 203 > seqlen_k 113 (90 query rows see no key: whole key-less query blocks and a mixed
   one), GQA (4 query heads on 2 KV heads), a partial key and query block;
@@ -26,7 +27,6 @@ Each call's output is also checked: finite, key-less rows exactly 0, and within 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -71,12 +71,10 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
         return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k), causal=False,
                     window=(12, 15), alibi=alibi, name="varlen window(12,15) alibi gqa")
 
-    def params_of(c, dropout_p):
-        # soft-capping on half of the calls, so that every kernel is built and checked with and without it: the dense
-        # call without dropout, the varlen call with dropout
-        softcap = 6.0 if (c["cu_q"] is None) == (dropout_p == 0.0) else 0.0
+    def params_of(c, dropout_p, softcap):
         return AttentionOptions(softmax_scale=c["q"].shape[-1] ** -0.5, causal=c["causal"], window_left=c["window"][0],
-                               window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8, softcap=softcap)
+                               window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8,
+                               softcap=6.0 if softcap else 0.0)
 
     def reference(c, prm):
         args = (c["q"].float(), c["k"].float(), c["v"].float())
@@ -94,48 +92,50 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
         if err > 2e-2 * max(1.0, want.float().abs().max().item()):
             failures.append(f"{label}: max-abs error {err:.3e} against the reference backend")
 
+    major, minor = torch.cuda.get_device_capability()
+    arch = 10 * major + minor
     for table in tables:
         for d in head_dims:
             for make in (dense_call, varlen_call):
                 c = make(d)
                 for dropout_p in (0.0, 0.2):
-                    prm = params_of(c, dropout_p)
-                    ref_out, ref_lse = reference(c, prm) if check else (None, None)
-                    for accum in ("fp32", "fp16"):
-                        tile = tiles.fwd_tile(d, c["causal"], 70) if table == "sm70" else None
+                    # soft-capping: the dense call without dropout, the varlen call with it (forward and backward);
+                    # the forward alone with the other setting
+                    cap = (c["cu_q"] is None) == (dropout_p == 0.0)
+                    table_calls = tiles.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
+                                                    dropout=(dropout_p > 0,), softcap=(not cap,), passes=("fwd",))
+                    table_calls += tiles.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
+                                                     dropout=(dropout_p > 0,), softcap=(cap,))
+                    # the forward in each mode, then the backward in each mode on the fp32 forward's output
+                    references = {}
+                    for call in table_calls:
+                        prm = params_of(c, dropout_p, call.softcap)
+                        if call.softcap not in references:
+                            references[call.softcap] = reference(c, prm) if check else (None, None)
+                        ref_out, ref_lse = references[call.softcap]
+                        label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum=fp32"
+                        if call.pass_name == "bwd":
+                            grads = launch.backward(dout, c["q"], c["k"], c["v"], fwd_out, fwd_lse, c["cu_q"],
+                                                    c["cu_k"], c["max_q"], c["max_k"], prm, c["alibi"], call.accum,
+                                                    call.deterministic, **call.overrides)
+                            calls += 1
+                            for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+                                compare(f"{label} bwd_accum={call.accum} det={call.deterministic} {name}", g, r)
+                            continue
                         out = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
                         lse_shape = (4, c["q"].shape[0]) if c["cu_q"] is not None else (2, 4, c["q"].shape[1])
                         lse = torch.full(lse_shape, float("nan"), device=dev)
                         out, lse = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
-                                                  prm, c["alibi"], accum, tile=tile, out=out, lse=lse)
+                                                  prm, c["alibi"], call.accum, out=out, lse=lse, **call.overrides)
                         calls += 1
-                        label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum={accum}"
-                        compare(label, out, ref_out)
+                        fwd_label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum={call.accum}"
+                        compare(fwd_label, out, ref_out)
                         if check and not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
-                            failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
-                        # the forward with the other soft-capping setting too: the dense call is causal and the
-                        # varlen one not, so each of the causal and the full tiles runs every (dropout, softcap) pair
-                        other = dataclasses.replace(prm, softcap=0.0 if prm.softcap else 6.0)
-                        out2 = torch.full(c["q"].shape, float("nan"), dtype=torch.half, device=dev)
-                        out2, _ = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
-                                                 other, c["alibi"], accum, tile=tile, out=out2)
-                        calls += 1
-                        compare(f"{label} (softcap={other.softcap})", out2,
-                                reference(c, other)[0] if check else None)
-                        if accum != "fp32":
-                            continue
-                        dout = torch.randn_like(c["q"])
-                        ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
-                        for bwd_accum in ("fp32", "fp16"):
-                            for deterministic in (False, True):
-                                bt = tiles.bwd_tile(d, 70, bwd_accum == "fp16") if table == "sm70" else None
-                                qt = tiles.dq_tile(d, 70) if table == "sm70" else None
-                                grads = launch.backward(dout, c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_k"],
-                                                        c["max_q"], c["max_k"], prm, c["alibi"], bwd_accum,
-                                                        deterministic, tile=bt, dq_tile=qt)
-                                calls += 1
-                                for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-                                    compare(f"{label} bwd_accum={bwd_accum} det={deterministic} {name}", g, r)
+                            failures.append(f"{fwd_label}: lse is not +inf exactly on the rows that see no key")
+                        if call.accum == "fp32":
+                            fwd_out, fwd_lse = out, lse
+                            dout = torch.randn_like(c["q"])
+                            ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
                 torch.cuda.synchronize()
                 print(f"[workload] {table} d{d} {c['name']}: done ({calls} calls so far)", flush=True)
     torch.cuda.synchronize()
@@ -156,31 +156,15 @@ def _reference_grads(c, prm, dout):
     return _reference.reference_varlen_backward(dout.float(), q, k, v, out, lse, c["cu_q"], c["cu_k"], prm, c["alibi"])
 
 
-def _table_variants(arch: int) -> list:
-    from volta_train.kernels import tiles
-
-    variants = {v.name + repr(v.name_expressions): v for table_arch in sorted({70, arch})
-                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
-    return list(variants.values())
-
-
-def _compile_slice(task: tuple[int, int, int]) -> int:
-    arch, start, step = task
-    variants = _table_variants(arch)[start::step]
-    for variant in variants:
-        variant.compile(arch)
-    return len(variants)
-
-
 def precompile_tables(arch: int, processes: int | None = None) -> int:
-    """Compile every variant of both tile tables for arch into the kernel cache, in worker processes (NVRTC 13
-    holds the GIL: threads compiled one at a time, 7 minutes for ~450 variants); returns the count."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    """Compile every variant of both tile tables for arch into the kernel cache, in worker processes; returns the
+    count."""
+    from volta_train.kernels import tiles
+    from volta_train.kernels.precompile import compile_variants
 
-    processes = processes or max(1, min(32, os.cpu_count() or 1))
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return sum(pool.map(_compile_slice, [(arch, i, processes) for i in range(processes)]))
+    variants = [v for table_arch in sorted({70, arch})
+                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)]
+    return compile_variants(variants, arch, processes)
 
 
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")

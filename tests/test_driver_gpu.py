@@ -16,23 +16,11 @@ import torch
 
 from volta_train.kernels import cache, driver
 from volta_train.kernels.nvrtc import CompiledProgram, NvrtcNotFoundError
+from volta_train.kernels.params import ProbeParams
 from volta_train.kernels.variants import PROBE_VARIANT, PROBE_WARPS_PER_BLOCK
 
 PROBE = PROBE_VARIANT.name_expressions[0]
 FLOATS_PER_WARP = 4 * 64  # four 8x8 fp32 tiles
-
-
-class ProbeParams(ctypes.Structure):
-    """csrc/probe_mma.cu's ProbeParams, passed by value."""
-
-    _fields_ = [
-        ("a", ctypes.c_void_p),
-        ("b", ctypes.c_void_p),
-        ("c", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("num_warps", ctypes.c_int),
-        ("alpha", ctypes.c_float),
-    ]
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

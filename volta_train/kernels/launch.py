@@ -131,7 +131,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     accum_f16, dropout = bwd_accum == "fp16", params.dropout_p > 0
     tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
-    use_atomics = tile.dq_atomic and not deterministic
+    use_atomics = tiles.dq_by_atomics(tile, deterministic)
     # D = rowsum(dO * O) in fp32, laid out like lse ([B, H, Nq] or [H, total_q])
     dsum = (dout.float() * out.float()).sum(-1)
     dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()

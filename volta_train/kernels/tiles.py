@@ -273,6 +273,11 @@ def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, sof
     )
 
 
+def dq_by_atomics(tile: BwdTile, deterministic: bool) -> bool:
+    """Whether a backward on tile adds dQ with the dK/dV kernel's atomics (else the dQ kernel computes it)."""
+    return tile.dq_atomic and not deterministic
+
+
 SOFTCAP_CHOICES = (False, True)  # every kernel is built with and without logit soft-capping (csrc/softcap.cuh)
 
 
@@ -307,3 +312,95 @@ def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
     """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
     target = normalize_arch(arch)
     return shipped_fwd_variants(target) + shipped_bwd_variants(target) + [PROBE_VARIANT]
+
+
+# --- calls that reach every shipped variant of a tile table ------------------------------------------------------
+
+TILE_TABLES = ("default", "sm70")
+
+
+@dataclass(frozen=True)
+class TableCall:
+    """One forward or backward call of the launchers (volta_train/kernels/launch.py) and the kernel variants it
+    launches, in launch order.
+
+    Table ``"sm70"``: the V100 tables, reached on any GPU through the launchers' tile overrides; table ``"default"``:
+    the tables of the GPU's own arch, chosen by the launchers themselves (no overrides).
+    """
+
+    table: str
+    pass_name: str  # "fwd" or "bwd"
+    head_dim: int
+    causal: bool
+    accum: str  # the forward's accum or the backward's bwd_accum: "fp32" or "fp16"
+    dropout: bool
+    deterministic: bool  # backward only
+    tile: FwdTile | BwdTile
+    dq_tile: FwdTile | None  # backward only: the dQ kernel's tile
+    launches: tuple[KernelVariant, ...]
+    softcap: bool = False  # the variants built with logit soft-capping (run them with softcap > 0)
+
+    @property
+    def name(self) -> str:
+        """Unique within one table_calls() list; letters, digits and '_' only (an NVTX range name)."""
+        mode = ("_det" if self.deterministic else "_nondet") if self.pass_name == "bwd" else ""
+        return (f"{self.table}_{self.pass_name}_d{self.head_dim}_{'causal' if self.causal else 'full'}_{self.accum}"
+                f"{'_dropout' if self.dropout else ''}{'_softcap' if self.softcap else ''}{mode}")
+
+    @property
+    def overrides(self) -> dict:
+        """Keyword arguments for launch.forward / launch.backward: the tiles of table "sm70", none for "default"."""
+        if self.table == "default":
+            return {}
+        return {"tile": self.tile} if self.pass_name == "fwd" else {"tile": self.tile, "dq_tile": self.dq_tile}
+
+
+def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(False, True), dropout=(False, True),
+                accums=("fp32", "fp16"), passes=("fwd", "bwd"), unique: bool = False,
+                softcap=SOFTCAP_CHOICES) -> list[TableCall]:
+    """The calls that launch the shipped variants of table on a GPU of arch: per head_dim, mask and dropout, the
+    forward in each accumulation mode, then the backward in each mode, dQ by atomics and deterministic.
+
+    With every argument at its default the calls launch every variant of ``shipped_fwd_variants`` and
+    ``shipped_bwd_variants`` of the table's arch (70 for "sm70", else arch). ``unique`` drops the calls that
+    launch no variant an earlier call did not (the causal calls of a table whose causal tile is the full one, the
+    "non-deterministic" backward of a tile without atomics).
+    """
+    if table not in TILE_TABLES:
+        raise ValueError(f"table {table!r}; accepted: {', '.join(TILE_TABLES)}")
+    table_arch = 70 if table == "sm70" else normalize_arch(arch)
+    calls, seen = [], set()
+    for cap in softcap:
+        for head_dim in head_dims:
+            for is_causal in causal:
+                for has_dropout in dropout:
+                    if "fwd" in passes:
+                        tile = fwd_tile(head_dim, is_causal, table_arch)
+                        for accum in accums:
+                            variant = fwd_variant(head_dim, tile, accum == "fp16", has_dropout, cap)
+                            calls.append(TableCall(table, "fwd", head_dim, is_causal, accum, has_dropout, False, tile,
+                                                   None, (variant,), cap))
+                    if "bwd" in passes:
+                        q_tile = dq_tile(head_dim, table_arch)
+                        for accum in accums:
+                            tile = bwd_tile(head_dim, table_arch, accum == "fp16")
+                            for deterministic in (False, True):
+                                atomics = dq_by_atomics(tile, deterministic)
+                                launches = (bwd_variant(head_dim, tile, accum == "fp16", has_dropout, atomics, cap),)
+                                if not atomics:
+                                    launches += (dq_variant(head_dim, q_tile, False, has_dropout, cap),)
+                                calls.append(TableCall(table, "bwd", head_dim, is_causal, accum, has_dropout,
+                                                       deterministic, tile, q_tile, launches, cap))
+    if unique:
+        kept = []
+        for call in calls:
+            keys = {_variant_key(v) for v in call.launches}
+            if keys - seen:
+                kept.append(call)
+                seen |= keys
+        calls = kept
+    return calls
+
+
+def _variant_key(variant: KernelVariant) -> tuple:
+    return variant.name, variant.name_expressions
