@@ -242,6 +242,37 @@ def test_second_run_on_a_locked_out_dir_is_refused(tmp_path, fresh_state, capsys
     runlock.RunLock(out).acquire().release()  # released by the context manager
 
 
+def test_runlock_held_locks_are_released_however_the_block_ends(tmp_path):
+    def free(out):  # another process could take it now
+        probe = runlock.RunLock(out)
+        try:
+            probe.acquire()
+        except runlock.RunLockError:
+            return False
+        probe.release()
+        return True
+
+    def run(out, ending):
+        with runlock.held_locks() as held:
+            held.append(None)  # what acquire_for_run returns on the other processes
+            held.append(runlock.RunLock(out).acquire())
+            assert not free(out)
+            if ending == "exit":
+                sys.exit("stopped")
+            if ending == "error":
+                raise ValueError("failed")
+            return held
+
+    out = tmp_path / "out"
+    assert run(out, "return")[1].fd is None and free(out)
+    with pytest.raises(SystemExit):
+        run(out, "exit")
+    assert free(out)
+    with pytest.raises(ValueError):
+        run(out, "error")
+    assert free(out)
+
+
 def _lock_worker(rank: int, out: str, port: int, results, released):
     import torch.distributed as dist
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -24,16 +23,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see recipes/gpt_long.py
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
 from .. import _resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, chunked_loss, config, data, distributed, logs, metrics, optim, runlock,
+    attention, chunked_loss, config, data, distributed, logs, metrics, models, optim, runlock,
 )
 from ..training import finetune as ft  # noqa: E402
-from ..training.models import auto_precision  # noqa: E402
 from ..training.trainer import (  # noqa: E402
     LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
 )
@@ -88,26 +85,64 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
 
 
 def main(argv=None) -> dict:
-    held: list = []  # out_dir's lock (main process), released however the run ends
-    try:
+    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
         return _main(argv, held)
-    finally:
-        for lock in held:
-            if lock is not None:
-                lock.release()
 
 
 def _main(argv, held: list) -> dict:
+    cfg, state = _start(argv, held)
+    t, d, out_dir = cfg.train, cfg.data, Path(cfg.logging.out_dir)
+    tokenizer, names, train_arrays, eval_arrays = _load_data(cfg, state)
+    model, chunked = _build_model(cfg, tokenizer, names)
+    impl = model.config._attn_implementation
+    train_set, eval_set, collate = _datasets(cfg, model, tokenizer, train_arrays, eval_arrays)
+    causal = cfg.task == "causal_lm"
+    n_params = sum(p.numel() for p in model.parameters())
+    n_layer, hidden = models.layers_and_hidden(model.config)
+    flops = metrics.FlopCounter(metrics.matmul_parameters(model), n_layer, hidden, causal=causal)
+    log.info("model: %s for %s, %.2fM parameters, attention %s%s%s", model.config.model_type, cfg.task,
+             n_params / 1e6, impl, ", gradient checkpointing" if cfg.model.gradient_checkpointing else "",
+             f", labels {names}" if names else "")
+    log.info("data: %d training %s, %s evaluation; %s, max_length %d, tokenizer %s", len(train_set),
+             "packed rows" if d.packing else "examples", len(eval_set) if eval_set is not None else "no",
+             d.format, d.max_length, getattr(tokenizer, "name", "?"))
+
+    setup, optimizer, steps, warmup = _accelerator(cfg, state, model, len(train_set))
+    accelerator = setup.accelerator
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batches = _batches(cfg, accelerator, train_set, collate)
+    evaluate = ft.Evaluator(model, accelerator, eval_set, collate, cfg.eval.batch_size or t.batch_size,
+                            cfg.eval.batches, causal, chunked, t.loss_chunk_tokens) \
+        if eval_set is not None and len(eval_set) else None
+    hf_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(model) loads it
+    run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
+                "train": d.train, "max_length": d.max_length}
+    loss_fn = (lambda engine, batch: chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=t.loss_chunk_tokens)) \
+        if chunked else None
+    trainer = Trainer(setup, model, optimizer, _loop_config(cfg, steps, warmup), batches=batches, flops=flops,
+                      evaluate=evaluate, run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
+    result = run_or_fail(trainer, _fail)
+    previous = finished_earlier(result, out_dir, accelerator, log, "--checkpoint.resume")
+    if previous is not None:
+        return previous
+
+    summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
+               "zero_stage": setup.zero_stage, "processes": accelerator.num_processes, "labels": names or None,
+               "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
+    save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer)
+    _log_done(summary, impl, out_dir)
+    accelerator.end_training()
+    return summary
+
+
+def _start(argv, held: list):
+    """The checked config and the process state; out_dir locked for this run, logging, threads and seeds set up."""
     cfg, notes = _parse(argv)
     t = cfg.train
     try:
         state = distributed.init_state(t.cpu, t.deepspeed)
     except config.ConfigError as e:
         _fail(str(e))
-    on_gpu = state.device.type == "cuda"
-    precision = t.mixed_precision
-    if precision == "auto":
-        precision = auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
     out_dir = Path(cfg.logging.out_dir)
     try:  # before anything is written there: one run per out_dir
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
@@ -116,7 +151,7 @@ def _main(argv, held: list) -> dict:
     logs.setup_logging(state.is_main_process, out_dir / "train.log")
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
-    if threads is None and not on_gpu:
+    if threads is None and state.device.type != "cuda":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)))
     if threads:
@@ -125,8 +160,12 @@ def _main(argv, held: list) -> dict:
     for note in notes:
         log.info("%s", note)
     logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process)
+    return cfg, state
 
-    # data
+
+def _load_data(cfg, state):
+    """(tokenizer, label names, training arrays, eval arrays): eval from data.eval, else data.eval_fraction of the
+    training examples held out (seeded), else None."""
     d = cfg.data
     try:
         tokenizer = data.load_tokenizer(ft.tokenizer_spec(cfg))
@@ -139,49 +178,55 @@ def _main(argv, held: list) -> dict:
         _fail(str(e))
     if eval_arrays is None and d.eval_fraction > 0:
         n = train_arrays["offsets"].size - 1
-        order = np.random.default_rng(t.seed).permutation(n)
+        order = np.random.default_rng(cfg.train.seed).permutation(n)
         n_eval = max(1, int(n * d.eval_fraction))
         eval_arrays = ft.select(train_arrays, sorted(order[:n_eval].tolist()))
         train_arrays = ft.select(train_arrays, sorted(order[n_eval:].tolist()))
+    return tokenizer, names, train_arrays, eval_arrays
 
-    # model and attention
+
+def _build_model(cfg, tokenizer, names: list[str]):
+    """(model, chunked loss?): the model, then its attention (volta_train's unless model.no-patch); packed examples
+    checked to stay apart; the causal LM's chunked loss resolved."""
     try:
         model = ft.build_model(cfg, tokenizer, names)
         if cfg.model.patch:
             attention.apply_patch(model, flag="--model.no-patch")
     except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
-    impl = model.config._attn_implementation
-    if d.packing:
+    if cfg.data.packing:
         ok, why = attention.packed_documents_supported(model, vocab_limit=min(256, tokenizer.vocab_size))
         if not ok:
-            _fail(f"data.packing: attention {impl!r} does not keep packed examples apart ({why}); set "
-                  "data.packing: false, or model.patch: false")
-    causal = cfg.task == "causal_lm"
+            _fail(f"data.packing: attention {model.config._attn_implementation!r} does not keep packed examples "
+                  f"apart ({why}); set data.packing: false, or model.patch: false")
     chunked = False
-    if causal:
-        chunked, loss_note = chunked_loss.resolve(t.chunked_loss, model, t.loss_chunk_tokens)
+    if cfg.task == "causal_lm":
+        chunked, loss_note = chunked_loss.resolve(cfg.train.chunked_loss, model, cfg.train.loss_chunk_tokens)
         log.info("%s", loss_note)
-    token_types = cfg.task == "classification" and getattr(model.config, "type_vocab_size", 1) > 1
-    pad = tokenizer.pad_token_id
+    return model, chunked
+
+
+def _datasets(cfg, model, tokenizer, train_arrays, eval_arrays):
+    """(training set, eval set or None, collator): packed rows (data.packing) or one example per item."""
+    d, pad = cfg.data, tokenizer.pad_token_id
     if d.packing:
         train_set = ft.PackedExamples(train_arrays, d.max_length, pad)
         eval_set = ft.PackedExamples(eval_arrays, d.max_length, pad) if eval_arrays is not None else None
     else:
         train_set = ft.ExampleDataset(train_arrays, cfg.task)
         eval_set = ft.ExampleDataset(eval_arrays, cfg.task) if eval_arrays is not None else None
-    collate = ft.Collator(pad, cfg.task, token_types)
-    n_params = sum(p.numel() for p in model.parameters())
-    hidden = getattr(model.config, "hidden_size", None) or model.config.n_embd
-    n_layer = getattr(model.config, "num_hidden_layers", None) or model.config.n_layer
-    flops = metrics.FlopCounter(metrics.matmul_parameters(model), n_layer, hidden, causal=causal)
-    log.info("model: %s for %s, %.2fM parameters, attention %s%s%s", model.config.model_type, cfg.task,
-             n_params / 1e6, impl, ", gradient checkpointing" if cfg.model.gradient_checkpointing else "",
-             f", labels {names}" if names else "")
-    log.info("data: %d training %s, %s evaluation; %s, max_length %d, tokenizer %s", len(train_set),
-             "packed rows" if d.packing else "examples", len(eval_set) if eval_set is not None else "no",
-             d.format, d.max_length, getattr(tokenizer, "name", "?"))
+    token_types = cfg.task == "classification" and getattr(model.config, "type_vocab_size", 1) > 1
+    return train_set, eval_set, ft.Collator(pad, cfg.task, token_types)
 
+
+def _accelerator(cfg, state, model, n_train: int):
+    """(accelerate setup, optimizer, steps, warmup steps), the device line logged; precision "auto": fp16 on a
+    GPU, fp32 on CPU, unless ``accelerate config`` chose one."""
+    t, o = cfg.train, cfg.optimizer
+    on_gpu = state.device.type == "cuda"
+    precision = t.mixed_precision
+    if precision == "auto":
+        precision = models.auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
     try:
         setup = distributed.build_accelerator(
             cpu=t.cpu, mixed_precision=precision, grad_accum=t.grad_accum, batch_size=t.batch_size,
@@ -191,11 +236,10 @@ def _main(argv, held: list) -> dict:
     except config.ConfigError as e:
         _fail(str(e))
     accelerator = setup.accelerator
-    rank, world = accelerator.process_index, accelerator.num_processes
-    steps = ft.steps_for(cfg, len(train_set), world)
+    world = accelerator.num_processes
+    steps = ft.steps_for(cfg, n_train, world)
     warmup = cfg.schedule.warmup_steps if cfg.schedule.warmup_steps is not None else \
         int(cfg.schedule.warmup_ratio * steps)
-    o = cfg.optimizer
     if setup.deepspeed and "optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config:
         from accelerate.utils import DummyOptim
 
@@ -204,8 +248,14 @@ def _main(argv, held: list) -> dict:
         optimizer = optim.build_optimizer(model, o.name, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, o.momentum)
     log.info("device: %s x %d process(es), %s; %d steps of %d x %d x %d, %s lr %.1e, warmup %d", accelerator.device,
              world, setup.precision, steps, t.batch_size, t.grad_accum, world, cfg.schedule.name, o.lr, warmup)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    return setup, optimizer, steps, warmup
 
+
+def _batches(cfg, accelerator, train_set, collate):
+    """The trainer's ``batches``: this process's micro-batches from a micro-batch index on (a training set too small
+    for one batch per process stops the run here)."""
+    t = cfg.train
+    rank, world = accelerator.process_index, accelerator.num_processes
     try:
         data.ShardedBatchSampler(len(train_set), t.batch_size, world, rank)
     except ValueError as e:
@@ -214,85 +264,26 @@ def _main(argv, held: list) -> dict:
 
     def batches(start: int):
         sampler = data.ShardedBatchSampler(len(train_set), t.batch_size, world, rank, seed=t.seed, start=start)
-        return data.micro_batches(train_set, sampler, collate_fn=collate, num_workers=d.num_workers, pin_memory=pin)
+        return data.micro_batches(train_set, sampler, collate_fn=collate, num_workers=cfg.data.num_workers,
+                                  pin_memory=pin)
 
-    evaluate = None
-    if eval_set is not None and len(eval_set):
-        eval_bs = cfg.eval.batch_size or t.batch_size
-        group = eval_bs * world
-        n_groups = math.ceil(len(eval_set) / group)
-        if cfg.eval.batches:
-            n_groups = min(n_groups, cfg.eval.batches)
+    return batches
 
-        @torch.no_grad()
-        def evaluate() -> dict[str, float]:
-            """Loss (and accuracy) over the eval set; the last group wraps around with zero weight, so that
-            every process runs the same number of forwards (ZeRO-3 gathers weights collectively)."""
-            model.eval()
-            sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, weight, correct
-            for g in range(n_groups):
-                idx = [g * group + rank * eval_bs + j for j in range(eval_bs)]
-                weight = torch.tensor([1.0 if i < len(eval_set) else 0.0 for i in idx], device=accelerator.device)
-                batch = collate([eval_set[i % len(eval_set)] for i in idx])
-                labels = batch.pop("labels").to(accelerator.device)
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                if chunked:  # loss and argmax hits chunk by chunk, no [tokens, vocab] logits
-                    targets = chunked_loss.shift_labels(labels)
-                    targets[weight == 0] = -100
-                    loss_sum, count, correct = chunked_loss.causal_lm_eval_sums(
-                        model, batch, targets, chunk_tokens=t.loss_chunk_tokens)
-                    sums += torch.stack([loss_sum.double(), count.double(), correct.double()])
-                    continue
-                logits = model(**batch).logits.float()
-                if causal:
-                    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-                    loss = F.cross_entropy(shift_logits.transpose(1, 2), shift_labels, ignore_index=-100,
-                                           reduction="none")
-                    valid = (shift_labels != -100).float() * weight[:, None]
-                    sums[0] += (loss * valid).sum()
-                    sums[1] += valid.sum()
-                    sums[2] += ((shift_logits.argmax(-1) == shift_labels).float() * valid).sum()
-                else:
-                    loss = F.cross_entropy(logits, labels, reduction="none")
-                    sums[0] += (loss * weight).sum()
-                    sums[1] += weight.sum()
-                    sums[2] += ((logits.argmax(-1) == labels).float() * weight).sum()
-            model.train()
-            total = accelerator.reduce(sums, "sum").tolist()
-            if total[1] == 0:  # nothing to score (no target token): no loss rather than 0
-                return {"loss": None, **({"perplexity": None, "token_accuracy": None} if causal else
-                                         {"accuracy": None})}
-            mean = total[0] / total[1]
-            if causal:
-                accuracy = total[2] / max(total[1], 1e-9)
-                return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "token_accuracy": accuracy}
-            return {"loss": mean, "accuracy": total[2] / max(total[1], 1e-9)}
 
-    loop = LoopConfig(
-        steps=steps, grad_accum=t.grad_accum, lr=o.lr, warmup_steps=warmup, min_lr_ratio=cfg.schedule.min_lr_ratio,
-        schedule=cfg.schedule.name, grad_clip=t.grad_clip, log_interval=cfg.logging.log_interval,
-        eval_interval=cfg.eval.interval, checkpoint_interval=cfg.checkpoint.interval,
-        keep_checkpoints=cfg.checkpoint.keep, resume=cfg.checkpoint.resume, time_limit_min=t.time_limit_min,
-        out_dir=cfg.logging.out_dir, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard,
-        peak_tflops=cfg.logging.peak_tflops,
+def _loop_config(cfg, steps: int, warmup: int) -> LoopConfig:
+    t = cfg.train
+    return LoopConfig(
+        steps=steps, grad_accum=t.grad_accum, lr=cfg.optimizer.lr, warmup_steps=warmup,
+        min_lr_ratio=cfg.schedule.min_lr_ratio, schedule=cfg.schedule.name, grad_clip=t.grad_clip,
+        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.interval,
+        checkpoint_interval=cfg.checkpoint.interval, keep_checkpoints=cfg.checkpoint.keep, resume=cfg.checkpoint.resume,
+        time_limit_min=t.time_limit_min, out_dir=cfg.logging.out_dir, progress=cfg.logging.progress,
+        tensorboard=cfg.logging.tensorboard, peak_tflops=cfg.logging.peak_tflops,
         max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
     )
-    hf_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(model) loads it
-    run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
-                "train": d.train, "max_length": d.max_length}
-    loss_fn = (lambda engine, batch: chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=t.loss_chunk_tokens)) \
-        if chunked else None
-    trainer = Trainer(setup, model, optimizer, loop, batches=batches, flops=flops, evaluate=evaluate,
-                      run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
-    result = run_or_fail(trainer, _fail)
-    previous = finished_earlier(result, out_dir, accelerator, log, "--checkpoint.resume")
-    if previous is not None:
-        return previous
 
-    summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
-               "zero_stage": setup.zero_stage, "processes": world, "labels": names or None,
-               "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
-    save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer)
+
+def _log_done(summary: dict, impl: str, out_dir: Path) -> None:
     evals = " | ".join(f"eval {k.removeprefix('eval_')} {'n/a' if v is None else f'{v:.4f}'}"
                        for k, v in summary.items() if k.startswith("eval_"))
     log.info("done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f%s | attention %s%s | model %s | %s",
@@ -300,8 +291,6 @@ def _main(argv, held: list) -> dict:
              summary["train_loss"], f" | {evals}" if evals else "", impl,
              f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["model"],
              logs.run_files(out_dir))
-    accelerator.end_training()
-    return summary
 
 
 if __name__ == "__main__":

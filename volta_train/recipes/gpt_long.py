@@ -92,13 +92,8 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 
 
 def main(argv=None) -> dict:
-    held: list = []  # out_dir's lock (main process), released however the run ends
-    try:
+    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
         return _main(argv, held)
-    finally:
-        for lock in held:
-            if lock is not None:
-                lock.release()
 
 
 def _main(argv, held: list) -> dict:

@@ -3,7 +3,7 @@
 * :mod:`.config`: one dataclass per recipe (sections for nested YAML), filled from defaults < YAML
   (``--config``, read with ``yaml.safe_load``) < flags; errors name the bad key.
 * :mod:`.gpt`: the GPT recipe's options, per-device "auto" defaults, GPT-2 / Llama-style model builder.
-* :mod:`.finetune`: the fine-tuning recipe's YAML schema, jsonl formats, batching and models.
+* :mod:`.finetune`: the fine-tuning recipe's YAML schema, jsonl formats, batching, models and evaluation.
 * :mod:`.data`: byte and local HuggingFace tokenizers, cached token streams, packing with or without
   document boundaries (position ids), the resumable sharded sampler.
 * :mod:`.corpus`: the deterministic synthetic corpus (no downloads).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
 from .models import auto_precision, padded_vocab, read_model_config  # noqa: F401  (gpt.<name> for older imports)
+from .models import layers_and_hidden
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
 # arch "llama" uses the same shapes with RoPE, RMSNorm and a SwiGLU MLP of ~8/3 n_embd.
@@ -314,9 +315,8 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
 def describe(model) -> dict:
     """Shape figures of a causal LM's config (any family): for log lines and FLOP counts."""
     c = model.config
-    n_layer = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
+    n_layer, hidden = layers_and_hidden(c)
     n_head = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
-    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd")
     head_dim = getattr(c, "head_dim", None) or hidden // n_head
     kv = getattr(c, "num_key_value_heads", None) or n_head
     return {"model_type": c.model_type, "n_layer": n_layer, "n_head": n_head, "n_kv_head": kv, "hidden": hidden,

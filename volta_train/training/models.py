@@ -1,5 +1,5 @@
 """Model helpers shared by the recipes (gpt_long, finetune): precision "auto", the padded vocabulary, a local
-model config."""
+model config, a config's depth and width."""
 
 from __future__ import annotations
 
@@ -40,3 +40,10 @@ def read_model_config(path: str | Path):
     if model_type is None:
         raise ConfigError(f"model config {str(path)!r} has no model_type (e.g. \"gpt2\" or \"llama\")")
     return AutoConfig.for_model(model_type, **values)
+
+
+def layers_and_hidden(model_config) -> tuple[int, int]:
+    """(layers, hidden size) of a transformers config of any family: ``num_hidden_layers``/``hidden_size``, or
+    GPT-2's ``n_layer``/``n_embd``."""
+    c = model_config
+    return getattr(c, "num_hidden_layers", None) or c.n_layer, getattr(c, "hidden_size", None) or c.n_embd

@@ -13,12 +13,14 @@ filesystem without lock support the run stops with an error saying so rather tha
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_FILE = "run.lock"
@@ -129,3 +131,16 @@ def acquire_for_run(out_dir: str | os.PathLike, is_main: bool, num_processes: in
     if error is not None:
         raise error
     return lock
+
+
+@contextlib.contextmanager
+def held_locks() -> Iterator[list]:
+    """A list for a run's locks (what :func:`acquire_for_run` returns, None included); each one in it is released
+    when the block ends, however it ends (a return, an exception, ``sys.exit``). The recipes wrap their run in it."""
+    held: list = []
+    try:
+        yield held
+    finally:
+        for lock in held:
+            if lock is not None:
+                lock.release()
