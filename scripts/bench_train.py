@@ -152,6 +152,67 @@ def profile_step(step, device: torch.device, top: int = 8) -> dict:
             "host_syncs": syncs, "top_kernels": rows[:top]}
 
 
+def interleaved_losses(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
+                       device: torch.device, checkpointing: bool, vocab: int,
+                       chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
+    """Step time of the unchunked and the chunked loss on ONE model, steps alternating (AB, BA, AB...), so that
+    machine drift and the model's build cancel out; medians, their ratio, and each loss's GPU kernel time (one
+    profiled step each: what decides on a GPU-bound machine such as a V100)."""
+    fp16 = device.type == "cuda"
+    torch.manual_seed(0)
+    model = build(model_name, seq_len, attention, device, checkpointing, vocab)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fp16)
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+
+    def step(loss_impl: str):
+        with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
+            if loss_impl == "chunked":
+                loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids}, budget_mib=chunk_mib)
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times: dict[str, list[float]] = {name: [] for name in LOSSES}
+    for i in range(warmup + steps):
+        order = LOSSES if i % 2 == 0 else LOSSES[::-1]
+        for name in order:
+            began = time.perf_counter()
+            step(name)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - began)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    gpu = {name: profile_step(lambda n=name: step(n), device)["gpu_kernel_ms"] for name in LOSSES} \
+        if device.type == "cuda" else {}
+    result = {"model": model_name, "vocab": vocab, "attention": attention, "seq_len": seq_len, "batch": batch,
+              "steps": steps, "median_s": medians, "ratio": medians["chunked"] / medians["unchunked"],
+              "gpu_kernel_ms": gpu, "gpu_ratio": gpu["chunked"] / gpu["unchunked"] if gpu else None,
+              "step_times": {k: [round(x, 5) for x in v] for k, v in times.items()}}
+    del model, optimizer, scaler
+    _cleanup(device)
+    return result
+
+
+def interleaved_table(results: list[dict]) -> str:
+    lines = ["## step time, losses interleaved on one model (median s/step; GPU kernel time of one profiled step)", "",
+             "| model | vocab | seq_len x batch | unchunked s | chunked s | chunked / unchunked | unchunked GPU ms | "
+             "chunked GPU ms | GPU chunked / unchunked |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        g = r["gpu_kernel_ms"]
+        lines.append(f"| {r['model']} | {r['vocab']} | {r['seq_len']} x {r['batch']} | {r['median_s']['unchunked']:.4f} | "
+                     f"{r['median_s']['chunked']:.4f} | {r['ratio']:.3f} | {g.get('unchunked', float('nan')):.1f} | "
+                     f"{g.get('chunked', float('nan')):.1f} | "
+                     f"{'n/a' if r['gpu_ratio'] is None else format(r['gpu_ratio'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
                 device: torch.device, checkpointing: bool, vocab: int, loss_impl: str = "chunked",
                 profile: bool = False, chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
@@ -450,6 +511,9 @@ def main(argv=None) -> dict:
                         help="tiny CPU run: nano GPT-2 and Llama, 64/128 tokens, 1+1 steps, both losses, a search")
     parser.add_argument("--loss-chunk-mib", type=float, default=chunked_loss.DEFAULT_CHUNK_MIB,
                         help="the chunked loss's budget: MiB of fp32 logits per chunk (default: the recipes')")
+    parser.add_argument("--interleave-losses", action="store_true",
+                        help="instead of separate runs: both losses on one model, steps alternating (the fair "
+                             "step-time comparison); writes bench_train_interleaved.md/.json")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra step of each timed run (GPU kernel time, host syncs, top kernels)")
     parser.add_argument("--out", default="out/bench_train")
@@ -493,6 +557,26 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     print(f"bench_train on {device_name}, torch {torch.__version__}", flush=True)
     began = time.perf_counter()
+
+    if args.interleave_losses:
+        results = []
+        for model, vocab in models:
+            for n in seq_lens:
+                for attention in args.attention:
+                    r = interleaved_losses(model, n, attention, max(1, args.tokens_per_step // n), args.steps,
+                                           args.warmup, device, args.gradient_checkpointing, vocab,
+                                           args.loss_chunk_mib)
+                    results.append(r)
+                    print(f"{model}:{vocab} {attention} seq {n}: unchunked {r['median_s']['unchunked']:.4f} s, "
+                          f"chunked {r['median_s']['chunked']:.4f} s, ratio {r['ratio']:.3f}, GPU ratio "
+                          f"{r['gpu_ratio'] if r['gpu_ratio'] is None else round(r['gpu_ratio'], 3)}", flush=True)
+        text = (f"# bench_train, losses interleaved: {device_name}\n\nfp16 autocast + GradScaler + AdamW step, "
+                f"{args.tokens_per_step} tokens per step, {args.steps} timed steps of each loss after {args.warmup}, "
+                f"alternating; chunk budget {args.loss_chunk_mib:g} MiB\n\n" + interleaved_table(results))
+        (out / "bench_train_interleaved.md").write_text(text)
+        (out / "bench_train_interleaved.json").write_text(json.dumps(results, indent=1))
+        print(text)
+        return {"interleaved": results}
 
     runs, searches = [], []
     for model, vocab in models:  # timed runs first, without a cap

@@ -72,11 +72,12 @@ def describe_bad_targets() -> str | None:
     """Why the last GPU call of :func:`linear_cross_entropy` returned NaN, if its targets were the reason (one host
     synchronisation; for error messages: on a GPU out-of-range targets make the loss and gradients NaN rather than
     stop the host every call to check them). None when they were all in range."""
-    count = _LAST_BAD_TARGETS.get("count")
-    if count is None or int(count) == 0:
+    bad = _LAST_BAD_TARGETS.get("bad")
+    if bad is None or not bool(bad.any()):
         return None
-    return _bad_targets_message(int(count), _LAST_BAD_TARGETS["vocab"], _LAST_BAD_TARGETS["ignore_index"],
-                                int(_LAST_BAD_TARGETS["example"]))
+    targets = _LAST_BAD_TARGETS["targets"]
+    return _bad_targets_message(int(bad.sum()), _LAST_BAD_TARGETS["vocab"], _LAST_BAD_TARGETS["ignore_index"],
+                                int(targets[bad].reshape(-1)[0]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,11 +267,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Sum over target tokens of ``cross_entropy(hidden @ weight.T + bias, targets)``; gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, needs, mode, bad_count):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, targets, chunk, ignore_index, needs, mode, any_bad):  # noqa: D102
         loss, grad_h, grad_w, grad_b = _chunked_forward(hidden, weight, bias, targets, chunk, ignore_index, needs,
                                                          mode)
         ctx.grads = (grad_h, grad_w, grad_b)
-        ctx.bad_count = bad_count
+        ctx.any_bad = any_bad
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
@@ -283,8 +284,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         ctx.grads = None  # released once handed on; the in-place scaling below reuses their memory
         shape, h_dtype, w_dtype, b_dtype = ctx.shapes
         g = grad_output.detach()
-        if ctx.bad_count is not None:  # targets outside the vocabulary (GPU): NaN gradients, as the loss
-            g = torch.where(ctx.bad_count > 0, torch.nan, g)
+        if ctx.any_bad is not None:  # targets outside the vocabulary (GPU): NaN gradients, as the loss
+            g = torch.where(ctx.any_bad, torch.nan, g)
         out_h = grad_h.mul_(g).to(h_dtype).reshape(shape) if grad_h is not None else None
         out_w = grad_w.mul_(g).to(w_dtype) if grad_w is not None else None
         out_b = grad_b.mul_(g).to(b_dtype) if grad_b is not None else None
@@ -332,14 +333,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if targets.device.type == "cpu":
         if bool(bad.any()):
             raise ChunkedLossError(_bad_targets_message(int(bad.sum()), vocab, ignore_index, int(targets[bad][0])))
-        bad_count = None
+        any_bad = None
     else:
         # on a GPU the check must not stop the host (a synchronisation per step cost GPT-2 small's step 1.3x): the
         # loss and the gradients become NaN instead, which the trainer stops on, naming this (describe_bad_targets)
-        bad_count = bad.sum()
-        _LAST_BAD_TARGETS.update(count=bad_count, vocab=vocab, ignore_index=ignore_index,
-                                 example=targets.reshape(-1)[bad.reshape(-1).to(torch.uint8).argmax()]
-                                 if targets.numel() else bad_count)
+        any_bad = bad.any()  # (the count and an example are read only for the message: describe_bad_targets)
+        _LAST_BAD_TARGETS.update(bad=bad, targets=targets, vocab=vocab, ignore_index=ignore_index)
         targets = torch.where(bad, ignore_index, targets)  # nothing out of range is gathered or scattered
     chunk = chunk_size(vocab, max(1, targets.numel()), chunk_tokens, budget_mib)
     grad = torch.is_grad_enabled()
@@ -347,11 +346,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
              grad and bias is not None and bias.requires_grad)
     if any(needs):
         total = _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk, ignore_index, needs, matmul,
-                                             bad_count)
+                                             any_bad)
     else:
         total = _chunked_forward(hidden, weight, bias, targets, chunk, ignore_index, needs, matmul)[0]
-    if bad_count is not None:
-        total = torch.where(bad_count > 0, torch.nan, total)
+    if any_bad is not None:
+        total = torch.where(any_bad, torch.nan, total)
     if reduction == "sum":
         return total
     return total / valid.sum().clamp_min(1).to(total.dtype)
