@@ -117,8 +117,9 @@ def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _OUT_DTYPE_WORKS:
         try:
             # autocast off: under fp16 autocast the fp32 reference product below would be an fp16 one, the check
-            # would fail, and every chunk would take the slower scaled path (it did: issue 15's step time)
-            with torch.autocast(device.type, enabled=False):
+            # would fail, and every chunk would take the slower scaled path (it did: issue 15's step time).
+            # Needs a CUDA device here (cuda is the only type that passes the test above).
+            with torch.autocast("cuda", enabled=False):
                 ok = _out_dtype_check(device, dtype)
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             ok = False
