@@ -152,15 +152,11 @@ def profile_step(step, device: torch.device, top: int = 8) -> dict:
             "host_syncs": syncs, "top_kernels": rows[:top]}
 
 
-def interleaved_losses(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
-                       device: torch.device, checkpointing: bool, vocab: int,
-                       chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
-    """Step time of the unchunked and the chunked loss on ONE model, steps alternating (AB, BA, AB...), so that
-    machine drift and the model's build cancel out; medians, their ratio, and each loss's GPU kernel time (one
-    profiled step each: what decides on a GPU-bound machine such as a V100)."""
+def training_step(model, batch: int, seq_len: int, vocab: int, device: torch.device,
+                  chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB):
+    """(optimizer, scaler, step): ``step(loss_impl)`` runs one fp16-autocast training step of ``model`` on random
+    tokens (GradScaler, clipping, AdamW) with the unchunked or the chunked loss and returns the loss."""
     fp16 = device.type == "cuda"
-    torch.manual_seed(0)
-    model = build(model_name, seq_len, attention, device, checkpointing, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fp16)
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     ids = torch.randint(0, vocab, (batch, seq_len), device=device)
@@ -177,6 +173,23 @@ def interleaved_losses(model_name: str, seq_len: int, attention: str, batch: int
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return optimizer, scaler, step
+
+
+def interleaved_losses(model_name: str, seq_len: int, attention: str, batch: int, steps: int, warmup: int,
+                       device: torch.device, checkpointing: bool, vocab: int,
+                       chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
+    """Step time of the unchunked and the chunked loss on ONE model, steps alternating (AB, BA, AB...), so that
+    machine drift and the model's build cancel out; medians, their ratio, and each loss's GPU kernel time (one
+    profiled step each: what decides on a GPU-bound machine such as a V100)."""
+    torch.manual_seed(0)
+    model = build(model_name, seq_len, attention, device, checkpointing, vocab)
+    optimizer, scaler, train_step = training_step(model, batch, seq_len, vocab, device, chunk_mib)
+
+    def step(loss_impl: str):
+        train_step(loss_impl)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -217,30 +230,16 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
                 device: torch.device, checkpointing: bool, vocab: int, loss_impl: str = "chunked",
                 profile: bool = False, chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB) -> dict:
     """Run warmup + timed training steps; a dict with s/step (median), tokens/s, peak memory, status ('ok'/'oom')."""
-    fp16 = device.type == "cuda"
     result = {"model": model_name, "vocab": vocab, "attention": attention, "loss_impl": loss_impl, "seq_len": seq_len,
               "batch": batch, "checkpointing": checkpointing, "status": "ok"}
     model = optimizer = scaler = None
     try:
         torch.manual_seed(0)
         model = build(model_name, seq_len, attention, device, checkpointing, vocab)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fp16)
-        scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-        ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+        optimizer, scaler, train_step = training_step(model, batch, seq_len, vocab, device, chunk_mib)
 
         def step():
-            with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
-                if loss_impl == "chunked":
-                    loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids}, budget_mib=chunk_mib)
-                else:
-                    loss = model(input_ids=ids, labels=ids).loss
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
+            return train_step(loss_impl)
 
         def sync():
             if device.type == "cuda":
@@ -267,7 +266,7 @@ def train_steps(model_name: str, seq_len: int, attention: str, batch: int, steps
         shape = describe(model)
         counter = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"],
                                       shape["n_head"] * shape["head_dim"])
-        _, flops = counter({"input_ids": ids[:, :1].expand(batch, seq_len).cpu()})
+        _, flops = counter({"input_ids": torch.zeros(batch, seq_len, dtype=torch.long)})
         result.update(tokens_per_s=batch * seq_len / median, step_s=median, step_times=[round(t, 5) for t in times],
                       peak_mem_gib=mem / 2**30, loss=loss, parameters=n_params, tflops=flops / median / 1e12)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:

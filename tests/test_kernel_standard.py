@@ -312,15 +312,20 @@ FP16_FORWARD_GRAD_LIMIT = 8.0  # measured worst 5.2x
 @pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_fp16_accumulating_forward_keeps_its_documented_bound(head_dim, table):
-    q, k, v, dout = _inputs(2, 211, 173, 4, 2, head_dim, _seed())
-    out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=True, accum="fp16")
-    oracle = Oracle(q, k, v, dout, causal=True)
-    assert_keyless_rows(out, lse, oracle.lse, dq, what=f"{table} accum=fp16")
+    _check_fp16_accumulating_forward(_inputs(2, 211, 173, 4, 2, head_dim, _seed()), table)
+
+
+def _check_fp16_accumulating_forward(inputs, table, softcap=0.0):
+    q, k, v, dout = inputs
+    out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=True, accum="fp16", softcap=softcap)
+    oracle = Oracle(q, k, v, dout, causal=True, softcap=softcap)
+    what = f"{table} accum=fp16 softcap={softcap}"
+    assert_keyless_rows(out, lse, oracle.lse, dq, what=what)
     for name, g, t, y, floor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), oracle.truth, oracle.yard,
                                     oracle.floors(out)):
         e = error_vs_yardstick(g, y, t, floor)
         limit = FP16_FORWARD_OUT_LIMIT if name == "out" else FP16_FORWARD_GRAD_LIMIT
-        assert e.ratio <= limit, f"accum=fp16 {name}: {e}"
+        assert e.ratio <= limit, f"{what} {name}: {e}"
 
 
 # --- logit soft-capping (softcap > 0, Gemma-2): every head_dim, both tables, both accumulation modes, dropout ---------
@@ -382,15 +387,7 @@ def test_softcap_meets_the_standard(case, table):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_softcap_fp16_accumulating_forward(head_dim, table):
     """FP16-ACC forward with soft-capping (Q pre-scaled, scores capped in fp32): its documented, looser bound."""
-    q, k, v, dout = _inputs(2, 150, 211, 4, 2, head_dim, _seed())
-    out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=True, accum="fp16", softcap=3.0)
-    oracle = Oracle(q, k, v, dout, causal=True, softcap=3.0)
-    assert_keyless_rows(out, lse, oracle.lse, dq, what=f"{table} accum=fp16 softcap")
-    for name, g, t, y, floor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), oracle.truth, oracle.yard,
-                                    oracle.floors(out)):
-        e = error_vs_yardstick(g, y, t, floor)
-        limit = FP16_FORWARD_OUT_LIMIT if name == "out" else FP16_FORWARD_GRAD_LIMIT
-        assert e.ratio <= limit, f"accum=fp16 softcap {name}: {e}"
+    _check_fp16_accumulating_forward(_inputs(2, 150, 211, 4, 2, head_dim, _seed()), table, softcap=3.0)
 
 
 @pytest.mark.parametrize("table", TABLES)
