@@ -213,15 +213,24 @@ def _load_rows_and_transpose(p: Prediction, name: str, rows_n: int, head_dim: in
                     *geo(tid))), times)
 
 
+def _chunk_rc(chunk: int, cpr: int, groups8: bool) -> tuple[int, int]:
+    """(row, column) of a loader's chunk: row-major (chunk / cpr, chunk % cpr), or in groups of eight rows of one
+    column chunk (load_v_block's order; `groups8`)."""
+    if groups8:
+        g = chunk >> 3
+        return 8 * (g // cpr) + (chunk & 7), (g % cpr) * 8
+    return chunk // cpr, chunk % cpr * 8
+
+
 def _row_major_fill(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int, tile: RowLayout,
-                    times: int, loop: bool) -> None:
-    """store_kv_block / load_q / load_kv_operand: chunk -> (chunk / chunks_per_row, chunk % chunks_per_row).
-    loop: a `for (chunk = tid; chunk < n; chunk += threads)` loop (warps past the end skip it), else a fixed count
-    of predicated iterations."""
+                    times: int, loop: bool, groups8: bool = False) -> None:
+    """store_kv_block / load_q / load_kv_operand: chunk -> (chunk / chunks_per_row, chunk % chunks_per_row) (or
+    `groups8`, see _chunk_rc). loop: a `for (chunk = tid; chunk < n; chunk += threads)` loop (warps past the end
+    skip it), else a fixed count of predicated iterations."""
     cpr = head_dim // 8
     n = rows_n * cpr
     for c in range((n + threads - 1) // threads):
-        warp_addrs = _warps(threads, lambda tid: tile.addr((tid + c * threads) // cpr, (tid + c * threads) % cpr * 8)
+        warp_addrs = _warps(threads, lambda tid: tile.addr(*_chunk_rc(tid + c * threads, cpr, groups8))
                             if tid + c * threads < n else None)
         if loop:
             warp_addrs = [w for w in warp_addrs if any(a is not None for a in w)]
@@ -354,7 +363,8 @@ def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
     blocks = SEQLEN // s.block_n
     if s.q_in_smem:
         _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True)
-    _row_major_fill(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], blocks, loop=False)
+    _row_major_fill(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], blocks, loop=False,
+                    groups8=L.get("k_fill_groups8", False))
     # the last key block's `if (next_block >= 0) store_kv_block` runs predicated off: instructions, no wavefronts
     # (by the warps that hold a chunk of that iteration; the others branch around the store)
     n = s.block_n * s.head_dim // 8
