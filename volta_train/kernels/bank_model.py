@@ -1,0 +1,618 @@
+"""Offline model of the shared-memory bank conflicts of the Volta kernels (csrc/*.cuh); dependency-free.
+
+Every warp-wide shared-memory access site of the kernels is reproduced per lane (the byte address each lane reads or
+writes, as the kernel source computes it) for one traits instance, and costed the way the hardware serves it:
+
+* 32 banks of 4 bytes; within one *phase* a bank serves one 32-bit word per wavefront, lanes reading the same word
+  share it (broadcast; stores to one word merge), so a phase takes max over banks of the distinct words in that bank;
+* 32-bit accesses: one phase of 32 lanes; 64-bit: two phases (half-warps, lanes 0-15 and 16-31); 128-bit: four
+  phases (quarter-warps of 8 lanes), so the minimum ("ideal") is 1, 2 and 4 wavefronts;
+* a 64/128-bit access whose lanes pair up on one address (lane n and n ^ 1, or n and n ^ 2, for every lane) is
+  served for the unique lanes only (half the phases: CC 7.x "uniform" rule);
+* a phase without an active lane costs nothing; an instruction executed with no active lane counts as an instruction.
+
+Sources for the rules: NVIDIA developer forums, "Clarification: bank_conflicts metric vs wavefronts for shared memory
+LDS.128" (forums.developer.nvidia.com/t/359822: LDS.128 minimum 4 wavefronts of 128 bytes, bank conflicts = the
+wavefronts beyond it) and "Unexpected shared memory bank conflict" (t/77228: the pair rule on CC 7.0-7.5); the
+half-/quarter-warp phases are the usual reading of those (a phase moves at most 128 bytes). They are checked against
+the Nsight Compute counts of docs/bench/smem_conflicts_sm70_tiles_h100.md by tests/test_smem_bank_model.py and
+``scripts/smem_bank_model.py --validate``.
+
+Workload weights: the profiled one (batch 1, 8 heads, seqlen 1024, non-causal, every block full), so every CTA
+runs every main-loop iteration alike and the model costs one CTA's warps per iteration.
+
+Tile layouts (``RowLayout``): a tile is rows of 16-byte chunks; row r starts at chunk
+``r * pitch + sum(gap * (r >> shift))`` (the kernels' padded rows: pitch = chunks per row + 1, no gaps). The fix
+designs of issue 16 add gaps (monotone, so rows never overlap) and change pitches; every reader and writer of a
+tile goes through the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+BANKS = 32
+SEQLEN = 1024
+HEADS = 8
+BATCH = 1
+
+
+# --- the hardware rule ---------------------------------------------------------------------------------------------
+
+
+def _phase_wavefronts(addrs: list[int], width: int) -> int:
+    """Wavefronts of one phase: max over banks of the distinct 32-bit words that fall into it."""
+    words_per_bank: dict[int, set[int]] = {}
+    for a in addrs:
+        for w in range(a // 4, (a + width + 3) // 4):  # the words a `width`-byte access at a touches
+            words_per_bank.setdefault(w % BANKS, set()).add(w)
+    return max((len(s) for s in words_per_bank.values()), default=0)
+
+
+def _paired(addrs: list[int | None], distance: int) -> bool:
+    return all(a is None or addrs[n ^ distance] == a for n, a in enumerate(addrs))
+
+
+def wavefronts(addrs: list[int | None], width: int, pair_rule: bool = True) -> tuple[int, int]:
+    """(wavefronts, ideal wavefronts) of one warp-wide access: addrs[lane] is the byte address of lane's access
+    (None: lane inactive), width its size in bytes (1, 2, 4, 8 or 16)."""
+    if len(addrs) != 32:
+        raise ValueError(f"addrs: one address per lane (32), got {len(addrs)}")
+    if width not in (1, 2, 4, 8, 16):
+        raise ValueError(f"width {width}: accepted 1, 2, 4, 8, 16 (bytes)")
+    if all(a is None for a in addrs):
+        return 0, 0
+    if width <= 4:
+        groups = [list(range(32))]
+    else:
+        lanes = list(range(32))
+        if pair_rule and any(_paired(addrs, d) for d in (1, 2)):
+            d = 1 if _paired(addrs, 1) else 2
+            lanes = [n for n in lanes if not n & d]  # the unique lanes
+        per = 128 // width  # lanes per phase: 16 (64-bit) or 8 (128-bit)
+        groups = [lanes[i:i + per] for i in range(0, len(lanes), per)]
+    wf = ideal = 0
+    for g in groups:
+        active = [addrs[n] for n in g if addrs[n] is not None]
+        if active:
+            wf += _phase_wavefronts(active, width)
+            ideal += 1
+    return wf, ideal
+
+
+# --- lane geometry (csrc/mma_sm70.cuh) -------------------------------------------------------------------------------
+
+
+def qp_of(lane: int) -> int:
+    return (lane >> 2) & 3
+
+
+def operand_row(lane: int) -> int:
+    return (lane & 3) + 4 * (lane >> 4)
+
+
+def acc_row(lane: int, i: int) -> int:
+    return (lane & 1) + (i & 2) + 4 * (lane >> 4)
+
+
+def acc_col(lane: int, i: int) -> int:
+    return (i & 4) + (lane & 2) + (i & 1)
+
+
+# --- tile layouts ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A tile of rows of 16-byte chunks at byte offset `base`: row r starts at chunk
+    r * pitch + sum(g * (r >> s) for s, g in gaps)."""
+
+    base: int
+    pitch: int  # chunks (16 bytes) per row step
+    gaps: tuple[tuple[int, int], ...] = ()
+
+    def row_chunk(self, row: int) -> int:
+        return row * self.pitch + sum(g * (row >> s) for s, g in self.gaps)
+
+    def addr(self, row: int, col: int) -> int:
+        """Byte address of half `col` of row `row`."""
+        return self.base + 16 * self.row_chunk(row) + 2 * col
+
+    def chunks(self, rows: int) -> int:
+        """Chunks the tile spans for `rows` rows (its size / 16)."""
+        return self.row_chunk(rows - 1) + self.pitch if rows else 0
+
+
+@dataclass(frozen=True)
+class VectorLayout:
+    """A float vector (lse / dsum of a query block) at `base`: element q at word q + pad * (q >> 5)."""
+
+    base: int
+    pad: int = 0
+
+    def addr(self, q: int) -> int:
+        return self.base + 4 * (q + self.pad * (q >> 5))
+
+    def words(self, n: int) -> int:
+        return n + self.pad * ((n - 1) >> 5) if n else 0
+
+
+# --- accounting ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SiteCost:
+    op: str  # "ld" or "st"
+    width: int
+    inst: int = 0
+    wf: int = 0
+    ideal: int = 0
+
+    @property
+    def factor(self) -> float:
+        return self.wf / self.ideal if self.ideal else 1.0
+
+
+@dataclass
+class Prediction:
+    kernel: str
+    sites: dict[str, SiteCost] = field(default_factory=dict)
+    smem_bytes: int = 0
+
+    def add(self, site: str, op: str, width: int, warp_addrs: list[list[int | None]], times: int) -> None:
+        """One execution by every warp of a CTA (warp_addrs[w][lane]), repeated `times` times per CTA."""
+        cost = self.sites.setdefault(site, SiteCost(op, width))
+        for addrs in warp_addrs:
+            wf, ideal = wavefronts(addrs, width)
+            cost.inst += times
+            cost.wf += wf * times
+            cost.ideal += ideal * times
+
+    def scaled(self, ctas: int) -> "Prediction":
+        out = Prediction(self.kernel, smem_bytes=self.smem_bytes)
+        for name, c in self.sites.items():
+            out.sites[name] = SiteCost(c.op, c.width, c.inst * ctas, c.wf * ctas, c.ideal * ctas)
+        return out
+
+    def totals(self, op: str) -> SiteCost:
+        t = SiteCost(op, 0)
+        for c in self.sites.values():
+            if c.op == op:
+                t.inst += c.inst
+                t.wf += c.wf
+                t.ideal += c.ideal
+        return t
+
+
+def _warps(threads: int, fn) -> list[list[int | None]]:
+    """fn(tid) -> address or None, for every warp of the CTA."""
+    return [[fn(w * 32 + lane) for lane in range(32)] for w in range(threads // 32)]
+
+
+# --- shared helpers: loaders (csrc/tile_io.cuh) --------------------------------------------------------------------
+
+
+def _load_rows_and_transpose(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int,
+                             rows: RowLayout | None, transposed: RowLayout | None, times: int) -> None:
+    chunks_per_row = head_dim // 8
+    n_chunks = rows_n * chunks_per_row
+    for c in range((n_chunks + threads - 1) // threads):
+        def geo(tid):
+            chunk = tid + c * threads
+            group8 = chunk >> 3
+            row = 8 * (group8 // chunks_per_row) + (chunk & 7)
+            col = (group8 % chunks_per_row) * 8
+            return chunk < n_chunks, chunk, row, col
+        if rows is not None:
+            p.add(f"{name}.rows", "st", 16,
+                  _warps(threads, lambda tid: (lambda ok, ch, r, col: rows.addr(r, col) if ok else None)(*geo(tid))),
+                  times)
+        if transposed is not None:
+            p.add(f"{name}.transposed", "st", 16, _warps(
+                threads, lambda tid: (lambda ok, ch, r, col: transposed.addr(col + (ch & 7), r & ~7) if ok else None)(
+                    *geo(tid))), times)
+
+
+def _chunk_rc(chunk: int, cpr: int, groups8: bool) -> tuple[int, int]:
+    """(row, column) of a loader's chunk: row-major (chunk / cpr, chunk % cpr), or in groups of eight rows of one
+    column chunk (load_v_block's order; `groups8`)."""
+    if groups8:
+        g = chunk >> 3
+        return 8 * (g // cpr) + (chunk & 7), (g % cpr) * 8
+    return chunk // cpr, chunk % cpr * 8
+
+
+def _row_major_fill(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int, tile: RowLayout,
+                    times: int, loop: bool, groups8: bool = False) -> None:
+    """store_kv_block / load_q / load_kv_operand: chunk -> (chunk / chunks_per_row, chunk % chunks_per_row) (or
+    `groups8`, see _chunk_rc). loop: a `for (chunk = tid; chunk < n; chunk += threads)` loop (warps past the end
+    skip it), else a fixed count of predicated iterations."""
+    cpr = head_dim // 8
+    n = rows_n * cpr
+    for c in range((n + threads - 1) // threads):
+        warp_addrs = _warps(threads, lambda tid: tile.addr(*_chunk_rc(tid + c * threads, cpr, groups8))
+                            if tid + c * threads < n else None)
+        if loop:
+            warp_addrs = [w for w in warp_addrs if any(a is not None for a in w)]
+        p.add(name, "st", 16, warp_addrs, times)
+
+
+def _row_major_drain(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int, tile: RowLayout,
+                     times: int) -> None:
+    """The epilogues' `for (chunk = tid; ...)` reads of a staged tile, 16 bytes per chunk."""
+    cpr = head_dim // 8
+    n = rows_n * cpr
+    for c in range((n + threads - 1) // threads):
+        warp_addrs = _warps(threads, lambda tid: tile.addr((tid + c * threads) // cpr, (tid + c * threads) % cpr * 8)
+                            if tid + c * threads < n else None)
+        p.add(name, "ld", 16, [w for w in warp_addrs if any(a is not None for a in w)], times)
+
+
+# --- forward-shaped kernels: flash_fwd_kernel and flash_bwd_dq_kernel (warp_tile.cuh) --------------------------------
+
+
+@dataclass(frozen=True)
+class FwdShape:
+    head_dim: int
+    quad_pair_rows: int
+    m_tiles: int
+    warps: int
+    block_n: int
+    accum_f16: bool = False
+    q_in_smem: bool = False
+
+    @property
+    def qp_cols(self):
+        return 4 // self.quad_pair_rows
+
+    @property
+    def rows_per_warp(self):
+        return 8 * self.quad_pair_rows * self.m_tiles
+
+    @property
+    def block_m(self):
+        return self.warps * self.rows_per_warp
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def s_tiles(self):
+        return self.block_n // 8 // self.qp_cols
+
+    @property
+    def o_cols(self):
+        return self.head_dim // self.qp_cols
+
+    @property
+    def o_tiles(self):
+        return self.o_cols // 8
+
+    def qp_mn(self, lane):
+        qp = qp_of(lane)
+        return qp % self.quad_pair_rows, qp // self.quad_pair_rows
+
+    def mtile_row0(self, tid, a):  # within the CTA's rows
+        qp_m, _ = self.qp_mn(tid & 31)
+        return (tid >> 5) * self.rows_per_warp + 8 * (a * self.quad_pair_rows + qp_m)
+
+
+def fwd_layouts(s: FwdShape, kernel: str) -> dict:
+    """The kernels' layouts today (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout)."""
+    c = s.head_dim // 8
+    k_bytes = s.block_n * (s.head_dim + 8) * 2
+    vt_bytes = s.head_dim * (s.block_n + 8) * 2
+    row = RowLayout(0, c + 1)
+    if kernel == "fwd":
+        return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": RowLayout(k_bytes + vt_bytes, c + 1),
+                "o_stage": RowLayout(0, c + 1)}
+    q_bytes = s.block_m * (s.head_dim + 8) * 2 if s.q_in_smem else 0
+    off_v = k_bytes + vt_bytes
+    return {"k": row, "kt": RowLayout(k_bytes, s.block_n // 8 + 1), "v": RowLayout(off_v, c + 1),
+            "q": RowLayout(off_v + k_bytes, c + 1), "do": RowLayout(off_v + k_bytes + q_bytes, c + 1),
+            "o_stage": RowLayout(0, c + 1)}
+
+
+def _rows_times_tile_rows(p: Prediction, s: FwdShape, name: str, b: RowLayout, a_tile: RowLayout | None,
+                          times: int) -> None:
+    """accumulate_rows_times_tile_rows: B rows of a [key][head_dim] tile per (nt, kk); A (Q or dO) from shared
+    memory per (nt, kk, m-tile) when it lives there (loaded again for every use: the counts of the measured table
+    say the compiler keeps no A chunk across the asm volatile mma of the next S tile)."""
+    for kk in range(s.head_dim // 8):
+        for nt in range(s.s_tiles):
+            p.add(f"{name}.B", "ld", 16, _warps(s.threads, lambda tid: b.addr(
+                (s.qp_mn(tid & 31)[1] * s.s_tiles + nt) * 8 + operand_row(tid & 31), 8 * kk)), times)
+            for a in range(s.m_tiles if a_tile is not None else 0):
+                p.add(f"{name}.A", "ld", 16, _warps(s.threads, lambda tid: a_tile.addr(
+                    s.mtile_row0(tid, a) + operand_row(tid & 31), 8 * kk)), times)
+
+
+def _rows_times_transposed_tile(p: Prediction, s: FwdShape, name: str, bt: RowLayout, times: int) -> None:
+    """accumulate_rows_times_transposed_tile: B = rows of a [column][key] tile per (x, nt, ot)."""
+    for x in range(s.qp_cols):
+        for nt in range(s.s_tiles):
+            for ot in range(s.o_tiles):
+                def addr(tid):
+                    lane = tid & 31
+                    qp_n = s.qp_mn(lane)[1]
+                    return bt.addr(qp_n * s.o_cols + operand_row(lane) + 8 * ot, ((qp_n ^ x) * s.s_tiles + nt) * 8)
+                p.add(f"{name}.B", "ld", 16, _warps(s.threads, addr), times)
+
+
+def _stage_accumulators(p: Prediction, s: FwdShape, name: str, stage: RowLayout, f16_layout: bool, times: int) -> None:
+    """Epilogue: the lane's 8x8 accumulator tiles into a [row][head_dim] staging tile, as 32-bit stores (f32 layout)
+    or one 16-byte store per tile (f16 layout: the compiler merges the four words of a row)."""
+    for a in range(s.m_tiles):
+        for ot in range(s.o_tiles):
+            def col0(lane):
+                return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
+            if f16_layout:
+                p.add(name, "st", 16, _warps(s.threads, lambda tid: stage.addr(
+                    s.mtile_row0(tid, a) + operand_row(tid & 31), col0(tid & 31))), times)
+            else:
+                for i in range(0, 8, 2):
+                    p.add(name, "st", 4, _warps(s.threads, lambda tid: stage.addr(
+                        s.mtile_row0(tid, a) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), times)
+
+
+def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
+    """flash_fwd_kernel (sm_70 table: Q in registers unless q_in_smem), whole grid."""
+    L = {**fwd_layouts(s, "fwd"), **(layouts or {})}
+    p = Prediction(f"fwd_d{s.head_dim}")
+    blocks = SEQLEN // s.block_n
+    if s.q_in_smem:
+        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True)
+    _row_major_fill(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], blocks, loop=False,
+                    groups8=L.get("k_fill_groups8", False))
+    # the last key block's `if (next_block >= 0) store_kv_block` runs predicated off: instructions, no wavefronts
+    # (by the warps that hold a chunk of that iteration; the others branch around the store)
+    n = s.block_n * s.head_dim // 8
+    for c in range((n + s.threads - 1) // s.threads):
+        holders = sum(1 for w in range(s.warps) if w * 32 + c * s.threads < n)
+        p.add("k.fill", "st", 16, [[None] * 32 for _ in range(holders)], 1)
+    _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
+    _vt_store(p, s, L["vt"], blocks)
+    _rows_times_transposed_tile(p, s, "O+=PV", L["vt"], blocks)
+    _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, 1)
+    _row_major_drain(p, "o_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1)
+    return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
+
+
+def _vt_store(p: Prediction, s: FwdShape, vt: RowLayout, times: int) -> None:
+    """store_vt_block: lane groups of 8 store one transposed 8x8 chunk (d row, 8 keys) each."""
+    cpr = s.head_dim // 8
+    n = s.block_n * cpr
+    for c in range((n + s.threads - 1) // s.threads):
+        def addr(tid):
+            chunk = tid + c * s.threads
+            if chunk >= n:
+                return None
+            group8 = chunk >> 3
+            return vt.addr((group8 % cpr) * 8 + (chunk & 7), 8 * (group8 // cpr))
+        p.add("vt.fill", "st", 16, _warps(s.threads, addr), times)
+
+
+def predict_dq(s: FwdShape, layouts: dict | None = None) -> Prediction:
+    """flash_bwd_dq_kernel (deterministic path's dQ), whole grid."""
+    L = {**fwd_layouts(s, "dq"), **(layouts or {})}
+    p = Prediction(f"bwd_dq_d{s.head_dim}")
+    blocks = SEQLEN // s.block_n
+    if s.q_in_smem:
+        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True)
+        _row_major_fill(p, "do.fill", s.block_m, s.head_dim, s.threads, L["do"], 1, loop=True)
+    _load_rows_and_transpose(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], L["kt"], blocks)
+    _load_rows_and_transpose(p, "v.fill", s.block_n, s.head_dim, s.threads, L["v"], None, blocks)
+    _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
+    _rows_times_tile_rows(p, s, "dP=dOV^T", L["v"], L["do"] if s.q_in_smem else None, blocks)
+    _rows_times_transposed_tile(p, s, "dQ+=dSK", L["kt"], blocks)
+    _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, 1)
+    _row_major_drain(p, "dq_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1)
+    return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
+
+
+# --- the dK/dV kernel (flash_bwd_kernel.cuh) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdShape:
+    head_dim: int
+    quad_pair_rows: int
+    warps: int
+    block_m: int
+    accum_f16: bool = False
+    dq_atomic: bool = False
+    kv_in_smem: bool = False
+    lean: bool = False
+
+    @property
+    def qp_cols(self):
+        return 4 // self.quad_pair_rows
+
+    @property
+    def rows_per_warp(self):
+        return 8 * self.quad_pair_rows
+
+    @property
+    def block_n(self):
+        return self.warps * self.rows_per_warp
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def s_tiles(self):
+        return self.block_m // 8 // self.qp_cols
+
+    @property
+    def o_cols(self):
+        return self.head_dim // self.qp_cols
+
+    @property
+    def o_tiles(self):
+        return self.o_cols // 8
+
+    @property
+    def dkdv_f16_products(self):
+        return self.accum_f16 and not self.lean
+
+    @property
+    def dq_rows_per_warp(self):
+        return self.block_m // self.warps
+
+    def qp_mn(self, lane):
+        qp = qp_of(lane)
+        return qp % self.quad_pair_rows, qp // self.quad_pair_rows
+
+    def key_in_block(self, tid):  # mtile_key0 - n0
+        return (tid >> 5) * self.rows_per_warp + 8 * self.qp_mn(tid & 31)[0]
+
+    def stile_q0(self, lane, x, nt):
+        return ((self.qp_mn(lane)[1] ^ x) * self.s_tiles + nt) * 8
+
+
+def bwd_layouts(s: BwdShape) -> dict:
+    """BwdKernelTraits' shared memory today."""
+    c = s.head_dim // 8
+    row_bytes = (s.head_dim + 8) * 2
+    q_bytes = s.block_m * row_bytes
+    qt_bytes = s.head_dim * (s.block_m + 8) * 2
+    kt_bytes = s.head_dim * (s.block_n + 8) * 2
+    ds_bytes = s.block_m * (s.block_n + 8) * 2
+    kv_bytes = s.block_n * row_bytes if s.kv_in_smem else 0
+    off_do = q_bytes
+    off_qt = off_do + q_bytes
+    off_dot = off_qt + qt_bytes
+    off_kt = off_dot + qt_bytes
+    off_ds = off_kt + (kt_bytes if s.dq_atomic else 0)
+    off_k = off_ds + (ds_bytes if s.dq_atomic else 0)
+    off_v = off_k + kv_bytes
+    off_lse = off_v + kv_bytes
+    off_dsum = off_lse + s.block_m * 4
+    return {"q": RowLayout(0, c + 1), "do": RowLayout(off_do, c + 1), "qt": RowLayout(off_qt, s.block_m // 8 + 1),
+            "dot": RowLayout(off_dot, s.block_m // 8 + 1), "kt": RowLayout(off_kt, s.block_n // 8 + 1),
+            "ds": RowLayout(off_ds, s.block_n // 8 + 1), "k": RowLayout(off_k, c + 1), "v": RowLayout(off_v, c + 1),
+            "lse": VectorLayout(off_lse), "dsum": VectorLayout(off_dsum), "o_stage": RowLayout(0, c + 1)}
+
+
+def bwd_smem_bytes(s: BwdShape, L: dict) -> int:
+    """Bytes the layouts span (the same sum as BwdKernelTraits::kSmemBytes for the default layouts)."""
+    end = 0
+    spans = {"q": s.block_m, "do": s.block_m, "qt": s.head_dim, "dot": s.head_dim}
+    if s.dq_atomic:
+        spans.update(kt=s.head_dim, ds=s.block_m)
+    if s.kv_in_smem:
+        spans.update(k=s.block_n, v=s.block_n)
+    for name, rows in spans.items():
+        end = max(end, L[name].base + 16 * L[name].chunks(rows))
+    for name in ("lse", "dsum"):
+        end = max(end, L[name].base + 4 * L[name].words(s.block_m))
+    return max(end, 16 * L["o_stage"].chunks(s.block_n))
+
+
+def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
+    """flash_bwd_dkdv_kernel, whole grid (one query head per kv head)."""
+    L = {**bwd_layouts(s), **(layouts or {})}
+    p = Prediction(f"bwd_dkdv_d{s.head_dim}")
+    p.smem_bytes = bwd_smem_bytes(s, L)
+    blocks = SEQLEN // s.block_m
+    T = s.threads
+    # prologue
+    if s.kv_in_smem:
+        _row_major_fill(p, "k.fill", s.block_n, s.head_dim, T, L["k"], 1, loop=True)
+        _row_major_fill(p, "v.fill", s.block_n, s.head_dim, T, L["v"], 1, loop=True)
+    if s.dq_atomic:
+        _load_rows_and_transpose(p, "kt.fill", s.block_n, s.head_dim, T, None, L["kt"], 1)
+    # per query block: loads of Q, dO (+ transposes), lse, dsum
+    _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], L["qt"], blocks)
+    _load_rows_and_transpose(p, "do.fill", s.block_m, s.head_dim, T, L["do"], L["dot"], blocks)
+    for name in ("lse", "dsum"):
+        for c in range((s.block_m + T - 1) // T):
+            wa = _warps(T, lambda tid: L[name].addr(tid + c * T) if tid + c * T < s.block_m else None)
+            p.add(f"{name}.fill", "st", 4, [w for w in wa if any(a is not None for a in w)], blocks)
+    # S^T = K Q^T, dP^T = V dO^T
+    for prod, a_name, b_name in (("S^T=KQ^T", "k", "q"), ("dP^T=VdO^T", "v", "do")):
+        for kk in range(s.head_dim // 8):
+            for nt in range(s.s_tiles):
+                p.add(f"{prod}.B", "ld", 16, _warps(T, lambda tid: L[b_name].addr(
+                    s.stile_q0(tid & 31, 0, nt) + operand_row(tid & 31), 8 * kk)), blocks)
+                if s.kv_in_smem:  # per use, like the forward's A (see _rows_times_tile_rows)
+                    p.add(f"{prod}.A", "ld", 16, _warps(T, lambda tid: L[a_name].addr(
+                        s.key_in_block(tid) + operand_row(tid & 31), 8 * kk)), blocks)
+    # lse2 / dsum of the element's query: f32 accumulator columns (c, c+1) and (c+4, c+5): 64-bit loads
+    for nt in range(s.s_tiles):
+        for name in ("lse", "dsum"):
+            for i in (0, 4):
+                p.add(f"{name}.ld", "ld", 8, _warps(T, lambda tid: L[name].addr(
+                    s.stile_q0(tid & 31, 0, nt) + acc_col(tid & 31, i))), blocks)
+    # dV += P^T dO, dK += dS^T Q: B = rows of the transposed tiles
+    for prod, bt in (("dV+=PdO", "dot"), ("dK+=dSQ", "qt")):
+        for ot in range(s.o_tiles):
+            for x in range(s.qp_cols):
+                for nt in range(s.s_tiles):
+                    def addr(tid, ot=ot, x=x, nt=nt):
+                        lane = tid & 31
+                        return L[bt].addr(s.qp_mn(lane)[1] * s.o_cols + operand_row(lane) + 8 * ot,
+                                          s.stile_q0(lane, x, nt))
+                    p.add(f"{prod}.B", "ld", 16, _warps(T, addr), blocks)
+    if s.dq_atomic:
+        for nt in range(s.s_tiles):  # dS^T -> dS [query][key] (8x8 transposes in the quad-pair)
+            p.add("ds.st", "st", 16, _warps(T, lambda tid: L["ds"].addr(
+                s.stile_q0(tid & 31, 0, nt) + operand_row(tid & 31), s.key_in_block(tid))), blocks)
+        dq_qp_rows = s.dq_rows_per_warp // 8
+        dq_qp_cols = 4 // dq_qp_rows
+        dq_cols = s.head_dim // dq_qp_cols
+        for kc in range(s.block_n // 8):
+            def a_addr(tid):
+                lane = tid & 31
+                qp_m = qp_of(lane) % dq_qp_rows
+                return L["ds"].addr((tid >> 5) * s.dq_rows_per_warp + 8 * qp_m + operand_row(lane), 8 * kc)
+            for ot in range(dq_cols // 8):
+                p.add("dQ+=dSK.A", "ld", 16, _warps(T, a_addr), blocks)  # per use
+                def b_addr(tid, ot=ot):
+                    lane = tid & 31
+                    qp_n = qp_of(lane) // dq_qp_rows
+                    return L["kt"].addr(qp_n * dq_cols + operand_row(lane) + 8 * ot, 8 * kc)
+                p.add("dQ+=dSK.B", "ld", 16, _warps(T, b_addr), blocks)
+    # epilogue: dK and dV staged, then written in 16-byte rows
+    for out in ("dk", "dv"):
+        for ot in range(s.o_tiles):
+            def col0(lane, ot=ot):
+                return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
+            if s.dkdv_f16_products:
+                p.add("kv_stage.st", "st", 16, _warps(T, lambda tid: L["o_stage"].addr(
+                    s.key_in_block(tid) + operand_row(tid & 31), col0(tid & 31))), 1)
+            else:
+                for i in range(0, 8, 2):
+                    p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
+                        s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
+        _row_major_drain(p, "kv_stage.ld", s.block_n, s.head_dim, T, L["o_stage"], 1)
+    return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH)
+
+
+# --- from the tile tables --------------------------------------------------------------------------------------------
+
+
+def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | None = None) -> Prediction:
+    """Prediction for a KernelVariant's meta (volta_train/kernels/tiles.py) of the sm_70 tables."""
+    tile, d, f16 = meta["tile"], meta["head_dim"], meta["accum_f16"]
+    if meta["pass"] == "fwd":
+        return predict_fwd(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16,
+                                    tile.q_in_smem), layouts)
+    if meta["pass"] == "bwd_dq":
+        return predict_dq(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                   tile.q_in_smem), layouts)
+    if dq_atomic is None:
+        raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
+    return predict_dkdv(BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic,
+                                 tile.kv_in_smem, tile.lean), layouts)
+
+
+def with_layouts(base: dict, **changes) -> dict:
+    return {**base, **changes}
+
+
+__all__ = ["wavefronts", "RowLayout", "VectorLayout", "FwdShape", "BwdShape", "Prediction", "SiteCost",
+           "predict_fwd", "predict_dq", "predict_dkdv", "predict_variant", "fwd_layouts", "bwd_layouts",
+           "bwd_smem_bytes", "replace"]
