@@ -149,7 +149,11 @@ def main(argv: list[str] | None = None, variants: list[KernelVariant] | None = N
     parser.add_argument("--json-out", type=Path, help="also write the JSON lines (kernels, then summary) here")
     parser.add_argument("--cubin-dir", type=Path, help="write each variant's cubin, ptxas log and meta.jsonl here")
     parser.add_argument("--no-cache", action="store_true", help="compile with NVRTC directly, bypassing the cache")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fill the kernel cache in this many processes first (not with --no-cache; default 1)")
     options = parser.parse_args(argv)
+    if options.jobs < 1:
+        parser.error(f"--jobs {options.jobs}: accepted: 1 or more")
     arch = normalize_arch(options.arch)
     if arch != 70:
         print(f"note: occupancy below is for a V100 (sm_70), not for sm_{arch}", file=sys.stderr)
@@ -157,7 +161,12 @@ def main(argv: list[str] | None = None, variants: list[KernelVariant] | None = N
         (options.cubin_dir / "meta.jsonl").unlink(missing_ok=True)
 
     lines, all_problems, kernels = [], [], 0
-    for variant in variants if variants is not None else shipped_variants(arch):
+    variants = variants if variants is not None else shipped_variants(arch)
+    if options.jobs > 1 and not options.no_cache:
+        from volta_train.kernels.precompile import compile_variants
+
+        compile_variants(variants, arch, options.jobs)  # the loop below then reads the cache
+    for variant in variants:
         started = time.perf_counter()
         program = compile_variant(variant, arch, use_cache=not options.no_cache)
         rows = kernel_rows(variant, program, time.perf_counter() - started)
