@@ -18,11 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from volta_train.kernels import bank_model as bm
+from volta_train.kernels import tiles
 
-from volta_train.kernels import bank_model as bm  # noqa: E402
-from volta_train.kernels import tiles  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_MD = ROOT / "docs" / "bench" / "smem_conflicts_sm70_tiles_h100.md"
 GOAL = 1.05

@@ -841,7 +841,6 @@ def main(argv: list[str] | None = None) -> int:
     if options.issue_interval <= 0:
         parser.error(f"--issue-interval {options.issue_interval}: must be > 0")
 
-    sys.path.insert(0, str(REPO))
     from volta_train.kernels import tiles
 
     kernel_report = _load_script("kernel_report")
