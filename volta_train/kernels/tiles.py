@@ -148,14 +148,12 @@ class BwdTile:
         return 32 * self.warps
 
     def smem_bytes(self, head_dim: int, dq_atomic: bool) -> int:
-        """Mirrors BwdKernelTraits::kSmemBytes."""
-        row = (head_dim + 8) * 2
-        tiles = 2 * self.block_m * row + 2 * head_dim * (self.block_m + 8) * 2 + 2 * self.block_m * 4
-        if dq_atomic:
-            tiles += head_dim * (self.block_n + 8) * 2 + self.block_m * (self.block_n + 8) * 2
-        if self.kv_in_smem:
-            tiles += 2 * self.block_n * row
-        return max(tiles, self.block_n * row)
+        """BwdKernelTraits::kSmemBytes, from the mirror of its tile layouts (bank_model.bwd_layouts)."""
+        from .bank_model import BwdShape, bwd_layouts, bwd_smem_bytes
+
+        shape = BwdShape(head_dim, self.quad_pair_rows, self.warps, self.block_m, dq_atomic=dq_atomic,
+                         kv_in_smem=self.kv_in_smem, lean=self.lean)
+        return bwd_smem_bytes(shape, bwd_layouts(shape))
 
 
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
