@@ -105,6 +105,12 @@ struct FwdKernelTraits {
     static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
     static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
     static constexpr int kQTileBytes = kQInSmem ? kBlockM * kSmemStride * 2 : 0;  // after K and V^T
+    // The dQ kernel's Q / dO tiles (A operands, kQInSmem): in 2x2 tiles the two quad-pairs of a quarter-warp read
+    // rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as BwdKernelTraits::KvRows); the forward's Q
+    // tile keeps plain rows (QRows).
+    using QRows = TileRows<kSmemStride>;
+    static constexpr int kDqQGap = kQInSmem && kQuadPairRows == 2 ? 32 : 0;
+    using DqQRows = TileRows<kSmemStride, 3, kDqQGap, 4, -kDqQGap>;
     static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;                // reuses the start
     static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes + kQTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row
@@ -180,10 +186,17 @@ struct BwdKernelTraits {
     using QRows = TileRows<kHeadDim + 8, const_log2(kSRowsApart), k1x4Layout ? 32 : 0>;  // Q, dO [query][head_dim]
     using QtRows = TileRows<kBlockM + (k1x4Layout ? 16 : 8), 2, k1x4Layout ? 8 : 0,  // Q^T, dO^T [head_dim][query]
                             const_log2(kOColsPerQuadPair), k1x4Layout ? 8 : 0>;
+    // 2x2 tiles with K / V in shared memory (A operands): the two quad-pairs of a quarter-warp read K / V rows 8
+    //   apart (the warp's two 8-key tiles) and store dS at key chunks c, c + 1: K / V get 4 chunks before rows 8,
+    //   24, 40, ... (4 * ((r >> 3) - (r >> 4)): the second 8-row tile of every 16 rows moves half a 128-byte line;
+    //   no gap where no quad-pair pair straddles, so d112's tiles fit 2 CTAs per SM); dS a pitch of C + 2 chunks.
+    static constexpr bool k2x2SmemLayout = kQuadPairRows == 2 && kKvInSmem;
     using KtRows = TileRows<kBlockN + 8, 3,  // K^T [head_dim][key]
-                            k1x4Layout && kDqQuadPairRows == 1 ? 8 * half_line_gap_chunks(kDqColsPerQuadPair) : 0>;
-    using DsRows = TileRows<kBlockN + 8, const_log2(kSRowsApart), k1x4Layout ? 32 : 0>;  // dS [query][key]
-    using KvRows = TileRows<kHeadDim + 8>;                                                 // K, V [key][head_dim]
+                            (k1x4Layout || k2x2SmemLayout) && kDqQuadPairRows == 1
+                                ? 8 * half_line_gap_chunks(kDqColsPerQuadPair) : 0>;
+    using DsRows = TileRows<kBlockN + (k2x2SmemLayout ? 16 : 8), const_log2(kSRowsApart),  // dS [query][key]
+                            k1x4Layout ? 32 : 0>;
+    using KvRows = TileRows<kHeadDim + 8, 3, k2x2SmemLayout ? 32 : 0, 4, k2x2SmemLayout ? -32 : 0>;  // K, V
     using Vector = TileVector<k1x4Layout ? 4 : 0>;                                          // lse, dsum
     static constexpr int kRowStride = kHeadDim + 8;    // halves: the dK / dV staging tile (plain rows)
     static constexpr int kQTileBytes = QRows::bytes(kBlockM);

@@ -25,6 +25,24 @@ def _dkdv_variants():
     return out
 
 
+def _dq_variants():
+    seen, out = set(), []
+    for arch in (70, 90):
+        for v in tiles.shipped_bwd_variants(arch, softcap=(False,)):
+            if v.meta["pass"] != "bwd_dq":
+                continue
+            traits = re.search(r"<(FwdKernelTraits<.*>)>$", v.name_expressions[0]).group(1)
+            if traits not in seen:
+                seen.add(traits)
+                out.append((v, traits))
+    return out
+
+
+def _dq_shape(v) -> bm.FwdShape:
+    t = v.meta["tile"]
+    return bm.FwdShape(v.meta["head_dim"], t.quad_pair_rows, t.m_tiles, t.warps, t.block_n, False, t.q_in_smem)
+
+
 def _shape(v) -> bm.BwdShape:
     t = v.meta["tile"]
     return bm.BwdShape(v.meta["head_dim"], t.quad_pair_rows, t.warps, t.block_m, v.meta["accum_f16"],
@@ -46,7 +64,7 @@ def test_traits_layouts_equal_the_mirror():
         nvrtc.find_nvrtc(70)
     except Exception as error:  # noqa: BLE001 - no NVRTC here: nothing to compile with
         pytest.skip(f"no libnvrtc for sm_70: {error}")
-    lines = ['#include "kernel_traits.cuh"',
+    lines = ['#include "flash_bwd_dq_kernel.cuh"',
              "template <class R, int N> __host__ __device__ constexpr bool rows_are(const int (&want)[N]) {",
              "    for (int r = 0; r < N; ++r) if (R::offset(r) != want[r]) return false;",
              "    return true;", "}",
@@ -68,6 +86,13 @@ def test_traits_layouts_equal_the_mirror():
             else:
                 want = ", ".join(str((lay.addr(r, 0) - lay.base) // 2) for r in range(count))
                 lines.append(f'static_assert(rows_are<KT{n}::{_ROW_TILES[name]}>({{{want}}}), "{v.name}: {name}");')
+    for n, (v, traits) in enumerate(_dq_variants()):
+        s = _dq_shape(v)
+        lay = bm.fwd_layouts(s, "dq")["q"]
+        lines.append(f"using DT{n} = {traits};")
+        lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
+        want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
+        lines.append(f'static_assert(rows_are<DT{n}::DqQRows>({{{want}}}), "{v.name}: Q / dO rows");')
     lines.append("__global__ void layout_check_kernel() {}")
     nvrtc.compile_program("\n".join(lines) + "\n", ["layout_check_kernel"], 70, (), [csrc_dir()],
                           "layout_check.cu")
@@ -211,3 +236,34 @@ def test_plain_layout_is_the_old_one_and_1x4_layout_is_the_sm70_design():
     L = bm.bwd_layouts(s)
     assert L["q"].gaps == ((4, 4),) and L["qt"].pitch == 10 and L["lse"].pad == 4 and L["kt"].gaps == ((3, 2),)
     assert bm.bwd_smem_bytes(s, L) == tiles.BwdTile(1, 8, 64).smem_bytes(64, True) == 59264
+
+
+@pytest.mark.parametrize("variant,traits", [vt for vt in _dq_variants() if vt[0].meta["tile"].q_in_smem],
+                         ids=lambda x: getattr(x, "name", None) or "")
+def test_dq_kernel_q_tiles_read_what_load_q_wrote(variant, traits):
+    """load_q's row-major stores against QOperand::chunk's loads (tile_row = DqQRows::offset(the lane's row of
+    m-tile 0), + offset(a * 8 * kQuadPairRows) + 8 kk), for Q and dO."""
+    s = _dq_shape(variant)
+    L = bm.fwd_layouts(s, "dq")
+    smem, cpr = variant.dynamic_smem_bytes, s.head_dim // 8
+    writes = {}
+    for name in ("q", "do"):
+        for chunk in range(s.block_m * cpr):
+            row, col = chunk // cpr, chunk % cpr * 8
+            addr = L[name].addr(row, col)
+            assert 0 <= addr and addr + 16 <= smem
+            writes[(name, row, col)] = addr
+    assert len(set(writes.values())) == len(writes)
+    v_end = L["v"].base + 16 * L["v"].chunks(s.block_n)
+    assert min(writes.values()) >= v_end  # after K, K^T and V
+    for tid in range(s.threads):
+        lane = tid & 31
+        row0 = s.mtile_row0(tid, 0) + bm.operand_row(lane)
+        for name in ("q", "do"):
+            lay = L[name]
+            tile_row = lay.base + 16 * lay.row_chunk(row0)
+            for a in range(s.m_tiles):
+                row = s.mtile_row0(tid, a) + bm.operand_row(lane)
+                for kk in range(cpr):
+                    addr = tile_row + 16 * lay.row_chunk(a * 8 * s.quad_pair_rows) + 16 * kk
+                    assert writes[(name, row, 8 * kk)] == addr, (name, tid, a, kk)

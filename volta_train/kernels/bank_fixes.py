@@ -1,8 +1,10 @@
 """Issue 16: shared-memory layouts of the sm_70 tiles designed with the offline bank model (bank_model.py).
 
 The designs not in the kernels yet, costed per kernel by ``scripts/smem_bank_model.py --fixes`` against the
-code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already: the 1x4 dK/dV tiles' layout, the first
-three items below, see kernel_traits.cuh). Each design keeps every reader and writer of a tile on one layout
+code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already, see kernel_traits.cuh: the 1x4 dK/dV
+tiles' layout and the 2x2 A-from-shared-memory tiles' (K / V, the dQ kernel's Q / dO: 4 chunks before rows 8, 24,
+40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2)). Left here: the 1x4 dQ
+tiles' K / V rows and the forward's K fill order. Each design keeps every reader and writer of a tile on one layout
 (RowLayout: row r starts at chunk r * pitch + sum(gap * (r >> shift)), i.e. a per-row base offset computed once per
 lane: no per-load address arithmetic), and is checked against 96 KB.
 
@@ -28,17 +30,8 @@ from . import bank_model as bm
 
 
 def dkdv_layouts(s: bm.BwdShape) -> dict:
-    """The dK/dV kernel's layouts with the designs not yet in csrc (the 1x4 tiles' design is: bm.bwd_layouts)."""
-    L = bm.bwd_layouts(s)
-    if s.quad_pair_rows == 2:
-        cn = s.block_n // 8
-        for name in ("k", "v"):
-            L[name] = replace(L[name], gaps=((3, 4),))
-        L["ds"] = replace(L["ds"], pitch=cn + 2)
-        if s.dq_atomic:
-            dq_cols = s.head_dim // (4 // (s.dq_rows_per_warp // 8))
-            L["kt"] = replace(L["kt"], gaps=((3, bm.half_line_gap_chunks(dq_cols)),))
-    return bm.restack(bm.BWD_TILE_ORDER, L, bm.bwd_tile_rows(s))
+    """The dK/dV kernel's layouts with the designs not yet in csrc: none left (bm.bwd_layouts)."""
+    return bm.bwd_layouts(s)
 
 
 def fwd_layouts(s: bm.FwdShape) -> dict:
@@ -48,12 +41,9 @@ def fwd_layouts(s: bm.FwdShape) -> dict:
 
 def dq_layouts(s: bm.FwdShape) -> dict:
     L = bm.fwd_layouts(s, "dq")
-    if s.quad_pair_rows == 1:
+    if s.quad_pair_rows == 1:  # not in csrc: 1x4 dQ tiles' K / V rows 8 * S-tiles apart
         for name in ("k", "v"):
             L[name] = replace(L[name], gaps=((bm.log2_exact(8 * s.s_tiles), 4),))
-    if s.q_in_smem:
-        for name in ("q", "do"):
-            L[name] = replace(L[name], gaps=((3, 4),))
     rows = {"k": s.block_n, "kt": s.head_dim, "v": s.block_n, "q": s.block_m, "do": s.block_m}
     if not s.q_in_smem:
         rows.pop("q"), rows.pop("do")

@@ -298,8 +298,9 @@ class FwdShape:
         return (tid >> 5) * self.rows_per_warp + 8 * (a * self.quad_pair_rows + qp_m)
 
 
-def fwd_layouts(s: FwdShape, kernel: str) -> dict:
-    """The kernels' layouts today (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout)."""
+def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
+    """The kernels' layouts (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout); plain=True: the
+    dQ kernel's Q / dO tiles as plain rows (before issue 16)."""
     c = s.head_dim // 8
     k_bytes = s.block_n * (s.head_dim + 8) * 2
     vt_bytes = s.head_dim * (s.block_n + 8) * 2
@@ -307,11 +308,22 @@ def fwd_layouts(s: FwdShape, kernel: str) -> dict:
     if kernel == "fwd":
         return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": RowLayout(k_bytes + vt_bytes, c + 1),
                 "o_stage": RowLayout(0, c + 1)}
-    q_bytes = s.block_m * (s.head_dim + 8) * 2 if s.q_in_smem else 0
+    # the dQ kernel's Q / dO tiles (DqQRows): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
+    q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
+    q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
     off_v = k_bytes + vt_bytes
     return {"k": row, "kt": RowLayout(k_bytes, s.block_n // 8 + 1), "v": RowLayout(off_v, c + 1),
-            "q": RowLayout(off_v + k_bytes, c + 1), "do": RowLayout(off_v + k_bytes + q_bytes, c + 1),
+            "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
             "o_stage": RowLayout(0, c + 1)}
+
+
+def dq_smem_bytes(s: FwdShape) -> int:
+    """DqLayout::kBytes (flash_bwd_dq_kernel.cuh) for fwd_layouts(s, "dq")."""
+    L = fwd_layouts(s, "dq")
+    end = L["v"].base + 16 * L["v"].chunks(s.block_n)
+    if s.q_in_smem:
+        end = L["do"].base + 16 * L["do"].chunks(s.block_m)
+    return max(end, 16 * L["o_stage"].chunks(s.block_m))
 
 
 def _rows_times_tile_rows(p: Prediction, s: FwdShape, name: str, b: RowLayout, a_tile: RowLayout | None,
@@ -504,6 +516,8 @@ def restack(order: list[str], L: dict, rows: dict) -> dict:
 
 
 BWD_TILE_ORDER = ["q", "do", "qt", "dot", "kt", "ds", "k", "v", "lse", "dsum"]
+# 4 chunks before rows 8, 24, 40, ...: 4 * ((r >> 3) - (r >> 4)) (kernel_traits.cuh KvRows, DqQRows)
+A_ROWS_8_APART = ((3, 4), (4, -4))
 
 
 def bwd_tile_rows(s: BwdShape) -> dict:
@@ -547,9 +561,14 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
         L["lse"] = replace(L["lse"], pad=4)
         L["dsum"] = replace(L["dsum"], pad=4)
         L["ds"] = replace(L["ds"], gaps=((shift, 4),))
-        if s.dq_rows_per_warp == 8:  # 1x4 dQ quad-pairs: K^T rows dq_cols apart
-            dq_cols = s.head_dim // 4
-            L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(dq_cols)),))
+    if not plain and s.quad_pair_rows == 2 and s.kv_in_smem:
+        # 2x2, K / V as A operands from shared memory: quad-pairs of a quarter-warp read rows 8 apart (the warp's
+        # two 8-key tiles), store dS at key chunks c, c + 1
+        for name in ("k", "v"):
+            L[name] = replace(L[name], gaps=A_ROWS_8_APART)
+        L["ds"] = replace(L["ds"], pitch=cn + 2)
+    if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
+        L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
     return restack(BWD_TILE_ORDER, L, bwd_tile_rows(s))
 
 
@@ -657,8 +676,10 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
         return predict_fwd(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16,
                                     tile.q_in_smem), layouts)
     if meta["pass"] == "bwd_dq":
-        return predict_dq(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
-                                   tile.q_in_smem), layouts)
+        shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False, tile.q_in_smem)
+        if plain:
+            layouts = {**fwd_layouts(shape, "dq", plain=True), **(layouts or {})}
+        return predict_dq(shape, layouts)
     if dq_atomic is None:
         raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
     shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean)

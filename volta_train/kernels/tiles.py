@@ -254,9 +254,10 @@ def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, sof
     key block in registers, where fp16 would cost accuracy for no memory saving)."""
     expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap).replace("flash_fwd_kernel",
                                                                                          "flash_bwd_dq_kernel")
-    row = (head_dim + 8) * 2
-    q_tiles = 2 * tile.block_m * row if tile.q_in_smem else 0
-    smem = max(2 * tile.block_n * row + head_dim * (tile.block_n + 8) * 2 + q_tiles, tile.block_m * row)
+    from .bank_model import FwdShape, dq_smem_bytes  # DqLayout::kBytes, from the mirror of its tile layouts
+
+    smem = dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                  tile.q_in_smem))
     return KernelVariant(
         name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"{'_softcap' if softcap else ''}"
