@@ -69,9 +69,9 @@ __device__ __forceinline__ void load_kv_operand(const half_bits* base, long long
         for (int chunk = tid; chunk < KT::kBlockN * KT::kChunksPerRow; chunk += KT::kThreads) {
             const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
             u32x4 v = n0 + row < seqlen_k ? load_global_16B(base + (long long)(n0 + row) * row_stride + col) : zero_u32x4();
-            store_shared_16B(tile + row * KT::kRowStride + col, scale != 1.f ? scale_halves(v, scale) : v);
+            store_shared_16B(tile + KT::KvRows::offset(row) + col, scale != 1.f ? scale_halves(v, scale) : v);
         }
-        op.tile_row = tile + (g.mtile_key0 - n0 + g.lq.operand_row()) * KT::kRowStride;
+        op.tile_row = tile + KT::KvRows::offset(g.mtile_key0 - n0 + g.lq.operand_row());
         return;
     }
     const int row = g.mtile_key0 + g.lq.operand_row();
@@ -119,7 +119,7 @@ __device__ __forceinline__ void bwd_rows_times_tile(const KvOperand<KT>& a, cons
     for (int o = 0; o < KT::kSTilesPerQuadPair * (KT::kHeadDim / 8); ++o) {
         const int nt = kBwdAccumulatorMajorMma ? o / (KT::kHeadDim / 8) : o % KT::kSTilesPerQuadPair;
         const int kk = kBwdAccumulatorMajorMma ? o % (KT::kHeadDim / 8) : o / KT::kSTilesPerQuadPair;
-        const u32x4 b = load_shared_16B(b_tile + (g.stile_q0(0, nt) + g.lq.operand_row()) * KT::kRowStride + 8 * kk);
+        const u32x4 b = load_shared_16B(b_tile + KT::QRows::offset(g.stile_q0(0, nt) + g.lq.operand_row()) + 8 * kk);
         const u32x4 av = a.chunk(kk);
         mma_rc_f32(s[nt], av.x, av.y, b.x, b.y);
         mma_rc_f32(s[nt], av.z, av.w, b.z, b.w);
@@ -146,7 +146,9 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
     // f32 rate (2 steps of 4 cycles = 4 of 2), and fp16 partial sums would cost registers and conversions.
     constexpr bool kF16Products = KT::kDkDvF16Products;
     constexpr int kChunk = kF16Products ? 4 : kTiles;
-    const half_bits* bt_rows = bt_tile + (g.qp_n * KT::kOColsPerQuadPair + g.lq.operand_row()) * KT::kQtStride;
+    // This lane's row of output tile 0; tile ot's row is offset(8 * ot) further (additive: the row within the
+    // quad-pair's kOColsPerQuadPair rows stays below it, and 8 * ot is a multiple of 4).
+    const half_bits* bt_rows = bt_tile + KT::QtRows::offset(g.qp_n * KT::kOColsPerQuadPair + g.lq.operand_row());
 #pragma unroll
     for (int ot0 = 0; ot0 < kTiles; ot0 += kChunk) {
         constexpr int kCount = kChunk;
@@ -164,7 +166,7 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
             const int ot = ot0 + j;
             if (ot >= kTiles) continue;
             const u32(&a)[4] = x ? partner[x - 1][nt] : own[nt];
-            const u32x4 b = load_shared_16B(bt_rows + 8 * ot * KT::kQtStride + g.stile_q0(x, nt));
+            const u32x4 b = load_shared_16B(bt_rows + KT::QtRows::offset(8 * ot) + g.stile_q0(x, nt));
             if (kF16Products) {
                 mma_rc_f16(c16[j], a[0], a[1], b.x, b.y);
                 mma_rc_f16(c16[j], a[2], a[3], b.z, b.w);
@@ -196,8 +198,9 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
     const LaneInQuadPair lq(lane);
     const int qp = (lane >> 2) & 3, qp_m = qp % kQpRows, qp_n = qp / kQpRows;
     const int row0 = warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
-    const half_bits* a_row = ds_tile + (row0 + lq.operand_row()) * KT::kDsStride;
-    const half_bits* b_rows = kt_tile + (qp_n * KT::kDqColsPerQuadPair + lq.operand_row()) * KT::kKtStride;
+    const half_bits* a_row = ds_tile + KT::DsRows::offset(row0 + lq.operand_row());
+    // tile ot's K^T row is offset(8 * ot) further (additive: K^T's gaps come every 8 rows)
+    const half_bits* b_rows = kt_tile + KT::KtRows::offset(qp_n * KT::kDqColsPerQuadPair + lq.operand_row());
     float acc[KT::kDqTilesPerQuadPair][8];
     u32 acc16[KT::kDqTilesPerQuadPair][4];
 #pragma unroll
@@ -213,7 +216,7 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
         const int ot = kBwdAccumulatorMajorMma ? o / kKeyChunks : o % KT::kDqTilesPerQuadPair;
         const int kc = kBwdAccumulatorMajorMma ? o % kKeyChunks : o / KT::kDqTilesPerQuadPair;
         const u32x4 a = load_shared_16B(a_row + 8 * kc);
-        const u32x4 b = load_shared_16B(b_rows + 8 * ot * KT::kKtStride + 8 * kc);
+        const u32x4 b = load_shared_16B(b_rows + KT::KtRows::offset(8 * ot) + 8 * kc);
         if (KT::kAccumF16) {
             mma_rc_f16(acc16[ot], a.x, a.y, b.x, b.y);
             mma_rc_f16(acc16[ot], a.z, a.w, b.z, b.w);
@@ -307,6 +310,10 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int key = bwd_elem_key<KT>(g, i), query_in_block = bwd_elem_query<KT>(g, nt, i);
+            // lse2 / dsum element of the query: padded vectors indexed through the even query of the pair (i, i ^ 1)
+            // (acc_col's only odd part is i & 1), so that the compiler still loads each pair with one 64-bit load
+            const int vi = KT::Vector::kPad ? KT::Vector::index(bwd_elem_query<KT>(g, nt, i & ~1)) + (i & 1)
+                                            : query_in_block;
             float score = s[nt][i];
             float capped_slope = 1.f;  // d(capped score)/d(score), up to the scale change
             if (KT::kSoftcap) {
@@ -316,7 +323,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             float bias = 0.f;  // ALiBi, log2 domain
             if (needs_mask && !st.vis.visible(m0 + query_in_block, key)) score = neg_inf();
             else if (st.alibi_log2 != 0.f) bias = st.alibi_log2 * st.vis.diagonal_distance(m0 + query_in_block, key);
-            const float p = fast_exp2(fmaf(score, st.score_scale, -lse2[query_in_block] - bias));
+            const float p = fast_exp2(fmaf(score, st.score_scale, -lse2[vi] - bias));
             float dpz = dp[nt][i];
             bool kept = true;
             if (KT::kDropout) {
@@ -325,7 +332,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
                 dpz = kept ? dpz * st.dropout_rescale : 0.f;
             }
             p_kept[i] = kept ? p : 0.f;
-            ds[i] = p * (dpz - dsum[query_in_block]);
+            ds[i] = p * (dpz - dsum[vi]);
             if (KT::kSoftcap) ds[i] *= capped_slope;
         }
         f32_acc_to_row_fragment(p_kept, lq.t, p_own[nt]);
@@ -347,7 +354,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
         for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
             u32x4 w{ds_own[nt][0], ds_own[nt][1], ds_own[nt][2], ds_own[nt][3]};
             transpose_8x8_halves_in_quad_pair(w, g.lane);
-            store_shared_16B(ds_tile + (g.stile_q0(0, nt) + lq.operand_row()) * KT::kDsStride + key_in_block, w);
+            store_shared_16B(ds_tile + KT::DsRows::offset(g.stile_q0(0, nt) + lq.operand_row()) + key_in_block, w);
         }
         __syncthreads();  // dS complete
         bwd_dq_atomic<KT>(ds_tile, reinterpret_cast<const half_bits*>(st.smem + KT::kOffKt), tid, m0, seqlen_q, dq_base,
@@ -361,18 +368,20 @@ __device__ __forceinline__ void bwd_load_query_block(const half_bits* q_base, lo
                                                      const half_bits* do_base, long long do_row_stride,
                                                      const float* lse_base, const float* dsum_base, int m0,
                                                      int seqlen_q, int tid, unsigned char* smem) {
-    load_rows_and_transpose<KT, KT::kBlockM>(q_base, q_row_stride, m0, seqlen_q, tid,
-                                             reinterpret_cast<half_bits*>(smem + KT::kOffQ), KT::kRowStride,
-                                             reinterpret_cast<half_bits*>(smem + KT::kOffQt), KT::kQtStride);
-    load_rows_and_transpose<KT, KT::kBlockM>(do_base, do_row_stride, m0, seqlen_q, tid,
-                                             reinterpret_cast<half_bits*>(smem + KT::kOffDo), KT::kRowStride,
-                                             reinterpret_cast<half_bits*>(smem + KT::kOffDot), KT::kQtStride);
+    using QRows = typename KT::QRows;
+    using QtRows = typename KT::QtRows;
+    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows>(q_base, q_row_stride, m0, seqlen_q, tid,
+                                                            reinterpret_cast<half_bits*>(smem + KT::kOffQ),
+                                                            reinterpret_cast<half_bits*>(smem + KT::kOffQt));
+    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows>(do_base, do_row_stride, m0, seqlen_q, tid,
+                                                            reinterpret_cast<half_bits*>(smem + KT::kOffDo),
+                                                            reinterpret_cast<half_bits*>(smem + KT::kOffDot));
     float* lse2 = reinterpret_cast<float*>(smem + KT::kOffLse);
     float* dsum = reinterpret_cast<float*>(smem + KT::kOffDsum);
     for (int i = tid; i < KT::kBlockM; i += KT::kThreads) {
         const bool valid = m0 + i < seqlen_q;
-        lse2[i] = valid ? lse_base[m0 + i] * kLog2e : pos_inf();  // lse = +inf (no visible key): P = 0
-        dsum[i] = valid ? dsum_base[m0 + i] : 0.f;
+        lse2[KT::Vector::index(i)] = valid ? lse_base[m0 + i] * kLog2e : pos_inf();  // lse = +inf (no visible key): P = 0
+        dsum[KT::Vector::index(i)] = valid ? dsum_base[m0 + i] : 0.f;
     }
 }
 
@@ -444,8 +453,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     load_kv_operand<KT>(v_base, prm.v_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
                         reinterpret_cast<half_bits*>(smem + KT::kOffV), v_op);
     if (KT::kDqAtomic) {  // K^T for dQ = dS K (unscaled)
-        load_rows_and_transpose<KT, KT::kBlockN>(k_base, prm.k_row_stride, n0, seq.seqlen_k, tid, nullptr, 0,
-                                                 reinterpret_cast<half_bits*>(smem + KT::kOffKt), KT::kKtStride);
+        load_rows_and_transpose<KT, KT::kBlockN, typename KT::KtRows, typename KT::KtRows>(
+            k_base, prm.k_row_stride, n0, seq.seqlen_k, tid, nullptr, reinterpret_cast<half_bits*>(smem + KT::kOffKt));
     }
     BwdAccumulators<KT> acc;
     acc.init();

@@ -16,6 +16,41 @@
 #include "vt_numeric.cuh"
 
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int const_log2(int n) { return n > 1 ? 1 + const_log2(n / 2) : 0; }
+__host__ __device__ constexpr bool const_is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// Layout of a shared-memory tile of rows (of halves, in 16-byte chunks): row r starts at half
+//   offset(r) = r * PITCH + GAP1 * (r >> SHIFT1) + GAP2 * (r >> SHIFT2)
+// The gaps (multiples of 8 halves, 0 for most tiles: plain padded rows) move rows that the two quad-pairs of a
+// quarter-warp read at the same chunk onto other banks (docs/performance.md, "Shared-memory bank conflicts";
+// volta_train/kernels/bank_model.py models every tile with the same formula). Every writer and reader of a tile
+// computes its addresses with offset(); offset(a + b) == offset(a) + offset(b) whenever, for each nonzero gap,
+// (a mod 2^SHIFT) + (b mod 2^SHIFT) < 2^SHIFT (e.g. b a multiple of every 2^SHIFT), which lets a reader add the
+// offset of a compile-time step to a per-lane row base.
+template <int PITCH, int SHIFT1 = 0, int GAP1 = 0, int SHIFT2 = 0, int GAP2 = 0>
+struct TileRows {
+    static constexpr int kPitch = PITCH;  // halves per row
+    __host__ __device__ static constexpr int offset(int row) {
+        return row * PITCH + GAP1 * (row >> SHIFT1) + GAP2 * (row >> SHIFT2);
+    }
+    __host__ __device__ static constexpr int bytes(int rows) { return rows > 0 ? 2 * (offset(rows - 1) + PITCH) : 0; }
+    static_assert(PITCH % 8 == 0 && GAP1 % 8 == 0 && GAP2 % 8 == 0, "rows start on 16-byte chunks");
+};
+
+// A float vector of a query block (lse, dsum): element i at word index(i) = i + PAD * (i / 32); bytes() rounded
+// to 16 so that the next tile stays 16-byte aligned.
+template <int PAD>
+struct TileVector {
+    static constexpr int kPad = PAD;
+    __host__ __device__ static constexpr int index(int i) { return i + PAD * (i >> 5); }
+    __host__ __device__ static constexpr int bytes(int n) { return n > 0 ? (4 * (index(n - 1) + 1) + 15) / 16 * 16 : 0; }
+};
+
+// The smallest gap of whole chunks after every 8 rows that puts rows `rows_apart` apart (a multiple of 8) 4 chunks
+// (64 bytes) apart modulo 128 bytes; 0 when none does.
+__host__ __device__ constexpr int half_line_gap_chunks(int rows_apart, int g = 1) {
+    return g > 7 ? 0 : ((rows_apart / 8) * g) % 8 == 4 ? g : half_line_gap_chunks(rows_apart, g + 1);
+}
 
 // The __launch_bounds__ occupancy target of the architecture being compiled: on sm_70 the V100's (kept
 // spill-free by the CI report), on sm_80+ the emulated m8n8k4's (see below).
@@ -70,6 +105,12 @@ struct FwdKernelTraits {
     static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
     static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
     static constexpr int kQTileBytes = kQInSmem ? kBlockM * kSmemStride * 2 : 0;  // after K and V^T
+    // The dQ kernel's Q / dO tiles (A operands, kQInSmem): in 2x2 tiles the two quad-pairs of a quarter-warp read
+    // rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as BwdKernelTraits::KvRows); the forward's Q
+    // tile keeps plain rows (QRows).
+    using QRows = TileRows<kSmemStride>;
+    static constexpr int kDqQGap = kQInSmem && kQuadPairRows == 2 ? 32 : 0;
+    using DqQRows = TileRows<kSmemStride, 3, kDqQGap, 4, -kDqQGap>;
     static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;                // reuses the start
     static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes + kQTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row
@@ -130,17 +171,40 @@ struct BwdKernelTraits {
     static constexpr int kDqColsPerQuadPair = kHeadDim / kDqQuadPairCols;
     static constexpr int kDqTilesPerQuadPair = kDqColsPerQuadPair / 8;
 
-    // Shared memory (halves; rows padded by 16 B)
-    static constexpr int kRowStride = kHeadDim + 8;    // [row][head_dim] tiles: Q, dO, and K, V if in smem
-    static constexpr int kQtStride = kBlockM + 8;      // [head_dim][query] tiles: Q^T, dO^T
-    static constexpr int kKtStride = kBlockN + 8;      // [head_dim][key] tile: K^T
-    static constexpr int kDsStride = kBlockN + 8;      // [query][key] tile: dS
-    static constexpr int kQTileBytes = kBlockM * kRowStride * 2;
-    static constexpr int kQtTileBytes = kHeadDim * kQtStride * 2;
-    static constexpr int kKtTileBytes = kHeadDim * kKtStride * 2;
-    static constexpr int kDsTileBytes = kBlockM * kDsStride * 2;
-    static constexpr int kKvTileBytes = kKvInSmem ? kBlockN * kRowStride * 2 : 0;
-    static constexpr int kVectorBytes = kBlockM * 4;   // lse (log2 domain) or dsum of a query block
+    // Shared memory (halves; rows padded by 16 B). Layouts (TileRows, TileVector above; mirrored by
+    // volta_train/kernels/bank_model.py bwd_layouts, which tiles.py's smem_bytes uses):
+    // 1x4 tiles: the two quad-pairs of a quarter-warp read the B rows of S^T (Q, dO) 8 * S-tiles rows apart, the rows
+    //   of dK's / dV's B (Q^T, dO^T) kOColsPerQuadPair rows apart at chunks c and c ^ 2, lse / dsum 16 queries
+    //   apart, and store dS 8 * S-tiles rows apart: Q / dO get 4 chunks after every 8 * S-tiles rows; Q^T / dO^T a
+    //   pitch of C + 2 chunks, one chunk more after every 4 rows and after every kOColsPerQuadPair rows; lse / dsum
+    //   4 words after every 32; dS 4 chunks after every 8 * S-tiles rows.
+    // dQ atomics on 1x4 dQ quad-pairs (8 queries per warp): K^T rows kDqColsPerQuadPair apart, a gap every 8 rows.
+    //   (The gaps come every power-of-two rows: 1x4 tiles with other row distances keep plain rows.)
+    // Other tiles: plain rows (gaps 0).
+    static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
+    static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart) && const_is_pow2(kOColsPerQuadPair);
+    using QRows = TileRows<kHeadDim + 8, const_log2(kSRowsApart), k1x4Layout ? 32 : 0>;  // Q, dO [query][head_dim]
+    using QtRows = TileRows<kBlockM + (k1x4Layout ? 16 : 8), 2, k1x4Layout ? 8 : 0,  // Q^T, dO^T [head_dim][query]
+                            const_log2(kOColsPerQuadPair), k1x4Layout ? 8 : 0>;
+    // 2x2 tiles with K / V in shared memory (A operands): the two quad-pairs of a quarter-warp read K / V rows 8
+    //   apart (the warp's two 8-key tiles) and store dS at key chunks c, c + 1: K / V get 4 chunks before rows 8,
+    //   24, 40, ... (4 * ((r >> 3) - (r >> 4)): the second 8-row tile of every 16 rows moves half a 128-byte line;
+    //   no gap where no quad-pair pair straddles, so d112's tiles fit 2 CTAs per SM); dS a pitch of C + 2 chunks.
+    static constexpr bool k2x2SmemLayout = kQuadPairRows == 2 && kKvInSmem;
+    using KtRows = TileRows<kBlockN + 8, 3,  // K^T [head_dim][key]
+                            (k1x4Layout || k2x2SmemLayout) && kDqQuadPairRows == 1
+                                ? 8 * half_line_gap_chunks(kDqColsPerQuadPair) : 0>;
+    using DsRows = TileRows<kBlockN + (k2x2SmemLayout ? 16 : 8), const_log2(kSRowsApart),  // dS [query][key]
+                            k1x4Layout ? 32 : 0>;
+    using KvRows = TileRows<kHeadDim + 8, 3, k2x2SmemLayout ? 32 : 0, 4, k2x2SmemLayout ? -32 : 0>;  // K, V
+    using Vector = TileVector<k1x4Layout ? 4 : 0>;                                          // lse, dsum
+    static constexpr int kRowStride = kHeadDim + 8;    // halves: the dK / dV staging tile (plain rows)
+    static constexpr int kQTileBytes = QRows::bytes(kBlockM);
+    static constexpr int kQtTileBytes = QtRows::bytes(kHeadDim);
+    static constexpr int kKtTileBytes = KtRows::bytes(kHeadDim);
+    static constexpr int kDsTileBytes = DsRows::bytes(kBlockM);
+    static constexpr int kKvTileBytes = kKvInSmem ? KvRows::bytes(kBlockN) : 0;
+    static constexpr int kVectorBytes = Vector::bytes(kBlockM);  // lse (log2 domain) or dsum of a query block
     static constexpr int kOffQ = 0;
     static constexpr int kOffDo = kOffQ + kQTileBytes;
     static constexpr int kOffQt = kOffDo + kQTileBytes;

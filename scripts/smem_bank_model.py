@@ -4,7 +4,8 @@
     python scripts/smem_bank_model.py                       # predicted ld / st wavefronts per ideal, every kernel
     python scripts/smem_bank_model.py --validate [--md F]   # against the Nsight Compute table (default: the H100 one)
     python scripts/smem_bank_model.py --sites NAME          # per access site of the variants whose name contains NAME
-    python scripts/smem_bank_model.py --fixes               # the issue-16 layout designs: before / after, per kernel
+    python scripts/smem_bank_model.py --fixes               # the issue-16 designs not in csrc yet: code -> design
+    python scripts/smem_bank_model.py --plain               # plain rows (before issue 16) -> the code's layouts
 
 The workload is the profiled one (batch 1, 8 heads, seqlen 1024, non-causal). --validate compares instruction
 counts, wavefronts and ideal wavefronts (wavefronts - bank conflicts) per launch row of the table and exits 1 when an
@@ -31,8 +32,8 @@ def sm70_variants() -> dict:
     return {v.name: v for v in tiles.shipped_variants(70) if "tile" in v.meta and not v.meta.get("softcap")}
 
 
-def predict(variant, layouts=None) -> bm.Prediction:
-    return bm.predict_variant(variant.meta, dq_atomic="_dqatomic" in variant.name, layouts=layouts)
+def predict(variant, layouts=None, plain=False) -> bm.Prediction:
+    return bm.predict_variant(variant.meta, dq_atomic="_dqatomic" in variant.name, layouts=layouts, plain=plain)
 
 
 def read_table(path: Path) -> list[dict]:
@@ -61,7 +62,8 @@ def validate(path: Path, tol: float) -> int:
     print("| variant | op | inst model/meas | ideal model/meas | wf model/meas | wf/ideal model | wf/ideal measured |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        p = cache.get(r["variant"]) or cache.setdefault(r["variant"], predict(variants[r["variant"]]))
+        # the table measured the code before the issue-16 layouts: plain rows
+        p = cache.get(r["variant"]) or cache.setdefault(r["variant"], predict(variants[r["variant"]], plain=True))
         for op in ("ld", "st"):
             t = p.totals(op)
             ri, rid, rw = t.inst / r[f"{op}_inst"], t.ideal / r[f"{op}_ideal"], t.wf / r[f"{op}_wf"]
@@ -73,12 +75,16 @@ def validate(path: Path, tol: float) -> int:
     return 1 if bad else 0
 
 
-def show(variants: dict, needle: str | None, sites: bool, layouts_for=None) -> None:
+def show(variants: dict, needle: str | None, sites: bool, layouts_for=None, plain_too=False) -> None:
     for name, v in variants.items():
         if needle and needle not in name:
             continue
         p = predict(v)
         line = f"{name:64s} ld {p.totals('ld').factor:.3f}  st {p.totals('st').factor:.3f}"
+        if plain_too:
+            o = predict(v, plain=True)
+            line = f"{name:64s} ld {o.totals('ld').factor:.3f}  st {o.totals('st').factor:.3f}  (plain rows) -> " \
+                   f"ld {p.totals('ld').factor:.3f}  st {p.totals('st').factor:.3f}"
         if layouts_for is not None:
             lay = layouts_for(v)
             if lay:
@@ -97,7 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--md", type=Path, default=DEFAULT_MD)
     ap.add_argument("--tol", type=float, default=0.02, help="accepted relative error of instruction / ideal counts")
     ap.add_argument("--sites", metavar="NAME", help="per-site breakdown of the variants whose name contains NAME")
-    ap.add_argument("--fixes", action="store_true", help="predicted factors with the issue-16 layouts")
+    ap.add_argument("--fixes", action="store_true", help="predicted factors with the issue-16 layouts not in csrc yet")
+    ap.add_argument("--plain", action="store_true",
+                    help="also the factors with plain rows (the layouts before issue 16) -> the code's")
     args = ap.parse_args(argv)
     if args.validate:
         return validate(args.md, args.tol)
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
         from volta_train.kernels import bank_fixes
         show(variants, args.sites, args.sites is not None, bank_fixes.layouts_for_variant)
         return 0
-    show(variants, args.sites, args.sites is not None)
+    show(variants, args.sites, args.sites is not None, plain_too=args.plain)
     return 0
 
 

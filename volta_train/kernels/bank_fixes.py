@@ -1,7 +1,10 @@
 """Issue 16: shared-memory layouts of the sm_70 tiles designed with the offline bank model (bank_model.py).
 
-Nothing here is used by the kernels yet: these are the designs, costed per kernel by
-``scripts/smem_bank_model.py --fixes``. Each design keeps every reader and writer of a tile on one layout
+The designs not in the kernels yet, costed per kernel by ``scripts/smem_bank_model.py --fixes`` against the
+code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already, see kernel_traits.cuh: the 1x4 dK/dV
+tiles' layout and the 2x2 A-from-shared-memory tiles' (K / V, the dQ kernel's Q / dO: 4 chunks before rows 8, 24,
+40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2)). Left here: the 1x4 dQ
+tiles' K / V rows and the forward's K fill order. Each design keeps every reader and writer of a tile on one layout
 (RowLayout: row r starts at chunk r * pitch + sum(gap * (r >> shift)), i.e. a per-row base offset computed once per
 lane: no per-load address arithmetic), and is checked against 96 KB.
 
@@ -26,64 +29,9 @@ from dataclasses import replace
 from . import bank_model as bm
 
 
-def _log2(n: int) -> int:
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"{n}: a power of two expected")
-    return n.bit_length() - 1
-
-
-def _gap_for(rows_apart: int) -> tuple[int, int]:
-    """(shift, gap): a gap every 8 rows whose sum over `rows_apart` rows is 4 chunks mod 8."""
-    groups = rows_apart // 8
-    for g in range(1, 8):
-        if (groups * g) % 8 == 4:
-            return 3, g
-    raise ValueError(f"rows_apart {rows_apart}: no gap every 8 rows separates them by 4 chunks")
-
-
-def _restack(order: list[str], L: dict, rows: dict) -> dict:
-    """Bases of the tiles in `order`, one after the other (16-byte aligned), as the traits lay them out."""
-    out, off = dict(L), 0
-    for name in order:
-        if name not in rows:
-            continue
-        lay = out[name]
-        if isinstance(lay, bm.VectorLayout):
-            out[name] = replace(lay, base=off)
-            off += 4 * lay.words(rows[name])
-            off = (off + 15) // 16 * 16
-        else:
-            out[name] = replace(lay, base=off)
-            off += 16 * lay.chunks(rows[name])
-    return out
-
-
 def dkdv_layouts(s: bm.BwdShape) -> dict:
-    L = bm.bwd_layouts(s)
-    c, cm, cn = s.head_dim // 8, s.block_m // 8, s.block_n // 8
-    if s.quad_pair_rows == 1:
-        r = 8 * s.s_tiles  # rows between the quad-pairs of a quarter-warp in S^T's B (Q, dO)
-        for name in ("q", "do"):
-            L[name] = replace(L[name], gaps=((_log2(r), 4),))
-        for name in ("qt", "dot"):
-            L[name] = replace(L[name], pitch=cm + 2, gaps=((2, 1), (_log2(s.o_cols), 1)))
-        L["lse"] = replace(L["lse"], pad=4)
-        L["dsum"] = replace(L["dsum"], pad=4)
-        L["ds"] = replace(L["ds"], gaps=((_log2(r), 4),))
-    else:
-        for name in ("k", "v"):
-            L[name] = replace(L[name], gaps=((3, 4),))
-        L["ds"] = replace(L["ds"], pitch=cn + 2)
-    if s.dq_atomic:
-        dq_cols = s.head_dim // (4 // (s.dq_rows_per_warp // 8))
-        L["kt"] = replace(L["kt"], gaps=(_gap_for(dq_cols),))
-    rows = {"q": s.block_m, "do": s.block_m, "qt": s.head_dim, "dot": s.head_dim, "lse": s.block_m,
-            "dsum": s.block_m}
-    if s.dq_atomic:
-        rows.update(kt=s.head_dim, ds=s.block_m)
-    if s.kv_in_smem:
-        rows.update(k=s.block_n, v=s.block_n)
-    return _restack(["q", "do", "qt", "dot", "kt", "ds", "k", "v", "lse", "dsum"], L, rows)
+    """The dK/dV kernel's layouts with the designs not yet in csrc: none left (bm.bwd_layouts)."""
+    return bm.bwd_layouts(s)
 
 
 def fwd_layouts(s: bm.FwdShape) -> dict:
@@ -93,16 +41,13 @@ def fwd_layouts(s: bm.FwdShape) -> dict:
 
 def dq_layouts(s: bm.FwdShape) -> dict:
     L = bm.fwd_layouts(s, "dq")
-    if s.quad_pair_rows == 1:
+    if s.quad_pair_rows == 1:  # not in csrc: 1x4 dQ tiles' K / V rows 8 * S-tiles apart
         for name in ("k", "v"):
-            L[name] = replace(L[name], gaps=((_log2(8 * s.s_tiles), 4),))
-    if s.q_in_smem:
-        for name in ("q", "do"):
-            L[name] = replace(L[name], gaps=((3, 4),))
+            L[name] = replace(L[name], gaps=((bm.log2_exact(8 * s.s_tiles), 4),))
     rows = {"k": s.block_n, "kt": s.head_dim, "v": s.block_n, "q": s.block_m, "do": s.block_m}
     if not s.q_in_smem:
         rows.pop("q"), rows.pop("do")
-    return _restack(["k", "kt", "v", "q", "do"], L, rows)
+    return bm.restack(["k", "kt", "v", "q", "do"], L, rows)
 
 
 def layouts_for_variant(variant) -> dict:

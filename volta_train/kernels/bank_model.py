@@ -22,9 +22,9 @@ Workload weights: the profiled one (batch 1, 8 heads, seqlen 1024, non-causal, e
 runs every main-loop iteration alike and the model costs one CTA's warps per iteration.
 
 Tile layouts (``RowLayout``): a tile is rows of 16-byte chunks; row r starts at chunk
-``r * pitch + sum(gap * (r >> shift))`` (the kernels' padded rows: pitch = chunks per row + 1, no gaps). The fix
-designs of issue 16 add gaps (monotone, so rows never overlap) and change pitches; every reader and writer of a
-tile goes through the same layout.
+``r * pitch + sum(gap * (r >> shift))`` (csrc/kernel_traits.cuh TileRows; plain padded rows: pitch = chunks per
+row + 1, no gaps). ``bwd_layouts`` and ``fwd_layouts`` describe the kernels' code as it is; the issue-16 designs not
+in the code yet are in bank_fixes.py. Every reader and writer of a tile goes through the same layout.
 """
 
 from __future__ import annotations
@@ -298,8 +298,9 @@ class FwdShape:
         return (tid >> 5) * self.rows_per_warp + 8 * (a * self.quad_pair_rows + qp_m)
 
 
-def fwd_layouts(s: FwdShape, kernel: str) -> dict:
-    """The kernels' layouts today (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout)."""
+def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
+    """The kernels' layouts (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout); plain=True: the
+    dQ kernel's Q / dO tiles as plain rows (before issue 16)."""
     c = s.head_dim // 8
     k_bytes = s.block_n * (s.head_dim + 8) * 2
     vt_bytes = s.head_dim * (s.block_n + 8) * 2
@@ -307,11 +308,22 @@ def fwd_layouts(s: FwdShape, kernel: str) -> dict:
     if kernel == "fwd":
         return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": RowLayout(k_bytes + vt_bytes, c + 1),
                 "o_stage": RowLayout(0, c + 1)}
-    q_bytes = s.block_m * (s.head_dim + 8) * 2 if s.q_in_smem else 0
+    # the dQ kernel's Q / dO tiles (DqQRows): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
+    q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
+    q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
     off_v = k_bytes + vt_bytes
     return {"k": row, "kt": RowLayout(k_bytes, s.block_n // 8 + 1), "v": RowLayout(off_v, c + 1),
-            "q": RowLayout(off_v + k_bytes, c + 1), "do": RowLayout(off_v + k_bytes + q_bytes, c + 1),
+            "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
             "o_stage": RowLayout(0, c + 1)}
+
+
+def dq_smem_bytes(s: FwdShape) -> int:
+    """DqLayout::kBytes (flash_bwd_dq_kernel.cuh) for fwd_layouts(s, "dq")."""
+    L = fwd_layouts(s, "dq")
+    end = L["v"].base + 16 * L["v"].chunks(s.block_n)
+    if s.q_in_smem:
+        end = L["do"].base + 16 * L["do"].chunks(s.block_m)
+    return max(end, 16 * L["o_stage"].chunks(s.block_m))
 
 
 def _rows_times_tile_rows(p: Prediction, s: FwdShape, name: str, b: RowLayout, a_tile: RowLayout | None,
@@ -472,42 +484,103 @@ class BwdShape:
         return ((self.qp_mn(lane)[1] ^ x) * self.s_tiles + nt) * 8
 
 
-def bwd_layouts(s: BwdShape) -> dict:
-    """BwdKernelTraits' shared memory today."""
-    c = s.head_dim // 8
-    row_bytes = (s.head_dim + 8) * 2
-    q_bytes = s.block_m * row_bytes
-    qt_bytes = s.head_dim * (s.block_m + 8) * 2
-    kt_bytes = s.head_dim * (s.block_n + 8) * 2
-    ds_bytes = s.block_m * (s.block_n + 8) * 2
-    kv_bytes = s.block_n * row_bytes if s.kv_in_smem else 0
-    off_do = q_bytes
-    off_qt = off_do + q_bytes
-    off_dot = off_qt + qt_bytes
-    off_kt = off_dot + qt_bytes
-    off_ds = off_kt + (kt_bytes if s.dq_atomic else 0)
-    off_k = off_ds + (ds_bytes if s.dq_atomic else 0)
-    off_v = off_k + kv_bytes
-    off_lse = off_v + kv_bytes
-    off_dsum = off_lse + s.block_m * 4
-    return {"q": RowLayout(0, c + 1), "do": RowLayout(off_do, c + 1), "qt": RowLayout(off_qt, s.block_m // 8 + 1),
-            "dot": RowLayout(off_dot, s.block_m // 8 + 1), "kt": RowLayout(off_kt, s.block_n // 8 + 1),
-            "ds": RowLayout(off_ds, s.block_n // 8 + 1), "k": RowLayout(off_k, c + 1), "v": RowLayout(off_v, c + 1),
-            "lse": VectorLayout(off_lse), "dsum": VectorLayout(off_dsum), "o_stage": RowLayout(0, c + 1)}
+def log2_exact(n: int) -> int:
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"{n}: a power of two expected")
+    return n.bit_length() - 1
+
+
+def half_line_gap_chunks(rows_apart: int) -> int:
+    """The smallest gap of whole chunks after every 8 rows that puts rows `rows_apart` apart (a multiple of 8)
+    4 chunks (half a 128-byte line) apart modulo 8 chunks; 0 if none (kernel_traits.cuh half_line_gap_chunks)."""
+    for g in range(1, 8):
+        if (rows_apart // 8 * g) % 8 == 4:
+            return g
+    return 0
+
+
+def restack(order: list[str], L: dict, rows: dict) -> dict:
+    """Bases of the tiles in `order` that `rows` lists, one after the other; a vector's bytes rounded to 16 (the
+    traits' offsets)."""
+    out, off = dict(L), 0
+    for name in order:
+        if name not in rows:
+            continue
+        lay = out[name]
+        out[name] = replace(lay, base=off)
+        if isinstance(lay, VectorLayout):
+            off += (4 * lay.words(rows[name]) + 15) // 16 * 16
+        else:
+            off += 16 * lay.chunks(rows[name])
+    return out
+
+
+BWD_TILE_ORDER = ["q", "do", "qt", "dot", "kt", "ds", "k", "v", "lse", "dsum"]
+# 4 chunks before rows 8, 24, 40, ...: 4 * ((r >> 3) - (r >> 4)) (kernel_traits.cuh KvRows, DqQRows)
+A_ROWS_8_APART = ((3, 4), (4, -4))
+
+
+def bwd_tile_rows(s: BwdShape) -> dict:
+    """Rows of each tile the dK/dV kernel's shared memory holds (vectors: elements)."""
+    rows = {"q": s.block_m, "do": s.block_m, "qt": s.head_dim, "dot": s.head_dim, "lse": s.block_m,
+            "dsum": s.block_m}
+    if s.dq_atomic:
+        rows.update(kt=s.head_dim, ds=s.block_m)
+    if s.kv_in_smem:
+        rows.update(k=s.block_n, v=s.block_n)
+    return rows
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def bwd_1x4_layout(s: BwdShape) -> bool:
+    """Whether the tile takes the 1x4 layout (BwdKernelTraits::k1x4Layout: 1x4 quad-pairs whose row distances,
+    8 * S-tiles and o_cols, are powers of two, so that every gap comes after a power-of-two number of rows)."""
+    return s.quad_pair_rows == 1 and _pow2(8 * s.s_tiles) and _pow2(s.o_cols)
+
+
+def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
+    """BwdKernelTraits' shared memory (csrc/kernel_traits.cuh: QRows, QtRows, KtRows, DsRows, KvRows, Vector and
+    the kOff* offsets). plain=True: every tile as plain padded rows (pitch C + 1 chunks, no gaps), the layout
+    before issue 16."""
+    c, cm, cn = s.head_dim // 8, s.block_m // 8, s.block_n // 8
+    L = {"q": RowLayout(0, c + 1), "do": RowLayout(0, c + 1), "qt": RowLayout(0, cm + 1),
+         "dot": RowLayout(0, cm + 1), "kt": RowLayout(0, cn + 1), "ds": RowLayout(0, cn + 1),
+         "k": RowLayout(0, c + 1), "v": RowLayout(0, c + 1), "lse": VectorLayout(0), "dsum": VectorLayout(0),
+         "o_stage": RowLayout(0, c + 1)}
+    if not plain and bwd_1x4_layout(s):
+        # 1x4: quad-pairs of a quarter-warp read Q / dO rows 8 * S-tiles apart, Q^T / dO^T rows o_cols apart at
+        # chunks c and c ^ 2, lse / dsum 16 queries apart, and store dS rows 8 * S-tiles apart
+        shift = log2_exact(8 * s.s_tiles)
+        for name in ("q", "do"):
+            L[name] = replace(L[name], gaps=((shift, 4),))
+        for name in ("qt", "dot"):
+            L[name] = replace(L[name], pitch=cm + 2, gaps=((2, 1), (log2_exact(s.o_cols), 1)))
+        L["lse"] = replace(L["lse"], pad=4)
+        L["dsum"] = replace(L["dsum"], pad=4)
+        L["ds"] = replace(L["ds"], gaps=((shift, 4),))
+    if not plain and s.quad_pair_rows == 2 and s.kv_in_smem:
+        # 2x2, K / V as A operands from shared memory: quad-pairs of a quarter-warp read rows 8 apart (the warp's
+        # two 8-key tiles), store dS at key chunks c, c + 1
+        for name in ("k", "v"):
+            L[name] = replace(L[name], gaps=A_ROWS_8_APART)
+        L["ds"] = replace(L["ds"], pitch=cn + 2)
+    if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
+        L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
+    return restack(BWD_TILE_ORDER, L, bwd_tile_rows(s))
 
 
 def bwd_smem_bytes(s: BwdShape, L: dict) -> int:
-    """Bytes the layouts span (the same sum as BwdKernelTraits::kSmemBytes for the default layouts)."""
+    """Bytes the layouts span (BwdKernelTraits::kSmemBytes for bwd_layouts(s))."""
     end = 0
-    spans = {"q": s.block_m, "do": s.block_m, "qt": s.head_dim, "dot": s.head_dim}
-    if s.dq_atomic:
-        spans.update(kt=s.head_dim, ds=s.block_m)
-    if s.kv_in_smem:
-        spans.update(k=s.block_n, v=s.block_n)
-    for name, rows in spans.items():
-        end = max(end, L[name].base + 16 * L[name].chunks(rows))
-    for name in ("lse", "dsum"):
-        end = max(end, L[name].base + 4 * L[name].words(s.block_m))
+    for name, rows in bwd_tile_rows(s).items():
+        lay = L[name]
+        if isinstance(lay, VectorLayout):
+            end = max(end, lay.base + (4 * lay.words(rows) + 15) // 16 * 16)
+        else:
+            end = max(end, lay.base + 16 * lay.chunks(rows))
     return max(end, 16 * L["o_stage"].chunks(s.block_n))
 
 
@@ -594,19 +667,25 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
 # --- from the tile tables --------------------------------------------------------------------------------------------
 
 
-def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | None = None) -> Prediction:
-    """Prediction for a KernelVariant's meta (volta_train/kernels/tiles.py) of the sm_70 tables."""
+def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | None = None,
+                    plain: bool = False) -> Prediction:
+    """Prediction for a KernelVariant's meta (volta_train/kernels/tiles.py) of the sm_70 tables; plain=True: with
+    the layouts before issue 16 (every tile plain padded rows), the code the H100 table measured."""
     tile, d, f16 = meta["tile"], meta["head_dim"], meta["accum_f16"]
     if meta["pass"] == "fwd":
         return predict_fwd(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16,
                                     tile.q_in_smem), layouts)
     if meta["pass"] == "bwd_dq":
-        return predict_dq(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
-                                   tile.q_in_smem), layouts)
+        shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False, tile.q_in_smem)
+        if plain:
+            layouts = {**fwd_layouts(shape, "dq", plain=True), **(layouts or {})}
+        return predict_dq(shape, layouts)
     if dq_atomic is None:
         raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
-    return predict_dkdv(BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic,
-                                 tile.kv_in_smem, tile.lean), layouts)
+    shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean)
+    if plain:
+        layouts = {**bwd_layouts(shape, plain=True), **(layouts or {})}
+    return predict_dkdv(shape, layouts)
 
 
 def with_layouts(base: dict, **changes) -> dict:

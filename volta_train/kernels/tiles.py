@@ -148,14 +148,12 @@ class BwdTile:
         return 32 * self.warps
 
     def smem_bytes(self, head_dim: int, dq_atomic: bool) -> int:
-        """Mirrors BwdKernelTraits::kSmemBytes."""
-        row = (head_dim + 8) * 2
-        tiles = 2 * self.block_m * row + 2 * head_dim * (self.block_m + 8) * 2 + 2 * self.block_m * 4
-        if dq_atomic:
-            tiles += head_dim * (self.block_n + 8) * 2 + self.block_m * (self.block_n + 8) * 2
-        if self.kv_in_smem:
-            tiles += 2 * self.block_n * row
-        return max(tiles, self.block_n * row)
+        """BwdKernelTraits::kSmemBytes, from the mirror of its tile layouts (bank_model.bwd_layouts)."""
+        from .bank_model import BwdShape, bwd_layouts, bwd_smem_bytes
+
+        shape = BwdShape(head_dim, self.quad_pair_rows, self.warps, self.block_m, dq_atomic=dq_atomic,
+                         kv_in_smem=self.kv_in_smem, lean=self.lean)
+        return bwd_smem_bytes(shape, bwd_layouts(shape))
 
 
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
@@ -256,9 +254,10 @@ def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, sof
     key block in registers, where fp16 would cost accuracy for no memory saving)."""
     expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap).replace("flash_fwd_kernel",
                                                                                          "flash_bwd_dq_kernel")
-    row = (head_dim + 8) * 2
-    q_tiles = 2 * tile.block_m * row if tile.q_in_smem else 0
-    smem = max(2 * tile.block_n * row + head_dim * (tile.block_n + 8) * 2 + q_tiles, tile.block_m * row)
+    from .bank_model import FwdShape, dq_smem_bytes  # DqLayout::kBytes, from the mirror of its tile layouts
+
+    smem = dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                  tile.q_in_smem))
     return KernelVariant(
         name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"{'_softcap' if softcap else ''}"
