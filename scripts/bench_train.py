@@ -7,6 +7,9 @@
     # the loss study (issue 15): chunked vs unchunked loss, real vocabularies, 32 and 16 GiB
     python scripts/bench_train.py --models medium:50304,llama1b:128256 --attention sdpa --loss unchunked,chunked \
         --seq-lens 4096 --tokens-per-step 4096 --memory-gb 32,16 --gradient-checkpointing-search
+    # the fair step-time comparison of the two losses: one model, steps alternating, plus GPU kernel time
+    python scripts/bench_train.py --models small:50304,llama1b:128256 --attention sdpa --seq-lens 4096 \
+        --tokens-per-step 4096 --steps 20 --warmup 4 --interleave-losses
 
 One measurement = a full training step as the recipe runs it: fp16 autocast forward and
 backward with dynamic loss scaling (GradScaler), gradient clipping and an AdamW step, on a
