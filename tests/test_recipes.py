@@ -274,6 +274,21 @@ def test_bench_train_smoke(tmp_path):
     assert "tokens/s" in proc.stdout
 
 
+def test_bench_train_interleaved_losses(tmp_path):
+    """--interleave-losses: both losses on one model, steps alternating; medians, their ratio, the table and JSON."""
+    out = tmp_path / "bench"
+    _run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--models", "nano:320", "--seq-lens", "32",
+          "--steps", "3", "--warmup", "1", "--tokens-per-step", "64", "--cpu", "--attention", "sdpa",
+          "--interleave-losses", "--out", str(out)], tmp_path)
+    (result,) = json.loads((out / "bench_train_interleaved.json").read_text())
+    assert {k: len(v) for k, v in result["step_times"].items()} == {"unchunked": 3, "chunked": 3}
+    medians = result["median_s"]
+    assert medians["unchunked"] > 0 and medians["chunked"] > 0
+    assert result["ratio"] == pytest.approx(medians["chunked"] / medians["unchunked"])
+    assert result["gpu_ratio"] is None  # no GPU: no kernel time
+    assert "| nano | 320 | 32 x 2 |" in (out / "bench_train_interleaved.md").read_text()
+
+
 # ------------------------------------------------------------------------------------------------
 # configuration
 # ------------------------------------------------------------------------------------------------
