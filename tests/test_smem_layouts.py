@@ -12,30 +12,26 @@ from volta_train.kernels import bank_model as bm
 from volta_train.kernels import tiles
 
 
-def _dkdv_variants():
+def _variants(pass_name: str, traits_name: str):
+    """(variant, traits expression) of every distinct shipped traits instance of one kernel, both tables."""
     seen, out = set(), []
     for arch in (70, 90):
         for v in tiles.shipped_bwd_variants(arch, softcap=(False,)):
-            if v.meta["pass"] != "bwd_dkdv":
+            if v.meta["pass"] != pass_name:
                 continue
-            traits = re.search(r"<(BwdKernelTraits<.*>)>$", v.name_expressions[0]).group(1)
+            traits = re.search(rf"<({traits_name}<.*>)>$", v.name_expressions[0]).group(1)
             if traits not in seen:
                 seen.add(traits)
                 out.append((v, traits))
     return out
+
+
+def _dkdv_variants():
+    return _variants("bwd_dkdv", "BwdKernelTraits")
 
 
 def _dq_variants():
-    seen, out = set(), []
-    for arch in (70, 90):
-        for v in tiles.shipped_bwd_variants(arch, softcap=(False,)):
-            if v.meta["pass"] != "bwd_dq":
-                continue
-            traits = re.search(r"<(FwdKernelTraits<.*>)>$", v.name_expressions[0]).group(1)
-            if traits not in seen:
-                seen.add(traits)
-                out.append((v, traits))
-    return out
+    return _variants("bwd_dq", "FwdKernelTraits")
 
 
 def _dq_shape(v) -> bm.FwdShape:

@@ -251,8 +251,29 @@ def _row_major_drain(p: Prediction, name: str, rows_n: int, head_dim: int, threa
 # --- forward-shaped kernels: flash_fwd_kernel and flash_bwd_dq_kernel (warp_tile.cuh) --------------------------------
 
 
+class _QuadPairGeometry:
+    """What the forward- and backward-shaped traits share (kernel_traits.cuh): quad-pair columns, threads, and the
+    output columns (head_dim) per quad-pair column in 8-column tiles."""
+
+    @property
+    def qp_cols(self):
+        return 4 // self.quad_pair_rows
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def o_cols(self):
+        return self.head_dim // self.qp_cols
+
+    @property
+    def o_tiles(self):
+        return self.o_cols // 8
+
+
 @dataclass(frozen=True)
-class FwdShape:
+class FwdShape(_QuadPairGeometry):
     head_dim: int
     quad_pair_rows: int
     m_tiles: int
@@ -260,10 +281,6 @@ class FwdShape:
     block_n: int
     accum_f16: bool = False
     q_in_smem: bool = False
-
-    @property
-    def qp_cols(self):
-        return 4 // self.quad_pair_rows
 
     @property
     def rows_per_warp(self):
@@ -274,20 +291,8 @@ class FwdShape:
         return self.warps * self.rows_per_warp
 
     @property
-    def threads(self):
-        return 32 * self.warps
-
-    @property
     def s_tiles(self):
         return self.block_n // 8 // self.qp_cols
-
-    @property
-    def o_cols(self):
-        return self.head_dim // self.qp_cols
-
-    @property
-    def o_tiles(self):
-        return self.o_cols // 8
 
     def qp_mn(self, lane):
         qp = qp_of(lane)
@@ -427,7 +432,7 @@ def predict_dq(s: FwdShape, layouts: dict | None = None) -> Prediction:
 
 
 @dataclass(frozen=True)
-class BwdShape:
+class BwdShape(_QuadPairGeometry):
     head_dim: int
     quad_pair_rows: int
     warps: int
@@ -438,10 +443,6 @@ class BwdShape:
     lean: bool = False
 
     @property
-    def qp_cols(self):
-        return 4 // self.quad_pair_rows
-
-    @property
     def rows_per_warp(self):
         return 8 * self.quad_pair_rows
 
@@ -450,20 +451,8 @@ class BwdShape:
         return self.warps * self.rows_per_warp
 
     @property
-    def threads(self):
-        return 32 * self.warps
-
-    @property
     def s_tiles(self):
         return self.block_m // 8 // self.qp_cols
-
-    @property
-    def o_cols(self):
-        return self.head_dim // self.qp_cols
-
-    @property
-    def o_tiles(self):
-        return self.o_cols // 8
 
     @property
     def dkdv_f16_products(self):
