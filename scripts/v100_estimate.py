@@ -225,14 +225,6 @@ def cutlass_estimate(entry: dict, interval: float = ISSUE_INTERVAL) -> dict:
 
 # --- measured conflict factors -------------------------------------------------------------------------------------
 
-def _number(text: str) -> float | None:
-    text = text.strip().replace(",", "")
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
 def conflict_rows(path: Path) -> list[dict]:
     """Per-launch rows {variant, ld_wavefronts, ld_conflicts, st_wavefronts, st_conflicts} of a
     scripts/smem_conflicts.py result: its smem_conflicts.json, or the markdown table (docs/bench/...md)."""
@@ -241,6 +233,7 @@ def conflict_rows(path: Path) -> list[dict]:
         rows = json.loads(text)["rows"]
         return [{k: r.get(k) for k in ("variant", "ld_wavefronts", "ld_conflicts", "st_wavefronts", "st_conflicts")}
                 for r in rows]
+    number = _load_script("smem_conflicts").parse_value  # the same cell rule as the table's writer
     rows, header = [], None
     for line in text.splitlines():
         if not line.startswith("|"):
@@ -254,9 +247,9 @@ def conflict_rows(path: Path) -> list[dict]:
         if set(cells[0]) <= {"-", " ", ":"}:
             continue
         row = dict(zip(header, cells))
-        rows.append({"variant": row["variant"], "ld_wavefronts": _number(row["ld wf"]),
-                     "ld_conflicts": _number(row["ld conflicts"]), "st_wavefronts": _number(row["st wf"]),
-                     "st_conflicts": _number(row["st conflicts"])})
+        rows.append({"variant": row["variant"], "ld_wavefronts": number(row["ld wf"]),
+                     "ld_conflicts": number(row["ld conflicts"]), "st_wavefronts": number(row["st wf"]),
+                     "st_conflicts": number(row["st conflicts"])})
     if not rows:
         raise ValueError(f"{path}: no table with the columns variant, ld wf, ld conflicts, st wf, st conflicts")
     return rows

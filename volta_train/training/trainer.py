@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, fsio, logs, metrics, optim
+from . import checkpoint, chunked_loss, fsio, logs, metrics, optim
 from .distributed import Setup, loss_scale
 
 logger = logging.getLogger("volta_train.trainer")
@@ -382,9 +382,7 @@ class Trainer:
         where = f"loss {loss:.4g}, gradient norm {norm:.4g}"
         if self.accelerator.num_processes > 1 and math.isfinite(loss) and math.isfinite(norm):
             where += " here; non-finite on another process"
-        from .chunked_loss import describe_bad_targets
-
-        targets = describe_bad_targets()  # the chunked loss on a GPU turns out-of-range labels into NaN
+        targets = chunked_loss.describe_bad_targets()  # the chunked loss on a GPU turns out-of-range labels into NaN
         return f"non-finite values at step {step} ({where})" + (f": the chunked loss's {targets}" if targets else "")
 
     def _eval(self, step: int, writer) -> dict[str, float]:
