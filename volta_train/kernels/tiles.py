@@ -54,16 +54,19 @@ EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, 
 # Forward tiles per target, head_dim -> tile (on sm_70 causal and full attention share a tile: the V100 model has
 # no causal-specific winner; sm_80+ has a causal table below). Head dims not listed use the next larger one's tile.
 #
-# sm_70 (V100): from the static V100 model on the sm_70 cubins (tensor-core utilisation bound of the main
-#   loop, `must` view) and the V100 occupancy of each candidate, docs/performance.md. Q stays in registers
-#   (reading it from shared memory per use makes head_dim 128 shared-memory bound: 59% vs 84%).
+# sm_70 (V100): from the V100 estimate per kernel (scripts/v100_estimate.py: the static pipe model of the sm_70
+#   cubins, the shared-memory conflict factors measured on the H100, occupancy, and an issue latency calibrated on
+#   the one real-V100 profile, L = 5.4 cycles; docs/performance.md "Latency hiding"). Every tile runs 12 or more
+#   warps per SM (3 CTAs: the 168-register cap of min_blocks_per_sm=3 is spill-free for these): at the calibrated
+#   latency 12 warps beat the 8-warp tiles the pipe model alone prefers (Q in registers, 84-91% `must`), 1.1-1.4x;
+#   the pipe-model tiles would win only below L = 2.3-4.9 cycles.
 # sm_80+ (the Volta build on an H100/H200): from the measured sweep, docs/performance.md. Q lives in shared
 #   memory there: the emulated m8n8k4 wants resident warps more than shared-memory bandwidth.
 FWD_TILES_SM70: dict[int, FwdTile] = {
-    48: FwdTile(4, 1, 4, 32),   # 4x1 quad-pairs, 128x32 blocks, 4 warps: model 91%, 2 CTAs/SM (d 16-48)
-    64: FwdTile(2, 1, 4, 32),   # 2x2, 64x32, 4 warps: model 84%, 3 CTAs/SM
-    96: FwdTile(2, 1, 4, 32),   # 2x2, 64x32: model 84-87%, 2 CTAs/SM (d 80, 96)
-    128: FwdTile(2, 1, 4, 16),  # 2x2, 64x16: model 84-86%, 2 CTAs/SM (d 112, 128)
+    48: FwdTile(2, 1, 4, 32, min_blocks_per_sm=3, q_in_smem=True),   # d 16-48: est. 49.1 vs 41.8 TFLOP/s (4x1, 8 warps)
+    64: FwdTile(2, 1, 4, 32, min_blocks_per_sm=3),                   # fp32 unchanged (155 regs), fp16 171 -> 160 regs
+    96: FwdTile(2, 1, 4, 16, min_blocks_per_sm=3, q_in_smem=True),   # d 80, 96: est. 52-55 vs 41-43 (fp32)
+    128: FwdTile(2, 1, 4, 16, min_blocks_per_sm=3, q_in_smem=True),  # d 112, 128: est. 54-56 vs 39-41 (fp32)
 }
 FWD_TILES_EMULATED: dict[int, FwdTile] = {
     # measured 14.4-15.6 TFLOP/s (d 16-64); the register cap of 4 CTAs per SM spills 20 B on sm_90 and is
@@ -159,14 +162,17 @@ class BwdTile:
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other
 # head dims take 2x2 tiles of 2 warps (32 keys per CTA) and the dQ kernel.
-# sm_70: from the V100 model (docs/performance.md): d 32/64 on 1x4, 8 warps, 64x64 blocks (75.5%, spill-free);
-#   d 96/128 on 2x2, 4 warps, 64 keys x 32 queries, K and V in shared memory, register-lean code path (model
-#   68.1% / 69.5% in both accumulation modes, spill-free; the 1x4 tile with K/V in smem they replace: 54-55%).
+# sm_70: from the V100 estimate (docs/performance.md, "Latency hiding"): 8 warps per SM wherever a spill-free tile
+#   within 96 KB has them. d 32/64: 1x4, 8 warps, 64x64 blocks, dQ atomics (model 75.5%). d80: 2x2, 4 warps, 64 keys
+#   x 32 queries, K/V in smem (2 CTAs, model 69%, est. 1.7x the 2-warp tile). d96: 1x4, 8 warps, 64x64, K/V in smem
+#   (model 70.6%, est. 1.5x the 4-warp lean 2x2). d128: 1x4, 8 warps, 64 keys x 32 queries, K/V in smem (model 57%,
+#   est. 1.25x the 4-warp lean 2x2 at L = 5.4; slower below L = 4.3). These three without dQ atomics (registers):
+#   the dQ kernel computes dQ. d 16/48/112: no 8-warp tile fits spill-free; 2x2, 2 warps, 32 keys.
 BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
-    64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(2, 4, 32, kv_in_smem=True, lean=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+    64: BwdTile(1, 8, 64), 80: BwdTile(2, 4, 32, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(1, 8, 64, kv_in_smem=True, dq_atomic=False), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(1, 8, 32, kv_in_smem=True, dq_atomic=False),
 }
 # sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
 # emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
@@ -175,6 +181,7 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
     # 10.1-11.0 with 166 registers and 3 CTAs (docs/bench/bwd_sweep_h100_occupancy.md)
     **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True),
     64: BwdTile(1, 4, 32, kv_in_smem=True, min_blocks_emulated=4),
+    80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
 }
 # bwd_accum="fp16", d 64/128: the register-lean 2x2 tile (the V100's d96/d128 tile), whose dK/dV products
@@ -207,10 +214,11 @@ def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
 
 # Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
 # float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others. From
-# scripts/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md): only the register-lean tiles of d96/d128 (dK/dV
-# products in fp32, dQ's block sums in fp16) meet it; the fp16-product tiles miss it by up to 1.6x in dV, dK and dQ.
-# On a V100 both modes run at the same HMMA rate; fp16 saves registers only.
-BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset({96, 128})
+# scripts/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md): only the register-lean 2x2 tiles (dK/dV products in
+# fp32, dQ's block sums in fp16) meet it; the fp16-product tiles miss it by up to 1.6x in dV, dK and dQ. The sm_70
+# table has no lean tile since its 8-warp backward tiles (issue 16), so the V100 takes fp32 accumulation throughout:
+# there both modes run at the same HMMA rate; fp16 saves registers only.
+BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset()
 BWD_FP16_MEETS_STANDARD_EMULATED: frozenset[int] = frozenset({128})
 
 
