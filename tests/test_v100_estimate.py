@@ -192,17 +192,8 @@ def test_conflict_factors_of_the_committed_measurement():
 
 
 def test_borrow_factors_prefers_measured_then_the_same_arrangement():
-    # a measured set of the kind the committed measurement has (the sm_70 tables it was taken on), fixed here so
-    # that the candidates below stay candidates whatever the tables ship now
-    bwd = {16: tiles.BwdTile(2, 2, 32, dq_atomic=False), 64: tiles.BwdTile(1, 8, 64),
-           80: tiles.BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-           128: tiles.BwdTile(2, 4, 32, kv_in_smem=True, lean=True)}
-    dq = {80: tiles.FwdTile(2, 1, 4, 16, q_in_smem=True), 112: tiles.FwdTile(2, 1, 4, 16, q_in_smem=True),
-          128: tiles.FwdTile(1, 1, 8, 32)}
-    fwd = {64: tiles.FwdTile(2, 1, 4, 32), 128: tiles.FwdTile(2, 1, 4, 16)}
-    shipped = ([tiles.fwd_variant(d, t, False, False) for d, t in fwd.items()]
-               + [tiles.bwd_variant(d, t, False, False, a) for d, t in bwd.items() for a in {False, t.dq_atomic}]
-               + [tiles.dq_variant(d, t, False, False) for d, t in dq.items()])
+    from measured_tiles import measured_sm70_variants  # the tables the committed measurement was taken on
+    shipped = measured_sm70_variants()
     by_name = {v.name: v for v in shipped}
     measured = {v.name: (1.0 + i / 1000, 1.0) for i, v in enumerate(shipped)}
     own = by_name["bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8"]
