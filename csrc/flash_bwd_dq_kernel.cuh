@@ -23,7 +23,7 @@ struct DqLayout {
     static constexpr int kOffKt = KT::kTileBytes;
     static constexpr int kOffV = kOffKt + KT::kVtTileBytes;
     static constexpr int kOffQ = kOffV + KT::kTileBytes;
-    static constexpr int kQTileBytes = KT::kQInSmem ? KT::DqQRows::bytes(KT::kBlockM) : 0;
+    static constexpr int kQTileBytes = KT::kQInSmem ? KT::QRows::bytes(KT::kBlockM) : 0;
     static constexpr int kOffDo = kOffQ + kQTileBytes;
     static constexpr int kBytes = const_max(kOffDo + kQTileBytes, KT::kOStageBytes);
     static_assert(kBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
@@ -31,8 +31,8 @@ struct DqLayout {
 
 // dS of one key block for one warp, as f16x2 row fragments (own quad-pair column and partners').
 template <class KT>
-__device__ __forceinline__ void dq_block_ds(const QOperand<KT, typename KT::DqQRows>& q,
-                                            const QOperand<KT, typename KT::DqQRows>& dout, const half_bits* k_tile,
+__device__ __forceinline__ void dq_block_ds(const QOperand<KT>& q,
+                                            const QOperand<KT>& dout, const half_bits* k_tile,
                                             const half_bits* v_tile, const FwdWarpGeometry<KT>& g, const VisibleKeys& vis,
                                             int key0, bool needs_mask, float score_scale, float softcap_log2,
                                             float alibi_log2,
@@ -117,11 +117,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
 
     // Q pre-scaled by scale * log2 e under FP16-ACC (as in the forward); dO with scale 1 (exact).
-    using QRows = typename KT::DqQRows;
-    QOperand<KT, QRows> q, dout;
-    load_q<KT, QRows>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
+    QOperand<KT> q, dout;
+    load_q<KT>(q_base, prm.q_row_stride, m0, seq.seqlen_q, prm.scale_log2, g, tid,
                       reinterpret_cast<half_bits*>(smem + L::kOffQ), q);
-    load_q<KT, QRows>(do_base, bp.do_row_stride, m0, seq.seqlen_q, 1.f, g, tid,
+    load_q<KT>(do_base, bp.do_row_stride, m0, seq.seqlen_q, 1.f, g, tid,
                       reinterpret_cast<half_bits*>(smem + L::kOffDo), dout);
     // this lane's rows: log2-domain lse and dsum
     constexpr int kSlots = Layout::kRowSlots;

@@ -104,13 +104,12 @@ struct FwdKernelTraits {
     static constexpr int kTileBytes = kBlockN * kSmemStride * 2;     // K block, [key][head_dim]
     static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
     static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
-    static constexpr int kQTileBytes = kQInSmem ? kBlockM * kSmemStride * 2 : 0;  // after K and V^T
-    // The dQ kernel's Q / dO tiles (A operands, kQInSmem): in 2x2 tiles the two quad-pairs of a quarter-warp read
-    // rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as BwdKernelTraits::KvRows); the forward's Q
-    // tile keeps plain rows (QRows).
-    using QRows = TileRows<kSmemStride>;
-    static constexpr int kDqQGap = kQInSmem && kQuadPairRows == 2 ? 32 : 0;
-    using DqQRows = TileRows<kSmemStride, 3, kDqQGap, 4, -kDqQGap>;
+    // The Q tile (the forward's; the dQ kernel's Q and dO tiles), A operands when kQInSmem: in 2x2 tiles the two
+    // quad-pairs of a quarter-warp read rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as
+    // BwdKernelTraits::KvRows); other arrangements read rows 16 or more apart and keep plain rows.
+    static constexpr int kQGap = kQInSmem && kQuadPairRows == 2 ? 32 : 0;
+    using QRows = TileRows<kSmemStride, 3, kQGap, 4, -kQGap>;
+    static constexpr int kQTileBytes = kQInSmem ? QRows::bytes(kBlockM) : 0;  // after K and V^T
     static constexpr int kOStageBytes = kBlockM * kSmemStride * 2;                // reuses the start
     static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes + kQTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row

@@ -67,10 +67,10 @@ struct FwdFragmentLayout {
 };
 
 // Q as the A operand of S = Q K^T (row-major: the lane's row of each m-tile), 16 bytes = two k-steps at a
-// time, from registers or from the CTA's Q tile in shared memory (KT::kQInSmem; layout Rows, a TileRows: the
-// forward's KT::QRows, the dQ kernel's KT::DqQRows).
-template <class KT, class Rows = typename KT::QRows>
+// time, from registers or from the CTA's Q tile in shared memory (KT::kQInSmem; layout KT::QRows).
+template <class KT>
 struct QOperand {
+    using Rows = typename KT::QRows;
     static constexpr int kRegs = KT::kQInSmem ? 1 : KT::kQRegs;
     u32 regs[KT::kMTiles][kRegs];
     const half_bits* tile_row;  // shared memory: this lane's row of m-tile 0
@@ -92,10 +92,11 @@ __device__ __forceinline__ u32x4 prescale_q_chunk(u32x4 v, float scale_log2) {
 }
 
 // Rows past seqlen_q become zeros (finite scores, never stored).
-template <class KT, class Rows = typename KT::QRows>
+template <class KT>
 __device__ __forceinline__ void load_q(const half_bits* q_base, long long row_stride, int m0, int seqlen_q,
                                        float scale_log2, const FwdWarpGeometry<KT>& g, int tid, half_bits* q_tile,
-                                       QOperand<KT, Rows>& q) {
+                                       QOperand<KT>& q) {
+    using Rows = typename KT::QRows;
     if (KT::kQInSmem) {
         for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
             const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
@@ -113,10 +114,10 @@ __device__ __forceinline__ void load_q(const half_bits* q_base, long long row_st
         for (int c = 0; c < KT::kChunksPerRow; ++c) {
             const u32x4 v = prescale_q_chunk<KT>(
                 row < seqlen_q ? load_global_16B(q_base + (long long)row * row_stride + 8 * c) : zero_u32x4(), scale_log2);
-            q.regs[a][(4 * c + 0) % QOperand<KT, Rows>::kRegs] = v.x;
-            q.regs[a][(4 * c + 1) % QOperand<KT, Rows>::kRegs] = v.y;
-            q.regs[a][(4 * c + 2) % QOperand<KT, Rows>::kRegs] = v.z;
-            q.regs[a][(4 * c + 3) % QOperand<KT, Rows>::kRegs] = v.w;
+            q.regs[a][(4 * c + 0) % QOperand<KT>::kRegs] = v.x;
+            q.regs[a][(4 * c + 1) % QOperand<KT>::kRegs] = v.y;
+            q.regs[a][(4 * c + 2) % QOperand<KT>::kRegs] = v.z;
+            q.regs[a][(4 * c + 3) % QOperand<KT>::kRegs] = v.w;
         }
     }
 }
@@ -160,8 +161,8 @@ __device__ __forceinline__ void for_each_pv_step(int ot0, int ot_count, Body bod
 
 // acc[a][nt] += A B^T over head_dim for every m-tile a and S tile nt (the loop of rows_times_tile_rows), in the
 // accumulator type of the mode: u32[4] (f16x2, FP16-ACC) or float[8] (FP32-ACC), through the matching mma_rc.
-template <class KT, class Acc, class QRows>
-__device__ __forceinline__ void accumulate_rows_times_tile_rows(const QOperand<KT, QRows>& q, const half_bits* b_tile,
+template <class KT, class Acc>
+__device__ __forceinline__ void accumulate_rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
                                                                 const FwdWarpGeometry<KT>& g, Acc& acc) {
     for_each_qk_step<KT>([&](int nt, int kk) {
         const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + g.lq.operand_row()) * KT::kSmemStride + 8 * kk);
@@ -177,8 +178,8 @@ __device__ __forceinline__ void accumulate_rows_times_tile_rows(const QOperand<K
 // S-shaped products of one warp: s = A B^T with A = the warp's rows (Q, or dO in the dQ kernel) and B = the
 // rows of a [key][head_dim] tile in shared memory (col-major B: the lane feeds key column operand_row(), 8
 // head_dim values per 16-byte load). FP16-ACC accumulates in fp16 and widens the result.
-template <class KT, class QRows>
-__device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT, QRows>& q, const half_bits* b_tile,
+template <class KT>
+__device__ __forceinline__ void rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
                                                      const FwdWarpGeometry<KT>& g,
                                                      float (&s)[KT::kMTiles][KT::kSTilesPerQuadPair][8]) {
     if (KT::kAccumF16) {

@@ -16,7 +16,7 @@ def _variants(pass_name: str, traits_name: str):
     """(variant, traits expression) of every distinct shipped traits instance of one kernel, both tables."""
     seen, out = set(), []
     for arch in (70, 90):
-        for v in tiles.shipped_bwd_variants(arch, softcap=(False,)):
+        for v in tiles.shipped_fwd_variants(arch, softcap=(False,)) + tiles.shipped_bwd_variants(arch, softcap=(False,)):
             if v.meta["pass"] != pass_name:
                 continue
             traits = re.search(rf"<({traits_name}<.*>)>$", v.name_expressions[0]).group(1)
@@ -32,6 +32,10 @@ def _dkdv_variants():
 
 def _dq_variants():
     return _variants("bwd_dq", "FwdKernelTraits")
+
+
+def _fwd_variants():
+    return _variants("fwd", "FwdKernelTraits")
 
 
 def _dq_shape(v) -> bm.FwdShape:
@@ -60,7 +64,7 @@ def test_traits_layouts_equal_the_mirror():
         nvrtc.find_nvrtc(70)
     except Exception as error:  # noqa: BLE001 - no NVRTC here: nothing to compile with
         pytest.skip(f"no libnvrtc for sm_70: {error}")
-    lines = ['#include "flash_bwd_dq_kernel.cuh"',
+    lines = ['#include "flash_bwd_dq_kernel.cuh"', '#include "flash_fwd_kernel.cuh"',
              "template <class R, int N> __host__ __device__ constexpr bool rows_are(const int (&want)[N]) {",
              "    for (int r = 0; r < N; ++r) if (R::offset(r) != want[r]) return false;",
              "    return true;", "}",
@@ -88,7 +92,16 @@ def test_traits_layouts_equal_the_mirror():
         lines.append(f"using DT{n} = {traits};")
         lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
         want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
-        lines.append(f'static_assert(rows_are<DT{n}::DqQRows>({{{want}}}), "{v.name}: Q / dO rows");')
+        lines.append(f'static_assert(rows_are<DT{n}::QRows>({{{want}}}), "{v.name}: Q / dO rows");')
+    for n, (v, traits) in enumerate(_fwd_variants()):
+        s = _dq_shape(v)
+        lay = bm.fwd_layouts(s, "fwd")["q"]
+        lines.append(f"using FT{n} = {traits};")
+        lines.append(f'static_assert(FT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
+        if s.q_in_smem:
+            lines.append(f'static_assert(FT{n}::kTileBytes + FT{n}::kVtTileBytes == {lay.base}, "{v.name}: Q base");')
+            want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
+            lines.append(f'static_assert(rows_are<FT{n}::QRows>({{{want}}}), "{v.name}: Q rows");')
     lines.append("__global__ void layout_check_kernel() {}")
     nvrtc.compile_program("\n".join(lines) + "\n", ["layout_check_kernel"], 70, (), [csrc_dir()],
                           "layout_check.cu")
@@ -234,28 +247,30 @@ def test_plain_layout_is_the_old_one_and_1x4_layout_is_the_sm70_design():
     assert bm.bwd_smem_bytes(s, L) == tiles.BwdTile(1, 8, 64).smem_bytes(64, True) == 59264
 
 
-@pytest.mark.parametrize("variant,traits", [vt for vt in _dq_variants() if vt[0].meta["tile"].q_in_smem],
+@pytest.mark.parametrize("variant,traits", [vt for vt in _dq_variants() + _fwd_variants() if vt[0].meta["tile"].q_in_smem],
                          ids=lambda x: getattr(x, "name", None) or "")
-def test_dq_kernel_q_tiles_read_what_load_q_wrote(variant, traits):
-    """load_q's row-major stores against QOperand::chunk's loads (tile_row = DqQRows::offset(the lane's row of
-    m-tile 0), + offset(a * 8 * kQuadPairRows) + 8 kk), for Q and dO."""
+def test_q_tiles_read_what_load_q_wrote(variant, traits):
+    """load_q's row-major stores against QOperand::chunk's loads (tile_row = QRows::offset(the lane's row of
+    m-tile 0), + offset(a * 8 * kQuadPairRows) + 8 kk), for the forward's Q and the dQ kernel's Q and dO."""
     s = _dq_shape(variant)
-    L = bm.fwd_layouts(s, "dq")
+    kernel = "fwd" if variant.meta["pass"] == "fwd" else "dq"
+    L = bm.fwd_layouts(s, kernel)
+    names = ("q",) if kernel == "fwd" else ("q", "do")
     smem, cpr = variant.dynamic_smem_bytes, s.head_dim // 8
     writes = {}
-    for name in ("q", "do"):
+    for name in names:
         for chunk in range(s.block_m * cpr):
             row, col = chunk // cpr, chunk % cpr * 8
             addr = L[name].addr(row, col)
             assert 0 <= addr and addr + 16 <= smem
             writes[(name, row, col)] = addr
     assert len(set(writes.values())) == len(writes)
-    v_end = L["v"].base + 16 * L["v"].chunks(s.block_n)
-    assert min(writes.values()) >= v_end  # after K, K^T and V
+    before = L["vt"].base + 16 * L["vt"].chunks(s.head_dim) if kernel == "fwd" else L["v"].base + 16 * L["v"].chunks(s.block_n)
+    assert min(writes.values()) >= before  # after K and V^T (forward), after K, K^T and V (dQ kernel)
     for tid in range(s.threads):
         lane = tid & 31
         row0 = s.mtile_row0(tid, 0) + bm.operand_row(lane)
-        for name in ("q", "do"):
+        for name in names:
             lay = L[name]
             tile_row = lay.base + 16 * lay.row_chunk(row0)
             for a in range(s.m_tiles):

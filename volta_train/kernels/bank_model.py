@@ -305,21 +305,28 @@ class FwdShape(_QuadPairGeometry):
 
 def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     """The kernels' layouts (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout); plain=True: the
-    dQ kernel's Q / dO tiles as plain rows (before issue 16)."""
+    Q (and dQ's dO) tiles as plain rows (before issue 16)."""
     c = s.head_dim // 8
     k_bytes = s.block_n * (s.head_dim + 8) * 2
     vt_bytes = s.head_dim * (s.block_n + 8) * 2
     row = RowLayout(0, c + 1)
-    if kernel == "fwd":
-        return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": RowLayout(k_bytes + vt_bytes, c + 1),
-                "o_stage": RowLayout(0, c + 1)}
-    # the dQ kernel's Q / dO tiles (DqQRows): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
+    # the Q tile (QRows; the dQ kernel's Q and dO tiles): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
     q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
     q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
+    if kernel == "fwd":
+        return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": replace(q_rows, base=k_bytes + vt_bytes),
+                "o_stage": RowLayout(0, c + 1)}
     off_v = k_bytes + vt_bytes
     return {"k": row, "kt": RowLayout(k_bytes, s.block_n // 8 + 1), "v": RowLayout(off_v, c + 1),
             "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
             "o_stage": RowLayout(0, c + 1)}
+
+
+def fwd_smem_bytes(s: FwdShape) -> int:
+    """FwdKernelTraits::kSmemBytes (kernel_traits.cuh) for fwd_layouts(s, "fwd")."""
+    L = fwd_layouts(s, "fwd")
+    end = L["q"].base + (16 * L["q"].chunks(s.block_m) if s.q_in_smem else 0)
+    return max(end, 16 * L["o_stage"].chunks(s.block_m))
 
 
 def dq_smem_bytes(s: FwdShape) -> int:
@@ -505,7 +512,7 @@ def restack(order: list[str], L: dict, rows: dict) -> dict:
 
 
 BWD_TILE_ORDER = ["q", "do", "qt", "dot", "kt", "ds", "k", "v", "lse", "dsum"]
-# 4 chunks before rows 8, 24, 40, ...: 4 * ((r >> 3) - (r >> 4)) (kernel_traits.cuh KvRows, DqQRows)
+# 4 chunks before rows 8, 24, 40, ...: 4 * ((r >> 3) - (r >> 4)) (kernel_traits.cuh KvRows, QRows)
 A_ROWS_8_APART = ((3, 4), (4, -4))
 
 

@@ -42,11 +42,12 @@ class FwdTile:
         return 32 * self.warps
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K block [key][head_dim] + V^T block [head_dim][key], rows padded by 16 B; or the O staging."""
-        k_tile = self.block_n * (head_dim + 8) * 2
-        vt_tile = head_dim * (self.block_n + 8) * 2
-        q_tile = self.block_m * (head_dim + 8) * 2 if self.q_in_smem else 0
-        return max(k_tile + vt_tile + q_tile, self.block_m * (head_dim + 8) * 2)
+        """FwdKernelTraits::kSmemBytes: K block [key][head_dim] + V^T block [head_dim][key] (+ the Q tile), rows
+        padded by 16 B; or the O staging (from the mirror of its tile layouts, bank_model.fwd_layouts)."""
+        from .bank_model import FwdShape, fwd_smem_bytes
+
+        return fwd_smem_bytes(FwdShape(head_dim, self.quad_pair_rows, self.m_tiles, self.warps, self.block_n, False,
+                                       self.q_in_smem))
 
 
 EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, not a tensor-core instruction
