@@ -151,9 +151,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int key0 = n_block * KT::kBlockN;
         __syncthreads();  // the previous block's tiles are no longer read (and Q / dO tiles are written)
-        load_rows_and_transpose<KT, KT::kBlockN, TileRows<KT::kSmemStride>, TileRows<KT::kVtStride>>(
+        load_rows_and_transpose<KT, KT::kBlockN, typename KT::KRows, typename KT::VtRows>(
             k_base, prm.k_row_stride, key0, seq.seqlen_k, tid, k_tile, kt_tile);
-        load_rows_and_transpose<KT, KT::kBlockN, TileRows<KT::kSmemStride>, TileRows<KT::kVtStride>>(
+        load_rows_and_transpose<KT, KT::kBlockN, typename KT::KRows, typename KT::VtRows>(
             v_base, prm.v_row_stride, key0, seq.seqlen_k, tid, v_tile, nullptr);
         __syncthreads();
         const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);

@@ -101,9 +101,19 @@ struct FwdKernelTraits {
     static constexpr int kQRegs = kHeadDim / 2;                      // f16x2 registers per Q row
 
     static constexpr int kSmemStride = kHeadDim + 8;                 // halves: +16 B per row, no bank conflicts
-    static constexpr int kTileBytes = kBlockN * kSmemStride * 2;     // K block, [key][head_dim]
     static constexpr int kVtStride = kBlockN + 8;                    // halves, same padding
-    static constexpr int kVtTileBytes = kHeadDim * kVtStride * 2;    // V block transposed, [head_dim][key]
+    // The K block [key][head_dim] (the dQ kernel's K and V) and the V^T block [head_dim][key] (the dQ kernel's K^T).
+    // In 1x4 tiles the two quad-pairs of a quarter-warp read B rows 8 * S-tiles apart at the same chunk (K, V): K / V
+    // get 4 chunks (half a 128-byte line) after every 8 * S-tiles rows. They read V^T rows kOColsPerQuadPair apart at
+    // key chunks S-tiles apart: with S-tiles odd, a pitch of C + 2 chunks (C even) puts one quad-pair's four rows on
+    // chunks of one parity and the other's on the other, and one chunk more after every 4 rows keeps the transposed
+    // writers' 8 consecutive rows apart. Other arrangements: plain rows.
+    static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(8 * kSTilesPerQuadPair);
+    static constexpr bool k1x4VtLayout = kQuadPairRows == 1 && kSTilesPerQuadPair % 2 == 1;
+    using KRows = TileRows<kSmemStride, const_log2(8 * kSTilesPerQuadPair), k1x4Layout ? 32 : 0>;
+    using VtRows = TileRows<kVtStride + (k1x4VtLayout ? 8 : 0), 2, k1x4VtLayout ? 8 : 0>;
+    static constexpr int kTileBytes = KRows::bytes(kBlockN);         // K block
+    static constexpr int kVtTileBytes = VtRows::bytes(kHeadDim);     // V block transposed
     // The Q tile (the forward's; the dQ kernel's Q and dO tiles), A operands when kQInSmem: in 2x2 tiles the two
     // quad-pairs of a quarter-warp read rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as
     // BwdKernelTraits::KvRows); other arrangements read rows 16 or more apart and keep plain rows.

@@ -47,7 +47,7 @@ __device__ __forceinline__ void store_kv_block(half_bits* tile, int tid, const u
         const int chunk = tid + c * KT::kThreads;
         if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
             const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
-            store_shared_16B(tile + row * KT::kSmemStride + col, stage[c]);
+            store_shared_16B(tile + KT::KRows::offset(row) + col, stage[c]);
         }
     }
 }
@@ -79,7 +79,7 @@ __device__ __forceinline__ void store_vt_block(half_bits* vt_tile, int tid, u32x
         if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
             const int group8 = chunk >> 3;
             const int d = (group8 % KT::kChunksPerRow) * 8 + (chunk & 7), key = 8 * (group8 / KT::kChunksPerRow);
-            store_shared_16B(vt_tile + d * KT::kVtStride + key, stage[c]);
+            store_shared_16B(vt_tile + KT::VtRows::offset(d) + key, stage[c]);
         }
     }
 }

@@ -165,7 +165,7 @@ template <class KT, class Acc>
 __device__ __forceinline__ void accumulate_rows_times_tile_rows(const QOperand<KT>& q, const half_bits* b_tile,
                                                                 const FwdWarpGeometry<KT>& g, Acc& acc) {
     for_each_qk_step<KT>([&](int nt, int kk) {
-        const u32x4 b = load_shared_16B(b_tile + (g.stile_key0(nt) + g.lq.operand_row()) * KT::kSmemStride + 8 * kk);
+        const u32x4 b = load_shared_16B(b_tile + KT::KRows::offset(g.stile_key0(nt) + g.lq.operand_row()) + 8 * kk);
 #pragma unroll
         for (int a = 0; a < KT::kMTiles; ++a) {
             const u32x4 qa = q.chunk(a, kk);
@@ -238,7 +238,8 @@ __device__ __forceinline__ void accumulate_rows_times_transposed_tile(const u32 
     constexpr int kTiles = KT::kOTilesPerQuadPair;
     constexpr int kOChunk = KT::kAccumF16 ? 4 : kTiles;  // output tiles per fp16 chunk
     const LaneInQuadPair& lq = g.lq;
-    const half_bits* vt_rows = vt_tile + (g.qp_n * KT::kOColsPerQuadPair + lq.operand_row()) * KT::kVtStride;
+    // tile ot's row is offset(8 * ot) further (additive: VtRows' gaps come every 4 rows)
+    const half_bits* vt_rows = vt_tile + KT::VtRows::offset(g.qp_n * KT::kOColsPerQuadPair + lq.operand_row());
     u32 o16[KT::kMTiles][kTiles][4];
 #pragma unroll
     for (int ot0 = 0; ot0 < kTiles; ot0 += kOChunk) {
@@ -253,7 +254,7 @@ __device__ __forceinline__ void accumulate_rows_times_transposed_tile(const u32 
         }
         for_each_pv_step<KT>(ot0, count, [&](int x, int nt, int ot) {
             const int group_key0 = x ? g.partner_stile_key0(x, nt) : g.stile_key0(nt);
-            const u32x4 b = load_shared_16B(vt_rows + 8 * ot * KT::kVtStride + group_key0);
+            const u32x4 b = load_shared_16B(vt_rows + KT::VtRows::offset(8 * ot) + group_key0);
 #pragma unroll
             for (int a = 0; a < KT::kMTiles; ++a) {
                 const u32(&pf)[4] = x ? p_partner[x - 1][a][nt] : p_own[a][nt];

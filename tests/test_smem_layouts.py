@@ -57,6 +57,17 @@ _OFFSETS = {"q": "kOffQ", "do": "kOffDo", "qt": "kOffQt", "dot": "kOffDot", "kt"
             "k": "kOffK", "v": "kOffV", "lse": "kOffLse", "dsum": "kOffDsum"}
 
 
+def _key_tile_asserts(traits: str, s, vt, name: str) -> list[str]:
+    """static_asserts of FwdKernelTraits' K / V rows (KRows) and V^T / K^T rows (VtRows) against the mirror."""
+    k = bm.fwd_layouts(s, "fwd")["k"]
+    want_k = ", ".join(str(k.row_chunk(r) * 8) for r in range(s.block_n))
+    want_vt = ", ".join(str(vt.row_chunk(r) * 8) for r in range(s.head_dim))
+    return [f'static_assert(rows_are<{traits}::KRows>({{{want_k}}}), "{name}: K rows");',
+            f'static_assert({traits}::kTileBytes == {16 * k.chunks(s.block_n)}, "{name}: kTileBytes");',
+            f'static_assert(rows_are<{traits}::VtRows>({{{want_vt}}}), "{name}: V^T rows");',
+            f'static_assert({traits}::kVtTileBytes == {16 * vt.chunks(s.head_dim)}, "{name}: kVtTileBytes");']
+
+
 def test_traits_layouts_equal_the_mirror():
     from volta_train.kernels import nvrtc
     from volta_train.kernels.variants import csrc_dir
@@ -91,6 +102,7 @@ def test_traits_layouts_equal_the_mirror():
         lay = bm.fwd_layouts(s, "dq")["q"]
         lines.append(f"using DT{n} = {traits};")
         lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
+        lines += _key_tile_asserts(f"DT{n}", s, bm.fwd_layouts(s, "dq")["kt"], v.name)
         want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
         lines.append(f'static_assert(rows_are<DT{n}::QRows>({{{want}}}), "{v.name}: Q / dO rows");')
     for n, (v, traits) in enumerate(_fwd_variants()):
@@ -98,6 +110,7 @@ def test_traits_layouts_equal_the_mirror():
         lay = bm.fwd_layouts(s, "fwd")["q"]
         lines.append(f"using FT{n} = {traits};")
         lines.append(f'static_assert(FT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
+        lines += _key_tile_asserts(f"FT{n}", s, bm.fwd_layouts(s, "fwd")["vt"], v.name)
         if s.q_in_smem:
             lines.append(f'static_assert(FT{n}::kTileBytes + FT{n}::kVtTileBytes == {lay.base}, "{v.name}: Q base");')
             want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))

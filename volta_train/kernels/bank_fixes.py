@@ -2,9 +2,10 @@
 
 The designs not in the kernels yet, costed per kernel by ``scripts/smem_bank_model.py --fixes`` against the
 code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already, see kernel_traits.cuh: the 1x4 dK/dV
-tiles' layout and the 2x2 A-from-shared-memory tiles' (K / V, the dQ kernel's Q / dO: 4 chunks before rows 8, 24,
-40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2)). Left here: the 1x4 dQ
-tiles' K / V rows and the forward's K fill order. Each design keeps every reader and writer of a tile on one layout
+tiles' layout, the 2x2 A-from-shared-memory tiles' (K / V, the forward's Q and the dQ kernel's Q / dO: 4 chunks
+before rows 8, 24, 40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2) and
+the 1x4 forward-shaped tiles' K / V rows and V^T / K^T rows (FwdKernelTraits KRows, VtRows)). Left here: the
+forward's K fill order. Each design keeps every reader and writer of a tile on one layout
 (RowLayout: row r starts at chunk r * pitch + sum(gap * (r >> shift)), i.e. a per-row base offset computed once per
 lane: no per-load address arithmetic), and is checked against 96 KB.
 
@@ -24,7 +25,6 @@ Designs (C = 16-byte chunks per row of the unpadded tile; today every tile has p
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from . import bank_model as bm
 
@@ -40,14 +40,8 @@ def fwd_layouts(s: bm.FwdShape) -> dict:
 
 
 def dq_layouts(s: bm.FwdShape) -> dict:
-    L = bm.fwd_layouts(s, "dq")
-    if s.quad_pair_rows == 1:  # not in csrc: 1x4 dQ tiles' K / V rows 8 * S-tiles apart
-        for name in ("k", "v"):
-            L[name] = replace(L[name], gaps=((bm.log2_exact(8 * s.s_tiles), 4),))
-    rows = {"k": s.block_n, "kt": s.head_dim, "v": s.block_n, "q": s.block_m, "do": s.block_m}
-    if not s.q_in_smem:
-        rows.pop("q"), rows.pop("do")
-    return bm.restack(["k", "kt", "v", "q", "do"], L, rows)
+    """The dQ kernel's layouts with the designs not yet in csrc: none left (bm.fwd_layouts)."""
+    return bm.fwd_layouts(s, "dq")
 
 
 def layouts_for_variant(variant) -> dict:

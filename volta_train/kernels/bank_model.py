@@ -304,20 +304,28 @@ class FwdShape(_QuadPairGeometry):
 
 
 def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
-    """The kernels' layouts (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout); plain=True: the
-    Q (and dQ's dO) tiles as plain rows (before issue 16)."""
+    """The kernels' layouts (kernel_traits.cuh FwdKernelTraits, flash_bwd_dq_kernel.cuh DqLayout); plain=True: every
+    tile as plain rows (before issue 16)."""
     c = s.head_dim // 8
-    k_bytes = s.block_n * (s.head_dim + 8) * 2
-    vt_bytes = s.head_dim * (s.block_n + 8) * 2
-    row = RowLayout(0, c + 1)
+    # K / V [key][head_dim] (KRows) and V^T / K^T [head_dim][key] (VtRows): in 1x4 tiles the quad-pairs of a
+    # quarter-warp read rows 8 * S-tiles apart at the same chunk (K, V) and o_cols apart (V^T)
+    key_rows, vt_rows = RowLayout(0, c + 1), RowLayout(0, s.block_n // 8 + 1)
+    # at key chunks S-tiles apart: odd S-tiles take a pitch of C + 2 and one chunk more every 4 rows)
+    if s.quad_pair_rows == 1 and not plain:
+        if (8 * s.s_tiles) & (8 * s.s_tiles - 1) == 0:
+            key_rows = replace(key_rows, gaps=((log2_exact(8 * s.s_tiles), 4),))
+        if s.s_tiles % 2 == 1:
+            vt_rows = RowLayout(0, s.block_n // 8 + 2, ((2, 1),))
+    k_bytes = 16 * key_rows.chunks(s.block_n)
+    vt_bytes = 16 * vt_rows.chunks(s.head_dim)
     # the Q tile (QRows; the dQ kernel's Q and dO tiles): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
     q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
     q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
     if kernel == "fwd":
-        return {"k": row, "vt": RowLayout(k_bytes, s.block_n // 8 + 1), "q": replace(q_rows, base=k_bytes + vt_bytes),
+        return {"k": key_rows, "vt": replace(vt_rows, base=k_bytes), "q": replace(q_rows, base=k_bytes + vt_bytes),
                 "o_stage": RowLayout(0, c + 1)}
     off_v = k_bytes + vt_bytes
-    return {"k": row, "kt": RowLayout(k_bytes, s.block_n // 8 + 1), "v": RowLayout(off_v, c + 1),
+    return {"k": key_rows, "kt": replace(vt_rows, base=k_bytes), "v": replace(key_rows, base=off_v),
             "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
             "o_stage": RowLayout(0, c + 1)}
 
