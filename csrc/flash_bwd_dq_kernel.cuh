@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
             }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
-        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        int row, col;
+        tile_chunk_position<KT>(chunk, row, col);
         if (m0 + row < seq.seqlen_q)
             store_global_16B(dq_base + (long long)(m0 + row) * bp.dq_row_stride + col, load_shared_16B(stage + row * KT::kSmemStride + col));
     }

@@ -131,7 +131,8 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
     }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
-        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        int row, col;
+        tile_chunk_position<KT>(chunk, row, col);
         if (m0 + row < seqlen_q)
             store_global_16B(o_base + (long long)(m0 + row) * prm.o_row_stride + col,
                              load_shared_16B(o_stage + row * KT::kSmemStride + col));

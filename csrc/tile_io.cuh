@@ -25,6 +25,23 @@ __device__ __forceinline__ void load_rows_and_transpose(const half_bits* base, l
     }
 }
 
+// Row and column (halves) of chunk `chunk` of a [rows][head_dim] tile moved in 16-byte chunks by the forward-shaped
+// kernels' loaders and epilogues. Rows of a multiple of 8 chunks: row-major (eight consecutive lanes, one quarter-warp
+// store, move eight chunks of one row). Otherwise eight consecutive lanes move one chunk column of eight consecutive
+// rows (load_v_block's order), which the odd row pitches keep on eight different bank groups; row-major, their eight
+// chunks would straddle two rows and meet on a bank (the rows count is a multiple of 8).
+template <class KT>
+__device__ __forceinline__ void tile_chunk_position(int chunk, int& row, int& col) {
+    if (KT::kChunksPerRow % 8 == 0) {
+        row = chunk / KT::kChunksPerRow;
+        col = (chunk % KT::kChunksPerRow) * 8;
+    } else {
+        const int group8 = chunk >> 3;
+        row = 8 * (group8 / KT::kChunksPerRow) + (chunk & 7);
+        col = (group8 % KT::kChunksPerRow) * 8;
+    }
+}
+
 // Copies kBlockN rows x head_dim of K or V, starting at key row `key0`, from global memory into
 // registers; rows at or past `seqlen_k` become zeros (never read garbage: 0 * inf would be NaN).
 template <class KT>
@@ -33,7 +50,8 @@ __device__ __forceinline__ void load_kv_block(const half_bits* base, long long r
 #pragma unroll
     for (int c = 0; c < KT::kChunksPerThread; ++c) {
         const int chunk = tid + c * KT::kThreads;
-        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+        int row, col;
+        tile_chunk_position<KT>(chunk, row, col);
         const bool in_tile = (KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks;
         stage[c] = (in_tile && key0 + row < seqlen_k) ? load_global_16B(base + (long long)(key0 + row) * row_stride + col)
                                                       : zero_u32x4();
@@ -46,7 +64,8 @@ __device__ __forceinline__ void store_kv_block(half_bits* tile, int tid, const u
     for (int c = 0; c < KT::kChunksPerThread; ++c) {
         const int chunk = tid + c * KT::kThreads;
         if ((KT::kTileChunks % KT::kThreads == 0) || chunk < KT::kTileChunks) {
-            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            int row, col;
+            tile_chunk_position<KT>(chunk, row, col);
             store_shared_16B(tile + KT::KRows::offset(row) + col, stage[c]);
         }
     }

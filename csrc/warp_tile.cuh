@@ -5,6 +5,7 @@
 #pragma once
 #include "kernel_traits.cuh"
 #include "mma_sm70.cuh"
+#include "tile_io.cuh"
 
 // On sm_70 every m8n8k4 is a hardware HMMA: interleave independent accumulators (k-major loops) for ILP.
 // On sm_80+ the same instruction is an emulation subroutine whose operands sit in fixed registers: running
@@ -99,7 +100,8 @@ __device__ __forceinline__ void load_q(const half_bits* q_base, long long row_st
     using Rows = typename KT::QRows;
     if (KT::kQInSmem) {
         for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
-            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            int row, col;
+            tile_chunk_position<KT>(chunk, row, col);
             const u32x4 v = m0 + row < seqlen_q ? load_global_16B(q_base + (long long)(m0 + row) * row_stride + col)
                                                 : zero_u32x4();
             store_shared_16B(q_tile + Rows::offset(row) + col, prescale_q_chunk<KT>(v, scale_log2));

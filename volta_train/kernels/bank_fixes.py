@@ -4,8 +4,9 @@ The designs not in the kernels yet, costed per kernel by ``scripts/smem_bank_mod
 code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already, see kernel_traits.cuh: the 1x4 dK/dV
 tiles' layout, the 2x2 A-from-shared-memory tiles' (K / V, the forward's Q and the dQ kernel's Q / dO: 4 chunks
 before rows 8, 24, 40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2) and
-the 1x4 forward-shaped tiles' K / V rows and V^T / K^T rows (FwdKernelTraits KRows, VtRows)). Left here: the
-forward's K fill order. Each design keeps every reader and writer of a tile on one layout
+the 1x4 forward-shaped tiles' K / V rows and V^T / K^T rows (FwdKernelTraits KRows, VtRows)). The forward-shaped
+kernels' fills and epilogue drains move chunks in groups of eight rows where a row is not a multiple of 8 chunks
+(tile_io.cuh tile_chunk_position). No design is left here. Each design keeps every reader and writer of a tile on one layout
 (RowLayout: row r starts at chunk r * pitch + sum(gap * (r >> shift)), i.e. a per-row base offset computed once per
 lane: no per-load address arithmetic), and is checked against 96 KB.
 
@@ -35,8 +36,8 @@ def dkdv_layouts(s: bm.BwdShape) -> dict:
 
 
 def fwd_layouts(s: bm.FwdShape) -> dict:
-    # K block stored in load_v_block's order (eight rows of one chunk per lane group): odd pitches keep it clean
-    return {**bm.fwd_layouts(s, "fwd"), "k_fill_groups8": True}
+    """The forward's layouts with the designs not yet in csrc: none left (bm.fwd_layouts)."""
+    return bm.fwd_layouts(s, "fwd")
 
 
 def dq_layouts(s: bm.FwdShape) -> dict:

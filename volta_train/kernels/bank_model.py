@@ -238,12 +238,12 @@ def _row_major_fill(p: Prediction, name: str, rows_n: int, head_dim: int, thread
 
 
 def _row_major_drain(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int, tile: RowLayout,
-                     times: int) -> None:
-    """The epilogues' `for (chunk = tid; ...)` reads of a staged tile, 16 bytes per chunk."""
+                     times: int, groups8: bool = False) -> None:
+    """The epilogues' `for (chunk = tid; ...)` reads of a staged tile, 16 bytes per chunk (order: _chunk_rc)."""
     cpr = head_dim // 8
     n = rows_n * cpr
     for c in range((n + threads - 1) // threads):
-        warp_addrs = _warps(threads, lambda tid: tile.addr((tid + c * threads) // cpr, (tid + c * threads) % cpr * 8)
+        warp_addrs = _warps(threads, lambda tid: tile.addr(*_chunk_rc(tid + c * threads, cpr, groups8))
                             if tid + c * threads < n else None)
         p.add(name, "ld", 16, [w for w in warp_addrs if any(a is not None for a in w)], times)
 
@@ -321,13 +321,16 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     # the Q tile (QRows; the dQ kernel's Q and dO tiles): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
     q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
     q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
+    # tile_chunk_position (tile_io.cuh): the loaders' and epilogues' chunks in groups of eight rows of one column
+    # where a row is not a multiple of 8 chunks ("fill_groups8", not a tile)
+    groups8 = c % 8 != 0 and not plain
     if kernel == "fwd":
         return {"k": key_rows, "vt": replace(vt_rows, base=k_bytes), "q": replace(q_rows, base=k_bytes + vt_bytes),
-                "o_stage": RowLayout(0, c + 1)}
+                "o_stage": RowLayout(0, c + 1), "fill_groups8": groups8}
     off_v = k_bytes + vt_bytes
     return {"k": key_rows, "kt": replace(vt_rows, base=k_bytes), "v": replace(key_rows, base=off_v),
             "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
-            "o_stage": RowLayout(0, c + 1)}
+            "o_stage": RowLayout(0, c + 1), "fill_groups8": groups8}
 
 
 def fwd_smem_bytes(s: FwdShape) -> int:
@@ -393,10 +396,10 @@ def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
     L = {**fwd_layouts(s, "fwd"), **(layouts or {})}
     p = Prediction(f"fwd_d{s.head_dim}")
     blocks = SEQLEN // s.block_n
+    g8 = L["fill_groups8"]
     if s.q_in_smem:
-        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True)
-    _row_major_fill(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], blocks, loop=False,
-                    groups8=L.get("k_fill_groups8", False))
+        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True, groups8=g8)
+    _row_major_fill(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], blocks, loop=False, groups8=g8)
     # the last key block's `if (next_block >= 0) store_kv_block` runs predicated off: instructions, no wavefronts
     # (by the warps that hold a chunk of that iteration; the others branch around the store)
     n = s.block_n * s.head_dim // 8
@@ -407,7 +410,7 @@ def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
     _vt_store(p, s, L["vt"], blocks)
     _rows_times_transposed_tile(p, s, "O+=PV", L["vt"], blocks)
     _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, 1)
-    _row_major_drain(p, "o_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1)
+    _row_major_drain(p, "o_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
 
@@ -430,16 +433,17 @@ def predict_dq(s: FwdShape, layouts: dict | None = None) -> Prediction:
     L = {**fwd_layouts(s, "dq"), **(layouts or {})}
     p = Prediction(f"bwd_dq_d{s.head_dim}")
     blocks = SEQLEN // s.block_n
+    g8 = L["fill_groups8"]
     if s.q_in_smem:
-        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True)
-        _row_major_fill(p, "do.fill", s.block_m, s.head_dim, s.threads, L["do"], 1, loop=True)
+        _row_major_fill(p, "q.fill", s.block_m, s.head_dim, s.threads, L["q"], 1, loop=True, groups8=g8)
+        _row_major_fill(p, "do.fill", s.block_m, s.head_dim, s.threads, L["do"], 1, loop=True, groups8=g8)
     _load_rows_and_transpose(p, "k.fill", s.block_n, s.head_dim, s.threads, L["k"], L["kt"], blocks)
     _load_rows_and_transpose(p, "v.fill", s.block_n, s.head_dim, s.threads, L["v"], None, blocks)
     _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
     _rows_times_tile_rows(p, s, "dP=dOV^T", L["v"], L["do"] if s.q_in_smem else None, blocks)
     _rows_times_transposed_tile(p, s, "dQ+=dSK", L["kt"], blocks)
     _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, 1)
-    _row_major_drain(p, "dq_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1)
+    _row_major_drain(p, "dq_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
 
@@ -677,8 +681,10 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
     the layouts before issue 16 (every tile plain padded rows), the code the H100 table measured."""
     tile, d, f16 = meta["tile"], meta["head_dim"], meta["accum_f16"]
     if meta["pass"] == "fwd":
-        return predict_fwd(FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16,
-                                    tile.q_in_smem), layouts)
+        shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16, tile.q_in_smem)
+        if plain:
+            layouts = {**fwd_layouts(shape, "fwd", plain=True), **(layouts or {})}
+        return predict_fwd(shape, layouts)
     if meta["pass"] == "bwd_dq":
         shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False, tile.q_in_smem)
         if plain:
