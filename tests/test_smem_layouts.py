@@ -40,7 +40,8 @@ def _fwd_variants():
 
 def _dq_shape(v) -> bm.FwdShape:
     t = v.meta["tile"]
-    return bm.FwdShape(v.meta["head_dim"], t.quad_pair_rows, t.m_tiles, t.warps, t.block_n, False, t.q_in_smem)
+    return bm.FwdShape(v.meta["head_dim"], t.quad_pair_rows, t.m_tiles, t.warps, t.block_n, False, t.q_in_smem,
+                       t.split_masked)
 
 
 def _shape(v) -> bm.BwdShape:

@@ -50,7 +50,7 @@ def layouts_for_variant(variant) -> dict:
     t, d = m["tile"], m["head_dim"]
     if m["pass"] == "fwd":
         return fwd_layouts(bm.FwdShape(d, t.quad_pair_rows, t.m_tiles, t.warps, t.block_n, m["accum_f16"],
-                                       t.q_in_smem))
+                                       t.q_in_smem, t.split_masked))
     if m["pass"] == "bwd_dq":
         return dq_layouts(bm.FwdShape(d, t.quad_pair_rows, t.m_tiles, t.warps, t.block_n, False, t.q_in_smem))
     return dkdv_layouts(bm.BwdShape(d, t.quad_pair_rows, t.warps, t.block_m, m["accum_f16"],

@@ -281,6 +281,7 @@ class FwdShape(_QuadPairGeometry):
     block_n: int
     accum_f16: bool = False
     q_in_smem: bool = False
+    split_masked: bool = False  # the split masked loop: plain Q rows (kernel_traits.cuh kQGap)
 
     @property
     def rows_per_warp(self):
@@ -319,7 +320,8 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     k_bytes = 16 * key_rows.chunks(s.block_n)
     vt_bytes = 16 * vt_rows.chunks(s.head_dim)
     # the Q tile (QRows; the dQ kernel's Q and dO tiles): 2x2 quad-pairs of a quarter-warp read A rows 8 apart
-    q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not plain else ())
+    q_rows = RowLayout(0, c + 1, A_ROWS_8_APART if s.q_in_smem and s.quad_pair_rows == 2 and not s.split_masked
+                       and not plain else ())
     q_bytes = 16 * q_rows.chunks(s.block_m) if s.q_in_smem else 0
     # tile_chunk_position (tile_io.cuh): the loaders' and epilogues' chunks in groups of eight rows of one column
     # where a row is not a multiple of 8 chunks ("fill_groups8", not a tile)
@@ -681,7 +683,8 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
     the layouts before issue 16 (every tile plain padded rows), the code the H100 table measured."""
     tile, d, f16 = meta["tile"], meta["head_dim"], meta["accum_f16"]
     if meta["pass"] == "fwd":
-        shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16, tile.q_in_smem)
+        shape = FwdShape(d, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, f16, tile.q_in_smem,
+                         tile.split_masked)
         if plain:
             layouts = {**fwd_layouts(shape, "fwd", plain=True), **(layouts or {})}
         return predict_fwd(shape, layouts)

@@ -47,7 +47,7 @@ class FwdTile:
         from .bank_model import FwdShape, fwd_smem_bytes
 
         return fwd_smem_bytes(FwdShape(head_dim, self.quad_pair_rows, self.m_tiles, self.warps, self.block_n, False,
-                                       self.q_in_smem))
+                                       self.q_in_smem, self.split_masked))
 
 
 EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, not a tensor-core instruction
