@@ -335,6 +335,8 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
     cols = 4 // tile.quad_pair_rows
     if tile.quad_pair_rows not in (1, 2) or tile.block_m % (8 * cols) or head_dim % (8 * cols):
         return False
+    if tile.out_split > 1 and (dq_atomic or head_dim % (32 * tile.out_split) or head_dim % (8 * cols * tile.out_split)):
+        return False
     if dq_atomic:
         dq_rows = tile.block_m // tile.warps // 8
         if dq_rows not in (1, 2, 4) or head_dim % (8 * (4 // dq_rows)):
