@@ -189,7 +189,11 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     64: BwdTile(1, 8, 64), 80: BwdTile(2, 4, 32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(1, 8, 64, kv_in_smem=True, dq_atomic=False), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     128: BwdTile(1, 8, 32, kv_in_smem=True, dq_atomic=False),
-    256: BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),  # HD256_SM70
+    # d 129-256: 2x2, 64 keys x 16 queries, 4 warps, K/V in smem, lean, dK/dV split over 2 CTAs (each recomputes S
+    # and dP; dQ from the dQ kernel): 218-230 registers, spill-free, 97,408 B, 1 CTA (4 warps) per SM (no d256 tile
+    # has 8); also the sm_80+ tile (both modes: 208-220 registers on sm_90, spill-free). docs/performance.md,
+    # "head_dim 256"
+    256: BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
 # sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
 # emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
@@ -214,8 +218,10 @@ DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_
     112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32),
     256: FwdTile(2, 1, 4, 16, q_in_smem=True),  # 237-244 registers, spill-free, 97,280 B: 4 warps per SM
 }
-DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True),
-                                         256: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+DQ_TILES_EMULATED: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True),
+    256: FwdTile(2, 1, 4, 16, q_in_smem=True),  # the sm_70 tile: 233-247 registers on sm_90, spill-free
+}
 
 
 def _pick(table: dict, head_dim: int):
