@@ -79,7 +79,7 @@ FWD_TILES_EMULATED: dict[int, FwdTile] = {
     # 3 CTAs per SM (the cap of 168 registers is spill-free; uncapped, NVRTC 13 takes 171 registers and 2 CTAs
     # fit): 13.7-14.8 TFLOP/s on an H100 against 11.2-12.9 uncapped (docs/bench/fwd_sweep_h100_occupancy.md)
     128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True),
-    256: FwdTile(2, 1, 8, 16, q_in_smem=True),  # the sm_70 tile: 225-242 registers on sm_90, spill-free
+    256: FwdTile(2, 1, 8, 16, q_in_smem=True),  # the sm_70 tile: 223-246 registers on sm_90, spill-free
 }
 
 
