@@ -361,7 +361,8 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
     pool: dict = {}
     for table_name in ("BWD_TILES_SM70", "BWD_TILES_EMULATED", "BWD_TILES_EMULATED_FP16"):
         for d, tile in getattr(tiles, table_name).items():
-            plain = replace(tile, min_blocks_per_sm=1, min_blocks_emulated=1)
+            # (a dK/dV split over CTAs is head_dim 256's answer to its register need: unsplit here)
+            plain = replace(tile, min_blocks_per_sm=1, min_blocks_emulated=1, out_split=1)
             pool.setdefault(plain, f"{table_name}[{d}]")
     for block_m in (32, 64):
         pool.setdefault(tiles.BwdTile(1, 8, block_m, kv_in_smem=True), "1x4 + 8 warps + K/V in smem")
