@@ -10,6 +10,8 @@
 //   dV += (P^T * Z) dO,  dK += dS^T Q     (A = P^T / dS^T from registers, B = dO^T / Q^T from shared memory)
 //   dQ += dS K                             (dS through shared memory, B = K^T; fp32 atomics)
 // dV is scaled by 1 / (1 - p) and dK by softmax_scale at the end; dQ's scale is applied by the caller.
+// Split tiles (KT::kOutSplit > 1, no dQ atomics): the CTA of slice blockIdx.z computes S^T and dP^T in full and
+// dV, dK for head_dim columns [slice * kOutDim, (slice + 1) * kOutDim) only, from the slice's rows of dO^T / Q^T.
 // FP16-ACC: dV, dK and dQ accumulate in fp16 within a query block (then into fp32 accumulators / fp32
 // atomics). S^T and dP^T always accumulate in fp32: P = exp(S - lse) amplifies S's rounding and dP - D
 // cancels, and fp16 there doubles dQ's error (docs/accuracy.md); the softmax statistics and dS stay fp32.
@@ -42,7 +44,8 @@ struct BwdWarpGeometry {
     // First query (within the query block) of S^T tile nt of quad-pair column qp_n ^ x.
     __device__ __forceinline__ int stile_q0(int x, int nt) const { return ((qp_n ^ x) * KT::kSTilesPerQuadPair + nt) * 8; }
     __device__ __forceinline__ static constexpr int partner_lane_xor(int x) { return 4 * KT::kQuadPairRows * x; }
-    // head_dim column of dK / dV for physical column c of output tile ot (B = Q^T / dO^T rows, col-major).
+    // head_dim column (within the CTA's slice) of dK / dV for physical column c of output tile ot (B = Q^T / dO^T
+    // rows, col-major).
     __device__ __forceinline__ int o_col(int ot, int c) const { return qp_n * KT::kOColsPerQuadPair + 8 * ot + c; }
 };
 
@@ -362,20 +365,21 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
     }
 }
 
-// Q, dO (+ transposes), log2-domain lse and dsum of one query block into shared memory.
+// Q, dO (+ transposes of the slice's columns, from out_col0), log2-domain lse and dsum of one query block into
+// shared memory.
 template <class KT>
 __device__ __forceinline__ void bwd_load_query_block(const half_bits* q_base, long long q_row_stride,
                                                      const half_bits* do_base, long long do_row_stride,
                                                      const float* lse_base, const float* dsum_base, int m0,
-                                                     int seqlen_q, int tid, unsigned char* smem) {
+                                                     int seqlen_q, int tid, unsigned char* smem, int out_col0) {
     using QRows = typename KT::QRows;
     using QtRows = typename KT::QtRows;
-    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows>(q_base, q_row_stride, m0, seqlen_q, tid,
-                                                            reinterpret_cast<half_bits*>(smem + KT::kOffQ),
-                                                            reinterpret_cast<half_bits*>(smem + KT::kOffQt));
-    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows>(do_base, do_row_stride, m0, seqlen_q, tid,
-                                                            reinterpret_cast<half_bits*>(smem + KT::kOffDo),
-                                                            reinterpret_cast<half_bits*>(smem + KT::kOffDot));
+    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows, KT::kOutDim>(
+        q_base, q_row_stride, m0, seqlen_q, tid, reinterpret_cast<half_bits*>(smem + KT::kOffQ),
+        reinterpret_cast<half_bits*>(smem + KT::kOffQt), out_col0);
+    load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows, KT::kOutDim>(
+        do_base, do_row_stride, m0, seqlen_q, tid, reinterpret_cast<half_bits*>(smem + KT::kOffDo),
+        reinterpret_cast<half_bits*>(smem + KT::kOffDot), out_col0);
     float* lse2 = reinterpret_cast<float*>(smem + KT::kOffLse);
     float* dsum = reinterpret_cast<float*>(smem + KT::kOffDsum);
     for (int i = tid; i < KT::kBlockM; i += KT::kThreads) {
@@ -385,11 +389,13 @@ __device__ __forceinline__ void bwd_load_query_block(const half_bits* q_base, lo
     }
 }
 
-// One of dK / dV (times `scale`) to global memory: staged in shared memory, written in 16-byte rows.
+// One of dK / dV (times `scale`) to global memory: staged in shared memory, written in 16-byte rows (the slice's
+// columns, from `out` + out_col0).
 template <class KT>
 __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTilesPerQuadPair][8], float scale,
                                                    const BwdWarpGeometry<KT>& g, int n0, int seqlen_k, int tid,
-                                                   unsigned char* smem, half_bits* out, long long out_stride) {
+                                                   unsigned char* smem, half_bits* out, long long out_stride,
+                                                   int out_col0) {
     half_bits* stage = reinterpret_cast<half_bits*>(smem);
     __syncthreads();  // shared memory is free (the last query block, or the previous output)
 #pragma unroll
@@ -401,8 +407,9 @@ __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTile
             *reinterpret_cast<u32*>(stage + row * KT::kRowStride + col) = pack_half2(src[ot][i] * scale, src[ot][i + 1] * scale);
         }
     __syncthreads();
-    for (int chunk = tid; chunk < KT::kBlockN * KT::kChunksPerRow; chunk += KT::kThreads) {
-        const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+    if (KT::kOutSplit > 1) out += out_col0;
+    for (int chunk = tid; chunk < KT::kBlockN * KT::kOutChunksPerRow; chunk += KT::kThreads) {
+        const int row = chunk / KT::kOutChunksPerRow, col = (chunk % KT::kOutChunksPerRow) * 8;
         if (n0 + row < seqlen_k)
             store_global_16B(out + (long long)(n0 + row) * out_stride + col, load_shared_16B(stage + row * KT::kRowStride + col));
     }
@@ -435,6 +442,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     const SequenceExtent seq(prm, batch);
     const int n0 = n_block * KT::kBlockN;
     if (n0 >= seq.seqlen_k) return;
+    const int out_col0 = KT::kOutSplit > 1 ? (int)blockIdx.z * KT::kOutDim : 0;  // the slice's first dK / dV column
     const int tid = threadIdx.x;
     const VisibleKeys vis(prm, seq);
     const BwdWarpGeometry<KT> g(tid, n0);
@@ -488,7 +496,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
                                         alibi_slope_log2(prm, batch, head_it)};
                 __syncthreads();  // the previous block's tiles (and dS) are no longer read
                 bwd_load_query_block<KT>(hp.q, prm.q_row_stride, hp.dout, bp.do_row_stride, hp.lse, hp.dsum, m0,
-                                         seq.seqlen_q, tid_it, smem);
+                                         seq.seqlen_q, tid_it, smem, out_col0);
                 __syncthreads();
                 const bool needs_mask = !vis.tile_is_full(m0, min(m0 + KT::kBlockM, seq.seqlen_q), n0, n0 + KT::kBlockN);
                 bwd_query_block<KT>(st_it, m0, needs_mask, tid_it, hp.dq, bp.dq_row_stride, seq.seqlen_q);
@@ -496,7 +504,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
             }
             __syncthreads();  // the previous block's tiles (and dS) are no longer read
             bwd_load_query_block<KT>(q_base, prm.q_row_stride, do_base, bp.do_row_stride, lse_base, dsum_base, m0,
-                                     seq.seqlen_q, tid, smem);
+                                     seq.seqlen_q, tid, smem, out_col0);
             __syncthreads();
             const bool needs_mask = !vis.tile_is_full(m0, min(m0 + KT::kBlockM, seq.seqlen_q), n0, n0 + KT::kBlockN);
             bwd_query_block<KT>(st, m0, needs_mask, tid, dq_base, bp.dq_row_stride, seq.seqlen_q);
@@ -506,7 +514,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     // dK * softmax_scale and dV * 1 / (1 - p), staged in shared memory, written in 16-byte rows
     half_bits* dk_base = bp.dk + batch * bp.dk_batch_stride + seq.k_start * bp.dk_row_stride + kv_head * bp.dk_head_stride;
     half_bits* dv_base = bp.dv + batch * bp.dv_batch_stride + seq.k_start * bp.dv_row_stride + kv_head * bp.dv_head_stride;
-    bwd_write_key_rows<KT>(acc.dk, bp.softmax_scale, g, n0, seq.seqlen_k, tid, smem, dk_base, bp.dk_row_stride);
+    bwd_write_key_rows<KT>(acc.dk, bp.softmax_scale, g, n0, seq.seqlen_k, tid, smem, dk_base, bp.dk_row_stride,
+                           out_col0);
     bwd_write_key_rows<KT>(acc.dv, KT::kDropout ? prm.dropout_rescale : 1.f, g, n0, seq.seqlen_k, tid, smem, dv_base,
-                           bp.dv_row_stride);
+                           bp.dv_row_stride, out_col0);
 }

@@ -141,9 +141,12 @@ struct FwdKernelTraits {
 // kQuadPairRows (along keys) x kQuadPairCols (along queries in S^T, along head_dim in dK and dV).
 // dQ = dS K is computed by all warps from dS in shared memory, each warp owning kDqRowsPerWarp queries, and
 // added into an fp32 buffer with atomics (DQ_ATOMIC; the deterministic path computes dQ in its own kernel).
+// OUT_SPLIT > 1: OUT_SPLIT CTAs (blockIdx.z, the slice) share one key block, each accumulating kOutDim =
+// head_dim / OUT_SPLIT columns of dK and dV; every one of them computes the full S^T and dP^T (head_dim 256,
+// whose dK / dV accumulators do not fit one CTA's registers; docs/performance.md, "head_dim 256").
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
           bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false,
-          bool SOFTCAP = false>
+          bool SOFTCAP = false, int OUT_SPLIT = 1>
 struct BwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -171,7 +174,9 @@ struct BwdKernelTraits {
     static constexpr int kBlockN = kWarps * kRowsPerWarp;    // keys per CTA
     static constexpr int kBlockM = BLOCK_M;                  // queries per iteration
     static constexpr int kSTilesPerQuadPair = kBlockM / 8 / kQuadPairCols;
-    static constexpr int kOColsPerQuadPair = kHeadDim / kQuadPairCols;  // dK / dV columns per quad-pair
+    static constexpr int kOutSplit = OUT_SPLIT;
+    static constexpr int kOutDim = kHeadDim / kOutSplit;     // dK / dV columns of one CTA (its slice)
+    static constexpr int kOColsPerQuadPair = kOutDim / kQuadPairCols;  // dK / dV columns per quad-pair
     static constexpr int kOTilesPerQuadPair = kOColsPerQuadPair / 8;
     static constexpr int kQRegs = kHeadDim / 2;
 
@@ -195,7 +200,7 @@ struct BwdKernelTraits {
     static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
     static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart) && const_is_pow2(kOColsPerQuadPair);
     using QRows = TileRows<kHeadDim + 8, const_log2(kSRowsApart), k1x4Layout ? 32 : 0>;  // Q, dO [query][head_dim]
-    using QtRows = TileRows<kBlockM + (k1x4Layout ? 16 : 8), 2, k1x4Layout ? 8 : 0,  // Q^T, dO^T [head_dim][query]
+    using QtRows = TileRows<kBlockM + (k1x4Layout ? 16 : 8), 2, k1x4Layout ? 8 : 0,  // Q^T, dO^T [kOutDim][query]
                             const_log2(kOColsPerQuadPair), k1x4Layout ? 8 : 0>;
     // 2x2 tiles with K / V in shared memory (A operands): the two quad-pairs of a quarter-warp read K / V rows 8
     //   apart (the warp's two 8-key tiles) and store dS at key chunks c, c + 1: K / V get 4 chunks before rows 8,
@@ -209,9 +214,9 @@ struct BwdKernelTraits {
                             k1x4Layout ? 32 : 0>;
     using KvRows = TileRows<kHeadDim + 8, 3, k2x2SmemLayout ? 32 : 0, 4, k2x2SmemLayout ? -32 : 0>;  // K, V
     using Vector = TileVector<k1x4Layout ? 4 : 0>;                                          // lse, dsum
-    static constexpr int kRowStride = kHeadDim + 8;    // halves: the dK / dV staging tile (plain rows)
+    static constexpr int kRowStride = kOutDim + 8;     // halves: the dK / dV staging tile (plain rows)
     static constexpr int kQTileBytes = QRows::bytes(kBlockM);
-    static constexpr int kQtTileBytes = QtRows::bytes(kHeadDim);
+    static constexpr int kQtTileBytes = QtRows::bytes(kOutDim);  // the slice's columns of Q / dO, transposed
     static constexpr int kKtTileBytes = KtRows::bytes(kHeadDim);
     static constexpr int kDsTileBytes = DsRows::bytes(kBlockM);
     static constexpr int kKvTileBytes = kKvInSmem ? KvRows::bytes(kBlockN) : 0;
@@ -230,12 +235,17 @@ struct BwdKernelTraits {
     static constexpr int kSmemBytes = const_max(kOffDsum + kVectorBytes, kOStageBytes);
 
     static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kOutChunksPerRow = kOutDim / 8;  // of dK / dV rows
     static constexpr int kQTileChunks = kBlockM * kChunksPerRow;
     static constexpr int kChunksPerThread = (kQTileChunks + kThreads - 1) / kThreads;
 
     static_assert(QUAD_PAIR_ROWS == 2 || QUAD_PAIR_ROWS == 1, "backward quad-pairs are arranged 2x2 or 1x4");
     static_assert(kBlockM % (8 * kQuadPairCols) == 0, "query block must split over the quad-pair columns");
-    static_assert(kHeadDim % (8 * kQuadPairCols) == 0, "head_dim must split over the quad-pair columns");
+    static_assert(kHeadDim % (8 * kQuadPairCols * kOutSplit) == 0, "head_dim must split over the quad-pair columns");
+    static_assert(kOutSplit == 1 || !kDqAtomic, "split dK / dV tiles take dQ from the dQ kernel (no atomics)");
+    // (the loaders transpose only the slice's columns, in warp-uniform branches: whole groups of 4 chunks)
+    static_assert(kOutSplit == 1 || (kOutChunksPerRow % 4 == 0 && kChunksPerRow % 4 == 0),
+                  "a dK / dV slice must be a multiple of 32 columns");
     static_assert(!kDqAtomic || (kDqQuadPairRows == 1 || kDqQuadPairRows == 2 || kDqQuadPairRows == 4),
                   "dQ rows per warp must be 8, 16 or 32");
     static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols) == 0, "head_dim must split over dQ quad-pairs");

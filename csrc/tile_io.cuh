@@ -5,9 +5,16 @@
 // A [rows][head_dim] block from global memory into shared memory (if `rows` is given; layout Rows, a TileRows) and
 // its transpose [head_dim][rows] (if `transposed` is given; layout Transposed): groups of eight lanes read eight
 // consecutive rows of one 8-column chunk, store them, transpose them across the group and store the columns.
-template <class KT, int kRows, class Rows, class Transposed>
+// kTransposedCols < head_dim: only columns [transposed_col0, transposed_col0 + kTransposedCols) are transposed
+// (rows 0.. of `transposed`); both multiples of 32, so that a warp's four 8-column chunks (consecutive, starting at
+// a multiple of 4 chunks) are all in the range or all out of it and the transposes' shuffles stay warp-uniform.
+template <class KT, int kRows, class Rows, class Transposed, int kTransposedCols = KT::kChunksPerRow * 8>
 __device__ __forceinline__ void load_rows_and_transpose(const half_bits* base, long long row_stride, int row0,
-                                                        int row_limit, int tid, half_bits* rows, half_bits* transposed) {
+                                                        int row_limit, int tid, half_bits* rows, half_bits* transposed,
+                                                        int transposed_col0 = 0) {
+    constexpr bool kAllColumns = kTransposedCols == KT::kChunksPerRow * 8;
+    static_assert(kAllColumns || (kTransposedCols % 32 == 0 && KT::kChunksPerRow % 4 == 0),
+                  "a transposed column range must be whole groups of 32 columns");
     constexpr int kChunks = kRows * KT::kChunksPerRow;
 #pragma unroll
     for (int c = 0; c < (kChunks + KT::kThreads - 1) / KT::kThreads; ++c) {
@@ -18,9 +25,17 @@ __device__ __forceinline__ void load_rows_and_transpose(const half_bits* base, l
         u32x4 v = (in_tile && row0 + row < row_limit) ? load_global_16B(base + (long long)(row0 + row) * row_stride + col)
                                                        : zero_u32x4();
         if (in_tile && rows != nullptr) store_shared_16B(rows + Rows::offset(row) + col, v);
-        if (transposed != nullptr) {
-            transpose_8x8_halves(v, tid & 31);
-            if (in_tile) store_shared_16B(transposed + Transposed::offset(col + (chunk & 7)) + (row & ~7), v);
+        if constexpr (kAllColumns) {
+            if (transposed != nullptr) {
+                transpose_8x8_halves(v, tid & 31);
+                if (in_tile) store_shared_16B(transposed + Transposed::offset(col + (chunk & 7)) + (row & ~7), v);
+            }
+        } else {
+            const int tcol = col - transposed_col0;
+            if (transposed != nullptr && tcol >= 0 && tcol < kTransposedCols) {  // warp-uniform (see above)
+                transpose_8x8_halves(v, tid & 31);
+                if (in_tile) store_shared_16B(transposed + Transposed::offset(tcol + (chunk & 7)) + (row & ~7), v);
+            }
         }
     }
 }

@@ -199,11 +199,14 @@ def latency_bound(warps_per_sched: float, tensor_cycles: float, instructions: fl
     return PEAK_TFLOPS * warps_per_sched * tensor_cycles / (instructions * interval)
 
 
-def deterministic_pass_rate(dkdv_tflops: float, dq_tflops: float) -> float:
-    """Backward TFLOP/s (5 useful GEMMs) when the dK/dV kernel runs 4 GEMMs and the dQ kernel 3."""
+def deterministic_pass_rate(dkdv_tflops: float, dq_tflops: float, out_split: int = 1) -> float:
+    """Backward TFLOP/s (5 useful GEMMs) when the dK/dV kernel runs 4 GEMMs and the dQ kernel 3. A dK/dV tile split
+    over ``out_split`` CTAs (tiles.BwdTile.out_split) runs 2 * out_split + 2: each CTA recomputes S^T and dP^T."""
     if dkdv_tflops <= 0 or dq_tflops <= 0:
         raise ValueError(f"dkdv_tflops={dkdv_tflops}, dq_tflops={dq_tflops}: both must be > 0")
-    return 5.0 / (4.0 / dkdv_tflops + 3.0 / dq_tflops)
+    if out_split < 1:
+        raise ValueError(f"out_split={out_split}: accepted: 1 or more")
+    return 5.0 / ((2.0 * out_split + 2.0) / dkdv_tflops + 3.0 / dq_tflops)
 
 
 def cutlass_estimate(entry: dict, interval: float = ISSUE_INTERVAL) -> dict:
@@ -335,6 +338,8 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
     cols = 4 // tile.quad_pair_rows
     if tile.quad_pair_rows not in (1, 2) or tile.block_m % (8 * cols) or head_dim % (8 * cols):
         return False
+    if tile.out_split > 1 and (dq_atomic or head_dim % (32 * tile.out_split) or head_dim % (8 * cols * tile.out_split)):
+        return False
     if dq_atomic:
         dq_rows = tile.block_m // tile.warps // 8
         if dq_rows not in (1, 2, 4) or head_dim % (8 * (4 // dq_rows)):
@@ -356,7 +361,8 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
     pool: dict = {}
     for table_name in ("BWD_TILES_SM70", "BWD_TILES_EMULATED", "BWD_TILES_EMULATED_FP16"):
         for d, tile in getattr(tiles, table_name).items():
-            plain = replace(tile, min_blocks_per_sm=1, min_blocks_emulated=1)
+            # (a dK/dV split over CTAs is head_dim 256's answer to its register need: unsplit here)
+            plain = replace(tile, min_blocks_per_sm=1, min_blocks_emulated=1, out_split=1)
             pool.setdefault(plain, f"{table_name}[{d}]")
     for block_m in (32, 64):
         pool.setdefault(tiles.BwdTile(1, 8, block_m, kv_in_smem=True), "1x4 + 8 warps + K/V in smem")
@@ -550,9 +556,9 @@ def pass_rows(kernels: list[Kernel]) -> list[dict]:
                 row[f"fwd_{view}"] = fwd.views[view]["tflops_estimate"]
                 row[f"fwd_bound_{view}"] = fwd.views[view]["tflops_bound"]
                 row[f"bwd_det_{view}"] = deterministic_pass_rate(det.views[view]["tflops_estimate"],
-                                                                 dq.views[view]["tflops_estimate"])
+                                                                 dq.views[view]["tflops_estimate"], tile.out_split)
                 row[f"bwd_det_bound_{view}"] = deterministic_pass_rate(det.views[view]["tflops_bound"],
-                                                                       dq.views[view]["tflops_bound"])
+                                                                       dq.views[view]["tflops_bound"], tile.out_split)
                 src = atomic or None
                 row[f"bwd_{view}"] = src.views[view]["tflops_estimate"] if src else row[f"bwd_det_{view}"]
                 row[f"bwd_bound_{view}"] = src.views[view]["tflops_bound"] if src else row[f"bwd_det_bound_{view}"]
@@ -575,7 +581,7 @@ def pass_rate(k: Kernel, dq: Kernel | None, view: str, interval: float, conflict
     atomics followed by the dQ kernel ``dq``."""
     rate = kernel_rate(k, view, interval, conflict_free)
     if k.pass_name == "bwd_dkdv" and not k.dq_atomic:
-        rate = deterministic_pass_rate(rate, kernel_rate(dq, view, interval, conflict_free))
+        rate = deterministic_pass_rate(rate, kernel_rate(dq, view, interval, conflict_free), k.meta["tile"].out_split)
     return rate
 
 

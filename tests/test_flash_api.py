@@ -214,7 +214,7 @@ def fake_kernel(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("head_dim, padded", [(59, 64), (7, 16), (111, 112), (64, 64)])
+@pytest.mark.parametrize("head_dim, padded", [(59, 64), (7, 16), (111, 112), (64, 64), (200, 256), (129, 256)])
 def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded, rng, caplog):
     q, k, v = _qkv(rng, 2, 19, 23, 4, 2, head_dim)
     with caplog.at_level(logging.INFO, logger="volta_train"):
@@ -248,7 +248,9 @@ def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel,
     assert torch.allclose(out_kernel, out, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
 
 
-def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, rng, caplog):
+def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, monkeypatch, rng, caplog):
+    """A head_dim above every kernel head_dim (here: a kernel package built up to 128) runs on the reference."""
+    monkeypatch.setattr(tiles, "SUPPORTED_HEAD_DIMS", tuple(d for d in tiles.SUPPORTED_HEAD_DIMS if d <= 128))
     q, k, v = _qkv(rng, 1, 5, 5, 2, 2, 200, requires_grad=False)
     with caplog.at_level(logging.INFO, logger="volta_train"):
         volta_train.flash_attn_func(q, k, v)

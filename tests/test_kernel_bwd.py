@@ -213,7 +213,10 @@ def test_small_model_under_compile_and_checkpointing(mode, monkeypatch):
 
 @pytest.mark.parametrize("tile", [tiles.BwdTile(1, 4, 32), tiles.BwdTile(1, 8, 64), tiles.BwdTile(2, 4, 32),
                                   tiles.BwdTile(1, 4, 32, kv_in_smem=True),
-                                  tiles.BwdTile(2, 4, 32, kv_in_smem=True, lean=True)], ids=repr)
+                                  tiles.BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+                                  # head_dim 64 split over two CTAs (32 dK/dV columns each; head_dim 256's design)
+                                  tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
+                                  tiles.BwdTile(1, 4, 32, kv_in_smem=True, dq_atomic=False, out_split=2)], ids=repr)
 def test_every_backward_tile(tile):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 333, 301, 4, 2, 64, gen)
@@ -244,9 +247,10 @@ def test_alibi_gradients(deterministic, causal):
 
 def _sm70_tile_id(head_dim):
     tile = tiles.BWD_TILES_SM70[head_dim]
-    return "d{}_qp{}x{}_n{}_m{}{}{}{}".format(head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n,
-                                           tile.block_m, "_kvsmem" if tile.kv_in_smem else "",
-                                           "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel")
+    return "d{}_qp{}x{}_n{}_m{}{}{}{}{}".format(head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n,
+                                             tile.block_m, "_kvsmem" if tile.kv_in_smem else "",
+                                             "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel",
+                                             f"_split{tile.out_split}" if tile.out_split > 1 else "")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])

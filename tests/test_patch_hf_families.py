@@ -318,14 +318,19 @@ def test_softcap_runs_on_the_reference_backend_where_the_api_has_it():
     assert_grads_close(grads, ref_grads)
 
 
-def test_head_dim_outside_the_kernel_range_runs_on_the_reference_backend(caplog):
-    """head_dim 256 (Gemma's): accepted, logged as reference-backend work, equal to eager."""
-    model = build("gemma", head_dim=256)
+@pytest.mark.parametrize("head_dim,logged", [(256, None), (200, "head_dim 200 is zero-padded to 256")])
+def test_head_dims_up_to_256_are_kernel_head_dims(caplog, head_dim, logged):
+    """head_dim 256 (Gemma's) is one of the kernel's head dims; 200 is padded to it (logged at patch()); neither is
+    sent to the reference backend for its head_dim; both equal to eager (here, on CPU, the reference backend runs
+    every call)."""
+    model = build("gemma", head_dim=head_dim)
     ids, mask = tokens(), padding_mask("right")
     ref_logits, ref_grads = run(model, ids, mask)
     with caplog.at_level(logging.INFO, logger="volta_train"):
         volta_train.patch(model)
-    assert any("head_dim 256 runs on the reference backend" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any(f"head_dim {head_dim} runs on the reference backend" in m for m in messages), messages
+    assert logged is None or any(logged in m for m in messages), messages
     logits, grads = run(model, ids, mask)
     assert_close(logits, ref_logits, "logits")
     assert_grads_close(grads, ref_grads)

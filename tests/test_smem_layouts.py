@@ -47,7 +47,7 @@ def _dq_shape(v) -> bm.FwdShape:
 def _shape(v) -> bm.BwdShape:
     t = v.meta["tile"]
     return bm.BwdShape(v.meta["head_dim"], t.quad_pair_rows, t.warps, t.block_m, v.meta["accum_f16"],
-                       "_dqatomic" in v.name, t.kv_in_smem, t.lean)
+                       "_dqatomic" in v.name, t.kv_in_smem, t.lean, t.out_split)
 
 
 # --- the C++ constants against the mirror (NVRTC static_asserts; no GPU) ---------------------------------------------
@@ -144,21 +144,22 @@ def _writes(s, L):
 
     cpr = s.head_dim // 8
 
-    def rows_and_transpose(rows_n, rows, trans):
+    def rows_and_transpose(rows_n, rows, trans, trans_cols):
         for chunk in range(rows_n * cpr):
             group8 = chunk >> 3
             row, col = 8 * (group8 // cpr) + (chunk & 7), (group8 % cpr) * 8
             if rows:
                 put((rows, row, col), L[rows].addr(row, col))
-            if trans:  # after the 8x8 transpose: head_dim column col + (chunk & 7), rows (row & ~7) .. + 7
+            if trans and col < trans_cols:  # after the 8x8 transpose: column col + (chunk & 7), rows (row & ~7) .. + 7
+                # (split tiles: the columns of slice 0; another slice's are these, moved by its first column)
                 d = col + (chunk & 7)
                 if (trans, d, row & ~7) not in out:
                     put((trans, d, row & ~7), L[trans].addr(d, row & ~7))
 
-    rows_and_transpose(s.block_m, "q", "qt")
-    rows_and_transpose(s.block_m, "do", "dot")
+    rows_and_transpose(s.block_m, "q", "qt", s.out_dim)
+    rows_and_transpose(s.block_m, "do", "dot", s.out_dim)
     if s.dq_atomic:
-        rows_and_transpose(s.block_n, None, "kt")
+        rows_and_transpose(s.block_n, None, "kt", s.head_dim)
         for tid, lane in _lanes(s):  # dS^T -> dS: key_in_block is the quad-pair's 8-key tile
             for nt in range(s.s_tiles):
                 q = s.stile_q0(lane, 0, nt) + _op_row(lane)
@@ -292,3 +293,22 @@ def test_q_tiles_read_what_load_q_wrote(variant, traits):
                 for kk in range(cpr):
                     addr = tile_row + 16 * lay.row_chunk(a * 8 * s.quad_pair_rows) + 16 * kk
                     assert writes[(name, row, 8 * kk)] == addr, (name, tid, a, kk)
+
+
+def test_split_tiles_transpose_their_slice_in_warp_uniform_branches():
+    """load_rows_and_transpose with a column range (split dK/dV tiles): the transposes' shuffles run only where the
+    chunk is in the slice, so every warp's chunks of one iteration must be all in or all out of it, for every
+    slice; and the slices together transpose every column once."""
+    split = [v for v, _ in _dkdv_variants() if v.meta["tile"].out_split > 1]
+    assert split, "no shipped split tile (head_dim 256)"
+    for v in split:
+        s = _shape(v)
+        cpr, out_chunks = s.head_dim // 8, s.out_dim // 8
+        n = s.block_m * cpr
+        covered = []
+        for c in range((n + s.threads - 1) // s.threads):
+            for w in range(s.warps):
+                slices = {(((w * 32 + lane + c * s.threads) >> 3) % cpr) // out_chunks for lane in range(32)}
+                assert len(slices) == 1, (v.name, c, w, slices)
+            covered += [(chunk >> 3) % cpr for chunk in range(c * s.threads, min(n, (c + 1) * s.threads))]
+        assert sorted(set(covered)) == list(range(cpr))

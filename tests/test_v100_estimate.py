@@ -121,6 +121,10 @@ def test_view_estimate_is_the_smaller_of_pipe_bound_and_latency_bound():
 def test_deterministic_pass_rate_weights_the_seven_gemms():
     assert ve.deterministic_pass_rate(70.0, 70.0) == pytest.approx(50.0)  # 5 useful GEMMs of 7 executed
     assert ve.deterministic_pass_rate(40.0, 60.0) == pytest.approx(5 / (4 / 40 + 3 / 60))
+    # a dK/dV tile split over 2 CTAs (head_dim 256): each recomputes S^T and dP^T, 6 GEMMs in the dK/dV kernel
+    assert ve.deterministic_pass_rate(40.0, 60.0, out_split=2) == pytest.approx(5 / (6 / 40 + 3 / 60))
+    with pytest.raises(ValueError, match="out_split"):
+        ve.deterministic_pass_rate(40.0, 60.0, out_split=0)
     with pytest.raises(ValueError, match="dq_tflops"):
         ve.deterministic_pass_rate(40.0, 0.0)
 

@@ -193,8 +193,12 @@ def _warps(threads: int, fn) -> list[list[int | None]]:
 
 
 def _load_rows_and_transpose(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int,
-                             rows: RowLayout | None, transposed: RowLayout | None, times: int) -> None:
+                             rows: RowLayout | None, transposed: RowLayout | None, times: int,
+                             transposed_cols: int | None = None) -> None:
+    """transposed_cols: only head_dim columns [0, transposed_cols) are transposed (a split tile's slice 0; the
+    warps of the other chunks skip the transposes)."""
     chunks_per_row = head_dim // 8
+    transposed_cols = head_dim if transposed_cols is None else transposed_cols
     n_chunks = rows_n * chunks_per_row
     for c in range((n_chunks + threads - 1) // threads):
         def geo(tid):
@@ -203,14 +207,18 @@ def _load_rows_and_transpose(p: Prediction, name: str, rows_n: int, head_dim: in
             row = 8 * (group8 // chunks_per_row) + (chunk & 7)
             col = (group8 % chunks_per_row) * 8
             return chunk < n_chunks, chunk, row, col
+        def transposed_addr(tid):
+            ok, ch, r, col = geo(tid)
+            return transposed.addr(col + (ch & 7), r & ~7) if ok and col < transposed_cols else None
         if rows is not None:
             p.add(f"{name}.rows", "st", 16,
                   _warps(threads, lambda tid: (lambda ok, ch, r, col: rows.addr(r, col) if ok else None)(*geo(tid))),
                   times)
         if transposed is not None:
-            p.add(f"{name}.transposed", "st", 16, _warps(
-                threads, lambda tid: (lambda ok, ch, r, col: transposed.addr(col + (ch & 7), r & ~7) if ok else None)(
-                    *geo(tid))), times)
+            warp_addrs = _warps(threads, transposed_addr)
+            if transposed_cols < head_dim:  # warps without a chunk of the slice branch around the store
+                warp_addrs = [w for w in warp_addrs if any(a is not None for a in w)]
+            p.add(f"{name}.transposed", "st", 16, warp_addrs, times)
 
 
 def _chunk_rc(chunk: int, cpr: int, groups8: bool) -> tuple[int, int]:
@@ -462,6 +470,15 @@ class BwdShape(_QuadPairGeometry):
     dq_atomic: bool = False
     kv_in_smem: bool = False
     lean: bool = False
+    out_split: int = 1  # CTAs per key block, each with head_dim / out_split columns of dK / dV (slice 0 modelled)
+
+    @property
+    def out_dim(self):  # BwdKernelTraits::kOutDim: the dK / dV columns of one CTA
+        return self.head_dim // self.out_split
+
+    @property
+    def o_cols(self):  # dK / dV columns per quad-pair column (of the CTA's slice)
+        return self.out_dim // self.qp_cols
 
     @property
     def rows_per_warp(self):
@@ -532,7 +549,7 @@ A_ROWS_8_APART = ((3, 4), (4, -4))
 
 def bwd_tile_rows(s: BwdShape) -> dict:
     """Rows of each tile the dK/dV kernel's shared memory holds (vectors: elements)."""
-    rows = {"q": s.block_m, "do": s.block_m, "qt": s.head_dim, "dot": s.head_dim, "lse": s.block_m,
+    rows = {"q": s.block_m, "do": s.block_m, "qt": s.out_dim, "dot": s.out_dim, "lse": s.block_m,
             "dsum": s.block_m}
     if s.dq_atomic:
         rows.update(kt=s.head_dim, ds=s.block_m)
@@ -559,7 +576,7 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
     L = {"q": RowLayout(0, c + 1), "do": RowLayout(0, c + 1), "qt": RowLayout(0, cm + 1),
          "dot": RowLayout(0, cm + 1), "kt": RowLayout(0, cn + 1), "ds": RowLayout(0, cn + 1),
          "k": RowLayout(0, c + 1), "v": RowLayout(0, c + 1), "lse": VectorLayout(0), "dsum": VectorLayout(0),
-         "o_stage": RowLayout(0, c + 1)}
+         "o_stage": RowLayout(0, s.out_dim // 8 + 1)}
     if not plain and bwd_1x4_layout(s):
         # 1x4: quad-pairs of a quarter-warp read Q / dO rows 8 * S-tiles apart, Q^T / dO^T rows o_cols apart at
         # chunks c and c ^ 2, lse / dsum 16 queries apart, and store dS rows 8 * S-tiles apart
@@ -608,8 +625,8 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
     if s.dq_atomic:
         _load_rows_and_transpose(p, "kt.fill", s.block_n, s.head_dim, T, None, L["kt"], 1)
     # per query block: loads of Q, dO (+ transposes), lse, dsum
-    _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], L["qt"], blocks)
-    _load_rows_and_transpose(p, "do.fill", s.block_m, s.head_dim, T, L["do"], L["dot"], blocks)
+    _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], L["qt"], blocks, s.out_dim)
+    _load_rows_and_transpose(p, "do.fill", s.block_m, s.head_dim, T, L["do"], L["dot"], blocks, s.out_dim)
     for name in ("lse", "dsum"):
         for c in range((s.block_m + T - 1) // T):
             wa = _warps(T, lambda tid: L[name].addr(tid + c * T) if tid + c * T < s.block_m else None)
@@ -670,8 +687,8 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
                 for i in range(0, 8, 2):
                     p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
                         s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
-        _row_major_drain(p, "kv_stage.ld", s.block_n, s.head_dim, T, L["o_stage"], 1)
-    return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH)
+        _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1)
+    return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH * s.out_split)
 
 
 # --- from the tile tables --------------------------------------------------------------------------------------------
@@ -695,7 +712,8 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
         return predict_dq(shape, layouts)
     if dq_atomic is None:
         raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
-    shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean)
+    shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean,
+                     tile.out_split)
     if plain:
         layouts = {**bwd_layouts(shape, plain=True), **(layouts or {})}
     return predict_dkdv(shape, layouts)

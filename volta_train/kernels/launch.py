@@ -154,8 +154,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     _set_strides(bp, "dq", dq_target, varlen)
 
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, params.softcap > 0)
-    _kernel(variant, q.device).launch((bp.num_n_blocks, batch * nheads_kv), tile.threads, variant.dynamic_smem_bytes,
-                                      [bp])
+    # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
+    grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
+    _kernel(variant, q.device).launch(grid, tile.threads, variant.dynamic_smem_bytes, [bp])
     if use_atomics:
         return (dq_accum * params.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)

@@ -76,7 +76,7 @@ def unsupported_reason(call: CallDescription) -> str | None:
     if call.head_dim not in SUPPORTED_HEAD_DIMS:
         return (
             f"head_dim {call.head_dim}: the Volta kernel supports {', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
-            "(head_dim 256 needs more registers per thread than a V100 has)"
+            "(the dispatcher zero-pads other head dims up to 256 to the next of them)"
         )
     if not call.aligned:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"

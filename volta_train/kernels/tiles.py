@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .nvrtc import normalize_arch
 from .variants import PROBE_VARIANT, KernelVariant
 
-SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 V100_SMEM_PER_BLOCK = 96 * 1024
 
 
@@ -68,6 +68,9 @@ FWD_TILES_SM70: dict[int, FwdTile] = {
     64: FwdTile(2, 1, 4, 32, min_blocks_per_sm=3),                   # fp32 unchanged (155 regs), fp16 171 -> 160 regs
     96: FwdTile(2, 1, 4, 16, min_blocks_per_sm=3, q_in_smem=True),   # d 80, 96: est. 52-55 vs 41-43 (fp32)
     128: FwdTile(2, 1, 4, 16, min_blocks_per_sm=3, q_in_smem=True),  # d 112, 128: est. 54-56 vs 39-41 (fp32)
+    # d 129-256: 2x2, 128x16, 8 warps, Q in shared memory (in registers it would take 128 of them): 231-240
+    # registers, spill-free, 88 KB: one CTA of 8 warps per SM (12 warps do not fit: docs/performance.md, "head_dim 256")
+    256: FwdTile(2, 1, 8, 16, q_in_smem=True),
 }
 FWD_TILES_EMULATED: dict[int, FwdTile] = {
     # measured 14.4-15.6 TFLOP/s (d 16-64); the register cap of 4 CTAs per SM spills 20 B on sm_90 and is
@@ -76,6 +79,7 @@ FWD_TILES_EMULATED: dict[int, FwdTile] = {
     # 3 CTAs per SM (the cap of 168 registers is spill-free; uncapped, NVRTC 13 takes 171 registers and 2 CTAs
     # fit): 13.7-14.8 TFLOP/s on an H100 against 11.2-12.9 uncapped (docs/bench/fwd_sweep_h100_occupancy.md)
     128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True),
+    256: FwdTile(2, 1, 8, 16, q_in_smem=True),  # the sm_70 tile: 223-246 registers on sm_90, spill-free
 }
 
 
@@ -86,6 +90,7 @@ FWD_TILES_EMULATED: dict[int, FwdTile] = {
 FWD_TILES_EMULATED_CAUSAL: dict[int, FwdTile] = {
     64: FwdTile(2, 1, 4, 16, min_blocks_emulated=4, q_in_smem=True),
     128: FwdTile(2, 1, 4, 16, min_blocks_emulated=3, q_in_smem=True, split_masked=True),
+    256: FwdTile(2, 1, 8, 16, q_in_smem=True),
 }
 
 
@@ -142,6 +147,16 @@ class BwdTile:
     # register-lean code path (BwdKernelTraits LEAN): for 2x2 tiles of head_dim 96/128 on sm_70, whose dK/dV
     # accumulators leave little room (docs/performance.md, "Backward tile choice")
     lean: bool = False
+    # CTAs per key block (BwdKernelTraits OUT_SPLIT, grid z), each accumulating head_dim / out_split columns of dK
+    # and dV and recomputing S and dP in full: head_dim 256 (docs/performance.md, "head_dim 256"); > 1 needs
+    # dq_atomic=False (dQ from the dQ kernel)
+    out_split: int = 1
+
+    def __post_init__(self) -> None:
+        if self.out_split < 1:
+            raise ValueError(f"BwdTile out_split={self.out_split}; accepted: 1 or more")
+        if self.out_split > 1 and self.dq_atomic:
+            raise ValueError(f"BwdTile out_split={self.out_split} needs dq_atomic=False (dQ from the dQ kernel)")
 
     @property
     def block_n(self) -> int:
@@ -156,7 +171,7 @@ class BwdTile:
         from .bank_model import BwdShape, bwd_layouts, bwd_smem_bytes
 
         shape = BwdShape(head_dim, self.quad_pair_rows, self.warps, self.block_m, dq_atomic=dq_atomic,
-                         kv_in_smem=self.kv_in_smem, lean=self.lean)
+                         kv_in_smem=self.kv_in_smem, lean=self.lean, out_split=self.out_split)
         return bwd_smem_bytes(shape, bwd_layouts(shape))
 
 
@@ -174,6 +189,11 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     64: BwdTile(1, 8, 64), 80: BwdTile(2, 4, 32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(1, 8, 64, kv_in_smem=True, dq_atomic=False), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
     128: BwdTile(1, 8, 32, kv_in_smem=True, dq_atomic=False),
+    # d 129-256: 2x2, 64 keys x 16 queries, 4 warps, K/V in smem, lean, dK/dV split over 2 CTAs (each recomputes S
+    # and dP; dQ from the dQ kernel): 218-230 registers, spill-free, 97,408 B, 1 CTA (4 warps) per SM (no d256 tile
+    # has 8); also the sm_80+ tile (both modes: 208-220 registers on sm_90, spill-free). docs/performance.md,
+    # "head_dim 256"
+    256: BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
 # sm_80+ (emulated m8n8k4): from the measured backward sweep, per accumulation mode (fp16 accumulation is
 # emulated more slowly, 13.4 vs 17.0 TFLOP/s, and prefers other shapes).
@@ -196,8 +216,12 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
 DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
     64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
     112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32),
+    256: FwdTile(2, 1, 4, 16, q_in_smem=True),  # 237-244 registers, spill-free, 97,280 B: 4 warps per SM
 }
-DQ_TILES_EMULATED: dict[int, FwdTile] = {64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True)}
+DQ_TILES_EMULATED: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 4, 32, q_in_smem=True), 128: FwdTile(2, 1, 4, 16, q_in_smem=True),
+    256: FwdTile(2, 1, 4, 16, q_in_smem=True),  # the sm_70 tile: 233-247 registers on sm_90, spill-free
+}
 
 
 def _pick(table: dict, head_dim: int):
@@ -239,7 +263,10 @@ def _flag(b: bool) -> str:
 
 def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool,
                 softcap: bool = False) -> KernelVariant:
-    tail = f", {_flag(tile.lean)}, true" if softcap else (", true" if tile.lean else "")
+    if tile.out_split > 1:
+        tail = f", {_flag(tile.lean)}, {_flag(softcap)}, {tile.out_split}"
+    else:
+        tail = f", {_flag(tile.lean)}, true" if softcap else (", true" if tile.lean else "")
     expression = (
         f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
         f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
@@ -248,7 +275,8 @@ def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq
     return KernelVariant(
         name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
         f"{'_softcap' if softcap else ''}{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
-        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}",
+        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}"
+        f"{f'_split{tile.out_split}' if tile.out_split > 1 else ''}",
         sources=("flash_bwd.cu",),
         name_expressions=(expression,),
         dynamic_smem_bytes=tile.smem_bytes(head_dim, dq_atomic),

@@ -325,6 +325,13 @@ def kernel_head_dims() -> tuple[int, ...]:
     return tuple(SUPPORTED_HEAD_DIMS)
 
 
+def _kernel_head_dim(head_dim: int) -> int | None:
+    """The kernel head_dim the dispatcher pads head_dim to; None: the reference backend runs it."""
+    from ..._dispatch import kernel_head_dim
+
+    return kernel_head_dim(head_dim)
+
+
 def _softcap_of(module: nn.Module, config: Any) -> float | None:
     for owner in (module, config):
         value = getattr(owner, "attn_logit_softcapping", None)
@@ -419,10 +426,17 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
             model_type, window, layers, len(modules), int(window) - 1,
         )
     for head_dim, owner in reference_dims.items():
-        logger.info(
-            "volta_train.patch: %s head_dim %d runs on the reference backend: the Volta kernel supports head_dim %s",
-            owner, head_dim, ", ".join(map(str, supported_dims)),
-        )
+        padded = _kernel_head_dim(head_dim)
+        if padded is not None:
+            logger.info(
+                "volta_train.patch: %s head_dim %d is zero-padded to %d for the Volta kernel (it supports head_dim %s)",
+                owner, head_dim, padded, ", ".join(map(str, supported_dims)),
+            )
+        else:
+            logger.info(
+                "volta_train.patch: %s head_dim %d runs on the reference backend: the Volta kernel supports head_dim %s",
+                owner, head_dim, ", ".join(map(str, supported_dims)),
+            )
     return modules
 
 
