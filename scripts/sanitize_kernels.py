@@ -40,7 +40,7 @@ TOOLS = ("racecheck", "initcheck", "memcheck", "synccheck")
 TABLES = ("default", "sm70")
 
 
-def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
+def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[int, ...] = ()) -> int:
     import torch
 
     from volta_train import _reference
@@ -50,6 +50,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True) -> int:
     torch.manual_seed(0)
     dev = "cuda"
     head_dims = tiles.SUPPORTED_HEAD_DIMS[:2] if quick else tiles.SUPPORTED_HEAD_DIMS
+    head_dims = tuple(d for d in head_dims if not only or d in only)
     failures: list[str] = []
     calls = 0
 
@@ -174,7 +175,7 @@ _RACE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?
 _OURS = re.compile(r"^=========\s+at .*flash_(fwd|bwd)", re.M)
 
 
-def _run_tool(tool: str, table: str, out: Path, quick: bool, timeout_s: float | None) -> dict:
+def _run_tool(tool: str, table: str, out: Path, quick: bool, timeout_s: float | None, only: list[str]) -> dict:
     """One compute-sanitizer process over one table's workload.
 
     racecheck, memcheck and synccheck check volta_train's kernels only (``--kernel-name kns=flash_``). initcheck checks
@@ -191,7 +192,7 @@ def _run_tool(tool: str, table: str, out: Path, quick: bool, timeout_s: float | 
         options = ["--kernel-name", "kns=flash_"]
         workload = []
     cmd = ["compute-sanitizer", "--tool", tool, *options, "--print-limit", "200",
-           sys.executable, __file__, "--workload", "--tables", table, *workload] + (["--quick"] if quick else [])
+           sys.executable, __file__, "--workload", "--tables", table, *workload, *only] + (["--quick"] if quick else [])
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1" if tool == "memcheck" else "0")
     start = time.time()
     try:
@@ -225,6 +226,7 @@ def main() -> int:
     parser.add_argument("--tables", default=",".join(TABLES))
     parser.add_argument("--workload", action="store_true", help="run the kernel workload only (no sanitizer)")
     parser.add_argument("--quick", action="store_true", help="two head dims only (a smoke run)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[], help="only these head dims (default: all)")
     parser.add_argument("--no-check", action="store_true", help="workload without the reference comparisons")
     parser.add_argument("--tool-timeout", type=float, default=None, help="seconds each sanitizer process may run")
     parser.add_argument("--precompile-only", action="store_true", help="compile both tables' variants and exit")
@@ -242,21 +244,22 @@ def main() -> int:
         if table not in TABLES:
             parser.error(f"--tables: {table!r}; accepted: {', '.join(TABLES)}")
     if args.workload:
-        return _workload(tables, args.quick, check=not args.no_check)
+        return _workload(tables, args.quick, check=not args.no_check, only=tuple(args.head_dims))
     tools = [t for t in args.tools.split(",") if t]
     for tool in tools:
         if tool not in TOOLS:
             parser.error(f"--tools: {tool!r}; accepted: {', '.join(TOOLS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     # compile every variant once, outside the sanitizer, so the checked runs load from the kernel cache
-    warm = subprocess.run([sys.executable, __file__, "--workload", "--tables", ",".join(tables)]
+    only = ["--head-dims", *map(str, args.head_dims)] if args.head_dims else []
+    warm = subprocess.run([sys.executable, __file__, "--workload", "--tables", ",".join(tables), *only]
                           + (["--quick"] if args.quick else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     (args.out / "workload_plain.log").write_text(warm.stdout)
     print(warm.stdout.strip().splitlines()[-1] if warm.stdout.strip() else "workload printed nothing", flush=True)
     jobs = [(tool, table) for tool in tools for table in tables]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: _run_tool(*job, args.out, args.quick, args.tool_timeout), jobs))
+        results = list(pool.map(lambda job: _run_tool(*job, args.out, args.quick, args.tool_timeout, only), jobs))
     (args.out / "sanitizer.json").write_text(json.dumps({"plain_exit": warm.returncode, "results": results}, indent=2))
     lines = ["| tool | table | kernel calls | result | wrong results | exit | seconds |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
