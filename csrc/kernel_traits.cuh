@@ -18,6 +18,7 @@
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int const_log2(int n) { return n > 1 ? 1 + const_log2(n / 2) : 0; }
 __host__ __device__ constexpr bool const_is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+__host__ __device__ constexpr int const_trailing_zeros(int n) { return n > 0 && (n & 1) == 0 ? 1 + const_trailing_zeros(n / 2) : 0; }
 
 // Layout of a shared-memory tile of rows (of halves, in 16-byte chunks): row r starts at half
 //   offset(r) = r * PITCH + GAP1 * (r >> SHIFT1) + GAP2 * (r >> SHIFT2)
@@ -190,18 +191,21 @@ struct BwdKernelTraits {
     // Shared memory (halves; rows padded by 16 B). Layouts (TileRows, TileVector above; mirrored by
     // volta_train/kernels/bank_model.py bwd_layouts, which tiles.py's smem_bytes uses):
     // 1x4 tiles: the two quad-pairs of a quarter-warp read the B rows of S^T (Q, dO) 8 * S-tiles rows apart, the rows
-    //   of dK's / dV's B (Q^T, dO^T) kOColsPerQuadPair rows apart at chunks c and c ^ 2, lse / dsum 16 queries
-    //   apart, and store dS 8 * S-tiles rows apart: Q / dO get 4 chunks after every 8 * S-tiles rows; Q^T / dO^T a
-    //   pitch of C + 2 chunks, one chunk more after every 4 rows and after every kOColsPerQuadPair rows; lse / dsum
-    //   4 words after every 32; dS 4 chunks after every 8 * S-tiles rows.
+    //   of dK's / dV's B (Q^T, dO^T) kOColsPerQuadPair rows apart at chunks S-tiles apart, lse / dsum 8 * S-tiles
+    //   queries apart, and store dS 8 * S-tiles rows apart: Q / dO get 4 chunks after every 8 * S-tiles rows; lse /
+    //   dsum 4 words after every 32; dS 4 chunks after every 8 * S-tiles rows (8 * S-tiles a power of two). Q^T /
+    //   dO^T: a pitch of C + 2 chunks (C even) puts a quad's four rows on chunks of one parity, one chunk more after
+    //   every 4 rows flips it for the next four (the transposed writers store 8 rows), and the partner quad-pair's
+    //   rows land on the other parity when kOColsPerQuadPair / 4 + S-tiles is odd; else one more chunk after every
+    //   2^z rows, z the trailing zeros of kOColsPerQuadPair (an odd count of them between the partners).
     // dQ atomics on 1x4 dQ quad-pairs (8 queries per warp): K^T rows kDqColsPerQuadPair apart, a gap every 8 rows.
-    //   (The gaps come every power-of-two rows: 1x4 tiles with other row distances keep plain rows.)
     // Other tiles: plain rows (gaps 0).
     static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
-    static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart) && const_is_pow2(kOColsPerQuadPair);
+    static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart);
+    static constexpr bool kQtPartnerGap = kQuadPairRows == 1 && (kOColsPerQuadPair / 4 + kSTilesPerQuadPair) % 2 == 0;
     using QRows = TileRows<kHeadDim + 8, const_log2(kSRowsApart), k1x4Layout ? 32 : 0>;  // Q, dO [query][head_dim]
-    using QtRows = TileRows<kBlockM + (k1x4Layout ? 16 : 8), 2, k1x4Layout ? 8 : 0,  // Q^T, dO^T [kOutDim][query]
-                            const_log2(kOColsPerQuadPair), k1x4Layout ? 8 : 0>;
+    using QtRows = TileRows<kBlockM + (kQuadPairRows == 1 ? 16 : 8), 2, kQuadPairRows == 1 ? 8 : 0,  // Q^T, dO^T
+                            const_trailing_zeros(kOColsPerQuadPair), kQtPartnerGap ? 8 : 0>;   // [kOutDim][query]
     // 2x2 tiles with K / V in shared memory (A operands): the two quad-pairs of a quarter-warp read K / V rows 8
     //   apart (the warp's two 8-key tiles) and store dS at key chunks c, c + 1: K / V get 4 chunks before rows 8,
     //   24, 40, ... (4 * ((r >> 3) - (r >> 4)): the second 8-row tile of every 16 rows moves half a 128-byte line;

@@ -563,9 +563,9 @@ def _pow2(n: int) -> bool:
 
 
 def bwd_1x4_layout(s: BwdShape) -> bool:
-    """Whether the tile takes the 1x4 layout (BwdKernelTraits::k1x4Layout: 1x4 quad-pairs whose row distances,
-    8 * S-tiles and o_cols, are powers of two, so that every gap comes after a power-of-two number of rows)."""
-    return s.quad_pair_rows == 1 and _pow2(8 * s.s_tiles) and _pow2(s.o_cols)
+    """Whether the tile takes the 1x4 row layout (BwdKernelTraits::k1x4Layout: 1x4 quad-pairs whose row distance
+    8 * S-tiles is a power of two, so that every gap comes after a power-of-two number of rows)."""
+    return s.quad_pair_rows == 1 and _pow2(8 * s.s_tiles)
 
 
 def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
@@ -583,11 +583,16 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
         shift = log2_exact(8 * s.s_tiles)
         for name in ("q", "do"):
             L[name] = replace(L[name], gaps=((shift, 4),))
-        for name in ("qt", "dot"):
-            L[name] = replace(L[name], pitch=cm + 2, gaps=((2, 1), (log2_exact(s.o_cols), 1)))
         L["lse"] = replace(L["lse"], pad=4)
         L["dsum"] = replace(L["dsum"], pad=4)
         L["ds"] = replace(L["ds"], gaps=((shift, 4),))
+    if not plain and s.quad_pair_rows == 1:
+        # 1x4: Q^T / dO^T rows o_cols apart at query chunks S-tiles apart: pitch C + 2, a chunk every 4 rows, and one
+        # every 2^z rows (z: trailing zeros of o_cols) when o_cols / 4 + S-tiles is even (BwdKernelTraits::QtRows)
+        tz = (s.o_cols & -s.o_cols).bit_length() - 1
+        gaps = ((2, 1), (tz, 1)) if (s.o_cols // 4 + s.s_tiles) % 2 == 0 else ((2, 1),)
+        for name in ("qt", "dot"):
+            L[name] = replace(L[name], pitch=cm + 2, gaps=gaps)
     if not plain and s.quad_pair_rows == 2 and s.kv_in_smem:
         # 2x2, K / V as A operands from shared memory: quad-pairs of a quarter-warp read rows 8 apart (the warp's
         # two 8-key tiles), store dS at key chunks c, c + 1
