@@ -67,7 +67,7 @@ __host__ __device__ constexpr int launch_min_blocks(int sm70, int emulated) {
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
           int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false,
-          bool SOFTCAP = false>
+          bool SOFTCAP = false, bool SPLIT_KV = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -87,6 +87,10 @@ struct FwdKernelTraits {
     // causal waste, more registers), or one loop for all blocks (see flash_fwd_kernel.cuh).
     static constexpr bool kSplitMaskedLoop = SPLIT_MASKED_LOOP;
     static constexpr bool kSoftcap = SOFTCAP;  // logit soft-capping (softcap.cuh)
+    // The split-KV decoding kernel (flash_fwd_splitkv_kernel, SplitKvParams): per-batch key lengths, a K/V batch
+    // map, key splits over grid z with fp32 partial outputs; warps whose rows see none of a key block skip its
+    // tensor-core work. Only the decoding tiles set it (volta_train/kernels/tiles.py DECODE_TILES_*).
+    static constexpr bool kSplitKv = SPLIT_KV;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;
