@@ -419,7 +419,7 @@ class TableCall:
     """
 
     table: str
-    pass_name: str  # "fwd" or "bwd"
+    pass_name: str  # "fwd", "bwd" or "decode" (decode_calls)
     head_dim: int
     causal: bool
     accum: str  # the forward's accum or the backward's bwd_accum: "fp32" or "fp16"
@@ -442,7 +442,9 @@ class TableCall:
         """Keyword arguments for launch.forward / launch.backward: the tiles of table "sm70", none for "default"."""
         if self.table == "default":
             return {}
-        return {"tile": self.tile} if self.pass_name == "fwd" else {"tile": self.tile, "dq_tile": self.dq_tile}
+        if self.pass_name in ("fwd", "decode"):  # launch.forward, decode.forward_with_kvcache
+            return {"tile": self.tile}
+        return {"tile": self.tile, "dq_tile": self.dq_tile}
 
 
 def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(False, True), dropout=(False, True),
@@ -489,6 +491,22 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
                 kept.append(call)
                 seen |= keys
         calls = kept
+    return calls
+
+
+def decode_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, softcap=SOFTCAP_CHOICES) -> list[TableCall]:
+    """The flash_attn_with_kvcache calls (volta_train/kernels/decode.py forward_with_kvcache) that launch every
+    shipped decoding variant of table on a GPU of arch: one per head_dim and soft-capping setting (fp32 accumulation,
+    no dropout; ``causal`` False, for the caller to set)."""
+    if table not in TILE_TABLES:
+        raise ValueError(f"table {table!r}; accepted: {', '.join(TILE_TABLES)}")
+    table_arch = 70 if table == "sm70" else normalize_arch(arch)
+    calls = []
+    for cap in softcap:
+        for head_dim in head_dims:
+            tile = decode_tile(head_dim, table_arch)
+            calls.append(TableCall(table, "decode", head_dim, False, "fp32", False, False, tile, None,
+                                   (decode_variant(head_dim, tile, cap),), cap))
     return calls
 
 
