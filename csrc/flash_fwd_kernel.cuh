@@ -260,10 +260,11 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
     __syncthreads();  // next K visible; every warp is done with this V block
 }
 
-// One CTA of the forward kernel (Params = AttentionParams) or of the split-KV decoding kernel (SplitKvParams, whose
-// overloads of SequenceExtent, kv_batch_of and split_key_blocks read its extra fields).
-template <class KT, class Params>
-__device__ __forceinline__ void fwd_attention_cta(const Params& prm) {
+// The kernel. KT::Params is AttentionParams, or with SPLIT_KV the decoding kernel's SplitKvParams (volta_train/kernels/
+// decode.py; grid (query blocks, batch * heads, splits) or (batch * heads, query blocks, splits)), whose overloads of
+// SequenceExtent, kv_batch_of and split_key_blocks read its extra fields.
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const typename KT::Params prm) {
     extern __shared__ __align__(16) unsigned char smem[];
     half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
@@ -347,16 +348,3 @@ __device__ __forceinline__ void fwd_attention_cta(const Params& prm) {
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);
 }
 
-template <class KT>
-__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const AttentionParams prm) {
-    static_assert(!KT::kSplitKv, "SPLIT_KV tiles run as flash_fwd_splitkv_kernel");
-    fwd_attention_cta<KT>(prm);
-}
-
-// The split-KV decoding kernel (volta_train/kernels/decode.py): grid (query blocks, batch * heads, splits) or
-// (batch * heads, query blocks, splits); see SplitKvParams.
-template <class KT>
-__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_splitkv_kernel(const SplitKvParams prm) {
-    static_assert(KT::kSplitKv, "flash_fwd_splitkv_kernel needs a SPLIT_KV tile");
-    fwd_attention_cta<KT>(prm);
-}

@@ -50,7 +50,7 @@ struct BackwardParams {
     int num_n_blocks;  // key blocks per (batch, kv head)
 };
 
-// The split-KV decoding kernel's parameters (flash_fwd_splitkv_kernel, FwdKernelTraits SPLIT_KV): AttentionParams
+// The split-KV decoding kernel's parameters (flash_fwd_kernel of a FwdKernelTraits with SPLIT_KV): AttentionParams
 // with the KV-cache fields appended after its last field (a derived struct: the same bytes as AttentionParams, then
 // these), so that AttentionParams and BackwardParams, which embeds it, keep their layout and every other kernel its
 // code. volta_train/kernels/params.py SplitKvKernelParams mirrors it. Dense batches only (cu_seqlens_* null).

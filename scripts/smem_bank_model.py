@@ -30,7 +30,7 @@ GOAL = 1.05
 
 
 def sm70_variants() -> dict:
-    """The sm_70 variants without soft-capping; the decoding kernels (flash_fwd_splitkv_kernel) move K, V^T, Q and O
+    """The sm_70 variants without soft-capping; the decoding kernels (SPLIT_KV) move K, V^T, Q and O
     through the forward's shared-memory tiles, so they are modelled as forward kernels of their tile."""
     variants = {}
     for v in tiles.shipped_variants(70):

@@ -109,7 +109,7 @@ def test_decode_tiles_cover_every_head_dim(arch):
         assert tile.smem_bytes(head_dim) <= tiles.V100_SMEM_PER_BLOCK
         for softcap in (False, True):
             variant = tiles.decode_variant(head_dim, tile, softcap)
-            assert variant.name_expressions[0].startswith("flash_fwd_splitkv_kernel<")
+            assert variant.name_expressions[0].startswith("flash_fwd_kernel<")
             assert variant.name_expressions[0].endswith(", true>>")  # SPLIT_KV, the last template flag
             names.add(variant.name)
     shipped = {v.name for v in tiles.shipped_variants(arch)}
@@ -299,7 +299,7 @@ def _case_id(c):
 
 
 # --- the Python side against an emulated kernel (CPU) -------------------------------------------------------------------
-# decode.forward_with_kvcache with the launch replaced by a float64 model of flash_fwd_splitkv_kernel that reads and
+# decode.forward_with_kvcache with the launch replaced by a float64 model of the SPLIT_KV kernel that reads and
 # writes the memory SplitKvParams points to, as csrc/params.cuh documents it: checks the packing views, the strides,
 # the partial buffers' layout, the combine and the unpacking without a GPU.
 
@@ -467,3 +467,32 @@ def test_decode_through_the_api_matches_the_reference_backend(monkeypatch):
     assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
+# --- the decoding benchmark's arithmetic (CPU) -----------------------------------------------------------------------
+
+
+def _bench_decode():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_counts_and_table():
+    bench = _bench_decode()
+    assert bench.decode_flops(8, 32, 4096, 128) == 4 * 8 * 32 * 4096 * 128
+    assert bench.kv_bytes(8, 8, 4096, 128) == 2 * 8 * 8 * 4096 * 128 * 2  # K and V, fp16, read once
+    assert bench.input_sets_for(2 * 2**20, 100.0) == 50 and bench.input_sets_for(2**30, 100.0) == 1
+    assert bench.input_sets_for(1.0, 100.0) == 64
+    args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
+    assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
+    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
+               ms=0.0125, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+               gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
+    table = bench.markdown([row], args, {"gpu": "test"})
+    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way

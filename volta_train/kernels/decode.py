@@ -1,8 +1,8 @@
 """flash_attn_with_kvcache on the Volta kernel: the split-KV decoding path.
 
 The append of the new keys/values into the caches and the rotary embedding run in PyTorch, shared with the reference
-backend (``volta_train._reference.kvcache_append``). Attention runs ``flash_fwd_splitkv_kernel`` (csrc/flash_fwd_kernel.cuh,
-parameters csrc/params.cuh ``SplitKvParams``) on a decoding tile (``tiles.decode_tile``):
+backend (``volta_train._reference.kvcache_append``). Attention runs the forward kernel built with ``SPLIT_KV``
+(csrc/flash_fwd_kernel.cuh, parameters csrc/params.cuh ``SplitKvParams``) on a decoding tile (``tiles.decode_tile``):
 
 * **GQA packing** (:func:`pack_gqa`): with one query per batch entry, no ALiBi and no left window, every query head
   of a KV group sees the same keys, so the group's heads become the rows (M) of one CTA: a zero-copy strided view of

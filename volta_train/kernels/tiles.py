@@ -349,8 +349,8 @@ def shipped_fwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHO
 # Decoding has 1-16 query rows per (batch, head) (after GQA packing: the query heads of one KV group), far fewer than
 # the forward's 64-row tiles. Its tiles hold 16 rows: 2x2 quad-pairs, one warp (the smallest CTA that a 2x2 tile,
 # which fits every head_dim % 16 == 0, allows), Q in shared memory, 32 keys per block up to head_dim 64 and 16 above
-# (K/V staging: 4-8 16-byte chunks per thread). They run flash_fwd_splitkv_kernel (FwdKernelTraits SPLIT_KV,
-# csrc/params.cuh SplitKvParams), fp32 accumulation, no dropout, with and without soft-capping. sm_70 (NVRTC 12.9):
+# (K/V staging: 4-8 16-byte chunks per thread). They run flash_fwd_kernel built with FwdKernelTraits SPLIT_KV
+# (csrc/params.cuh SplitKvParams), fp32 accumulation, no dropout, with and without soft-capping. sm_70 (NVRTC 12.9):
 # 115-246 registers, no spills, 6-16 CTAs (warps) per V100 SM, 6-24 KB of K/V loads in flight per SM (a V100 needs
 # ~6 KB at 900 GB/s); the rows are in docs/performance.md ("Decoding"). Candidates that spilled at d128 on sm_70: 1x4
 # with 2 warps (Q in registers or in smem, 128-168 registers: 60-552 B), 2x2 one warp with 32 keys (296 B).
@@ -369,7 +369,7 @@ def decode_tile(head_dim: int, arch: int = 70) -> FwdTile:
 
 def decode_name_expression(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f16: bool = False) -> str:
     return (
-        f"flash_fwd_splitkv_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
+        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
         f"{tile.block_n}, {_flag(accum_f16)}, false, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
         f"{_flag(tile.q_in_smem)}, {_flag(tile.split_masked)}, {_flag(softcap)}, true>>"
     )
