@@ -160,7 +160,7 @@ def test_split_kv_params_mirror_the_cuda_struct():
     nvrtc.compile_program("\n".join(lines) + "\n", ["params_check_kernel"], 70, (), [csrc_dir()], "params_check.cu")
 
 
-# --- GPU ---------------------------------------------------------------------------------------------------------------
+# --- GPU -------------------------------------------------------------------------------------------------------------
 
 TABLES = ("default", "sm70")
 
@@ -187,9 +187,11 @@ def _case(batch, seqlen_q, h, hk, d, *, seqlen_cache=333, new=0, seqlens=None, b
              v_cache=rnd(batch_cache, seqlen_cache, hk, d), k=rnd(batch, new, hk, d) if new else None,
              v=rnd(batch, new, hk, d) if new else None, rotary_cos=None, rotary_sin=None,
              cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
-             cache_batch_idx=torch.randperm(batch_cache, generator=gen, device=device)[:batch].int() if batch_idx else None,
-             cache_leftpad=None, alibi_slopes=(torch.rand(batch, h, generator=gen, device=device) * 0.5) if alibi else None,
-             rotary_interleaved=rotary != "neox")
+             cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None, rotary_interleaved=rotary != "neox")
+    if batch_idx:
+        c["cache_batch_idx"] = torch.randperm(batch_cache, generator=gen, device=device)[:batch].int()
+    if alibi:
+        c["alibi_slopes"] = torch.rand(batch, h, generator=gen, device=device) * 0.5
     if leftpad:
         c["cache_leftpad"] = torch.tensor([random.randint(0, n) for n in seqlens], dtype=torch.int32, device=device)
     if rotary:
@@ -298,7 +300,7 @@ def _case_id(c):
             f"{'_leftpad' if pad else ''}")
 
 
-# --- the Python side against an emulated kernel (CPU) -------------------------------------------------------------------
+# --- the Python side against an emulated kernel (CPU) -----------------------------------------------------------------
 # decode.forward_with_kvcache with the launch replaced by a float64 model of the SPLIT_KV kernel that reads and
 # writes the memory SplitKvParams points to, as csrc/params.cuh documents it: checks the packing views, the strides,
 # the partial buffers' layout, the combine and the unpacking without a GPU.
@@ -313,7 +315,8 @@ def _flat(ptr: int, dtype: torch.dtype, count: int) -> torch.Tensor:
 
 class _EmulatedKernel:
     def __init__(self, variant):
-        self.d, self.block_n, self.softcap = variant.meta["head_dim"], variant.meta["tile"].block_n, variant.meta["softcap"]
+        meta = variant.meta
+        self.d, self.block_n, self.softcap = meta["head_dim"], meta["tile"].block_n, meta["softcap"]
 
     def launch(self, grid, threads, smem, args):
         (p,) = args
@@ -330,8 +333,9 @@ class _EmulatedKernel:
         q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, rows, heads))
         n_kv = heads // p.heads_per_kv
         kv_rows, kv_batches = max(used), max(kv_batch) + 1
-        k = _flat(p.k, torch.float16, span(p.k_batch_stride, p.k_row_stride, p.k_head_stride, kv_batches, kv_rows, n_kv))
-        v = _flat(p.v, torch.float16, span(p.v_batch_stride, p.v_row_stride, p.v_head_stride, kv_batches, kv_rows, n_kv))
+        k, v = (_flat(ptr, torch.float16, span(b, r, h, kv_batches, kv_rows, n_kv))
+                for ptr, b, r, h in ((p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride),
+                                     (p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride)))
         scale = p.scale_log2 / decode_log2e()
         cols = torch.arange(d)
         for b in range(batch):
@@ -370,10 +374,12 @@ class _EmulatedKernel:
                         _flat(p.o_partial, torch.float32, (base + rows) * d)[base * d:] = o.float().reshape(-1)
                         _flat(p.lse_partial, torch.float32, base + rows)[base:] = lse.float()
                     else:
-                        oi = b * p.o_batch_stride + h * p.o_head_stride + torch.arange(rows).view(-1, 1) * p.o_row_stride + cols
+                        oi = (b * p.o_batch_stride + h * p.o_head_stride + cols
+                              + torch.arange(rows).view(-1, 1) * p.o_row_stride)
                         _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = o.half()
                         li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
-                        _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = torch.where(torch.isinf(lse), math.inf, lse).float()
+                        lse = torch.where(torch.isinf(lse), math.inf, lse).float()  # the key-less convention
+                        _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse
 
 
 def decode_log2e() -> float:
