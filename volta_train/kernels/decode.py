@@ -78,17 +78,21 @@ def combine_splits(o_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[
 
 
 def _kernel_head_dim(head_dim: int) -> int:
-    fits = [d for d in tiles.SUPPORTED_HEAD_DIMS if d >= head_dim]
-    if not fits:
+    from .._dispatch import kernel_head_dim  # (the dispatcher imports this package)
+
+    d = kernel_head_dim(head_dim)
+    if d is None:
         raise ValueError(f"head_dim {head_dim}: the Volta decoding kernel supports {tiles.SUPPORTED_HEAD_DIMS}")
-    return min(fits)
+    return d
 
 
 def _for_kernel(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded or
-    aligned contiguous copy."""
+    """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded
+    (_dispatch.pad_head_dim) or aligned contiguous copy."""
+    from .._dispatch import pad_head_dim
+
     if t.shape[-1] != head_dim:
-        return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+        return pad_head_dim(t, head_dim)
     if tensors_aligned(t) and t.stride(-1) == 1:
         return t
     return t.clone(memory_format=torch.contiguous_format)
