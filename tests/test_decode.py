@@ -140,7 +140,7 @@ def _ctypes_kind(ctype) -> str:
             ctypes.c_uint: "i32", ctypes.c_float: "f32"}[ctype]
 
 
-def test_split_kv_params_mirror_the_cuda_struct():
+def test_split_kv_params_and_decode_smem_mirror_the_cuda_code():
     source = (csrc_dir() / "params.cuh").read_text()
     base = [(_ctypes_kind(t), n) for n, t in KernelParams._fields_]
     extra = [(_ctypes_kind(t), n) for n, t in SplitKvKernelParams._fields_]
@@ -153,10 +153,16 @@ def test_split_kv_params_mirror_the_cuda_struct():
     except Exception as error:  # noqa: BLE001 - no NVRTC here: nothing to compile with
         pytest.skip(f"no libnvrtc for sm_70: {error}")
     import ctypes
-    lines = ['#include "params.cuh"',
+    lines = ['#include "flash_fwd_kernel.cuh"',
              f'static_assert(sizeof(AttentionParams) == {ctypes.sizeof(KernelParams)}, "AttentionParams");',
-             f'static_assert(sizeof(SplitKvParams) == {ctypes.sizeof(SplitKvKernelParams)}, "SplitKvParams");',
-             "__global__ void params_check_kernel() {}"]
+             f'static_assert(sizeof(SplitKvParams) == {ctypes.sizeof(SplitKvKernelParams)}, "SplitKvParams");']
+    # the decoding tiles' shared memory as the launcher sizes it (FwdTile.smem_bytes) and as the kernel lays it out
+    variants = {v.name: v for arch in (70, 90) for v in tiles.shipped_decode_variants(arch)}
+    for n, v in enumerate(variants.values()):
+        traits = re.match(r"flash_fwd_kernel<(.*)>$", v.name_expressions[0]).group(1)
+        lines.append(f"using DT{n} = {traits};")
+        lines.append(f'static_assert(DT{n}::kSplitKv && DT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}");')
+    lines.append("__global__ void params_check_kernel() {}")
     nvrtc.compile_program("\n".join(lines) + "\n", ["params_check_kernel"], 70, (), [csrc_dir()], "params_check.cu")
 
 
