@@ -295,6 +295,8 @@ CASES = [
     (2, 1, 8, 2, 40, 1, True, (-1, -1), 0.0, False, "interleaved", False, False),  # head_dim 40 padded to 48
     (2, 1, 4, 1, 16, 0, False, (-1, -1), 0.0, False, None, False, False),
     (2, 16, 4, 2, 32, 1, False, (-1, -1), 0.0, False, None, False, False),
+    (3, 1, 16, 2, 256, 1, True, (-1, -1), 0.0, False, None, True, False),  # d256: the 1x4, 4-warp tile, 8 rows
+    (2, 16, 4, 2, 256, 5, True, (-1, -1), 10.0, False, "neox", False, True),  # d256, 16 rows: two warps active
 ]
 
 

@@ -349,16 +349,22 @@ def shipped_fwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHO
 # Decoding has 1-16 query rows per (batch, head) (after GQA packing: the query heads of one KV group), far fewer than
 # the forward's 64-row tiles. Its tiles hold 16 rows: 2x2 quad-pairs, one warp (the smallest CTA that a 2x2 tile,
 # which fits every head_dim % 16 == 0, allows), Q in shared memory, 32 keys per block up to head_dim 64 and 16 above
-# (K/V staging: 4-8 16-byte chunks per thread). They run flash_fwd_kernel built with FwdKernelTraits SPLIT_KV
-# (csrc/params.cuh SplitKvParams), fp32 accumulation, no dropout, with and without soft-capping. sm_70 (NVRTC 12.9):
-# 115-246 registers, no spills, 6-16 CTAs (warps) per V100 SM, 6-24 KB of K/V loads in flight per SM (a V100 needs
-# ~6 KB at 900 GB/s); the rows are in docs/performance.md ("Decoding"). Candidates that spilled at d128 on sm_70: 1x4
-# with 2 warps (Q in registers or in smem, 128-168 registers: 60-552 B), 2x2 one warp with 32 keys (296 B).
+# (K/V staging: 4-8 16-byte chunks per thread); head_dim 256 takes 32 rows (below). They run flash_fwd_kernel built
+# with FwdKernelTraits SPLIT_KV (csrc/params.cuh SplitKvParams), fp32 accumulation, no dropout, with and without
+# soft-capping. sm_70 (NVRTC 12.9): 114-246 registers, no spills, 6-16 CTAs (warps) per V100 SM up to head_dim 128,
+# 16-32 KB of K/V loads in flight per SM; the rows are in docs/performance.md ("Decoding"). Candidates that spilled
+# at d128 on sm_70: 1x4 with 2 warps (Q in registers or in smem, 128-168 registers: 60-552 B), 2x2 one warp with 32
+# keys (296 B).
 DECODE_TILES_SM70: dict[int, FwdTile] = {
     64: FwdTile(2, 1, 1, 32, q_in_smem=True),
     128: FwdTile(2, 1, 1, 16, q_in_smem=True),
+    # head_dim 256: the 2x2 one-warp tile spills 488 B (128 fp32 output registers per lane); 1x4 quad-pairs, 4 warps
+    # (32 rows; warps without rows skip the tensor-core work), 32 keys: 244 registers, no spills, 58 KB (1 CTA per
+    # V100 SM, 16 KB of K/V loads in flight)
+    256: FwdTile(1, 1, 4, 32, q_in_smem=True),
 }
-# The same tiles on sm_80+ (spill-free on sm_90 too: 222 / 241 registers at d64 / d128); not measured against others.
+# The same tiles on sm_80+ (spill-free on sm_90 too: 222 / 241 / 247 registers at d64 / d128 / d256); not measured
+# against others.
 DECODE_TILES_EMULATED: dict[int, FwdTile] = dict(DECODE_TILES_SM70)
 
 
