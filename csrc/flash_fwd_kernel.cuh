@@ -139,6 +139,50 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
     }
 }
 
+// The split-KV kernel's epilogue with several splits: the split's normalised output O / l (fp32, 0 where l = 0) and
+// log-sum-exp (natural log, -inf where the split saw no key) of every row < seqlen_q, straight from the registers to
+// o_part [row][head_dim] and lse_part [row] (SplitKvParams); decode.py combines the splits.
+template <class KT>
+__device__ __forceinline__ void fwd_split_epilogue(FwdAccumulators<KT>& acc, const FwdWarpGeometry<KT>& g, int seqlen_q,
+                                                   float* o_part, float* lse_part) {
+    using Layout = FwdFragmentLayout<KT>;
+    constexpr int kRowSlots = Layout::kRowSlots;
+    const LaneInQuadPair& lq = g.lq;
+#pragma unroll
+    for (int a = 0; a < KT::kMTiles; ++a) {
+        float inv_sum[kRowSlots];
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            const float l = acc.softmax.row_total(a, r);
+            inv_sum[r] = l > 0.f ? 1.f / l : 0.f;
+            const float lse = l > 0.f ? acc.softmax.lse(a, r, l) : neg_inf();
+            const bool writer = g.qp_n == 0 && (KT::kAccumF16 || (lq.t & 2) == 0);  // as in fwd_epilogue
+            const int row = g.mtile_row0(a) + Layout::slot_row(lq, r);
+            if (writer && row < seqlen_q) lse_part[row] = lse;
+        }
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {  // elements i, i + 1: one row, two adjacent columns
+                const int row = g.mtile_row0(a) + Layout::row(lq, i);
+                const int col = g.o_col(ot, Layout::phys_col(lq, i));
+                const float scale = inv_sum[Layout::row_slot(i)];
+                if (row < seqlen_q)
+                    store_global_f32x2(o_part + (long long)row * KT::kHeadDim + col, acc.o[a][ot][i] * scale,
+                                       acc.o[a][ot][i + 1] * scale);
+            }
+    }
+}
+
+// Key blocks [n_begin, n_end) of a CTA: all of them in the forward kernel; in the split-KV kernel only those of its
+// split (grid z), which may leave none.
+__device__ __forceinline__ void split_key_blocks(const AttentionParams&, int&, int&) {}
+__device__ __forceinline__ void split_key_blocks(const SplitKvParams& p, int& n_begin, int& n_end) {
+    const int first = (int)blockIdx.z * p.blocks_per_split;
+    n_begin = max(n_begin, first);
+    n_end = min(n_end, first + p.blocks_per_split);
+}
+
 // What one key-block step of a CTA works on (references into the kernel's registers and shared memory).
 template <class KT>
 struct FwdBlockState {
@@ -195,7 +239,8 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
     load_v_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
     // sm_80+ also skips empty warp tiles in the single loop: each emulated m8n8k4 costs ~100 instructions
     // there. sm_70 keeps the single loop's tensor-core work branch-free (the diagonal waste is a few %).
-    const bool may_skip = SKIP_EMPTY_WARPS || (kAccumulatorMajorMma && MAY_MASK && needs_mask);
+    // The split-KV decoding kernel skips them everywhere: its CTAs often hold fewer rows than kBlockM.
+    const bool may_skip = SKIP_EMPTY_WARPS || KT::kSplitKv || (kAccumulatorMajorMma && MAY_MASK && needs_mask);
     const int warp_row_end = min(st.g.warp_row0 + KT::kRowsPerWarp, st.seq.seqlen_q);
     const bool warp_active =
         !may_skip || (st.g.warp_row0 < warp_row_end &&
@@ -215,8 +260,11 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
     __syncthreads();  // next K visible; every warp is done with this V block
 }
 
+// The kernel. KT::Params is AttentionParams, or with SPLIT_KV the decoding kernel's SplitKvParams (volta_train/kernels/
+// decode.py; grid (query blocks, batch * heads, splits) or (batch * heads, query blocks, splits)), whose overloads of
+// SequenceExtent, kv_batch_of and split_key_blocks read its extra fields.
 template <class KT>
-__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const AttentionParams prm) {
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const typename KT::Params prm) {
     extern __shared__ __align__(16) unsigned char smem[];
     half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
@@ -234,8 +282,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     const VisibleKeys vis(prm, seq);
 
     const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
-    const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
-    const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
+    const int kv_batch = kv_batch_of(prm, batch);
+    const half_bits* k_base = prm.k + kv_batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
+    const half_bits* v_base = prm.v + kv_batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
     half_bits* o_base = prm.o + batch * prm.o_batch_stride + seq.q_start * prm.o_row_stride + head * prm.o_head_stride;
     float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
 
@@ -247,9 +296,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     acc.init();
 
     const int cta_row_end = min(m0 + KT::kBlockM, seq.seqlen_q);
-    const int n_begin = vis.first_key(m0) / KT::kBlockN;
+    int n_begin = vis.first_key(m0) / KT::kBlockN;
     const int key_end = vis.end_key(cta_row_end);
-    const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    split_key_blocks(prm, n_begin, n_end);
 
     // A CTA whose rows see no key (seqlen_q > seqlen_k under causal or a window) writes zeros and lse = +inf
     // and touches no shared memory before the epilogue: Q is loaded only where a key block follows. (Loading
@@ -285,6 +335,14 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
                 const bool needs_mask = !vis.tile_is_full(m0, cta_row_end, key0, key0 + KT::kBlockN);
                 fwd_key_block<KT, true, false>(st, n_block, n_block + 1 < n_end ? n_block + 1 : -1, needs_mask);
             }
+        }
+    }
+    if constexpr (KT::kSplitKv) {
+        if (prm.num_splits > 1) {
+            const int num_bh = prm.m_blocks_fastest ? (int)gridDim.y : (int)gridDim.x;
+            const long long part = ((long long)blockIdx.z * num_bh + bh) * seq.seqlen_q;
+            fwd_split_epilogue<KT>(acc, g, seq.seqlen_q, prm.o_partial + part * KT::kHeadDim, prm.lse_partial + part);
+            return;
         }
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);

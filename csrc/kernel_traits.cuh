@@ -13,9 +13,12 @@
 // kMTiles > 1 stacks more 8-row tiles per quad-pair so each K/V fragment read from shared memory
 // feeds kMTiles tensor-core instructions.
 #pragma once
-#include "vt_numeric.cuh"
+#include "params.cuh"
 
 __host__ __device__ constexpr int const_max(int a, int b) { return a > b ? a : b; }
+// type_if<B, T, F>::type: T if B, else F.
+template <bool B, class T, class F> struct type_if { using type = T; };
+template <class T, class F> struct type_if<false, T, F> { using type = F; };
 __host__ __device__ constexpr int const_log2(int n) { return n > 1 ? 1 + const_log2(n / 2) : 0; }
 __host__ __device__ constexpr bool const_is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 __host__ __device__ constexpr int const_trailing_zeros(int n) { return n > 0 && (n & 1) == 0 ? 1 + const_trailing_zeros(n / 2) : 0; }
@@ -68,7 +71,7 @@ __host__ __device__ constexpr int launch_min_blocks(int sm70, int emulated) {
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
           int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false,
-          bool SOFTCAP = false>
+          bool SOFTCAP = false, bool SPLIT_KV = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -88,6 +91,11 @@ struct FwdKernelTraits {
     // causal waste, more registers), or one loop for all blocks (see flash_fwd_kernel.cuh).
     static constexpr bool kSplitMaskedLoop = SPLIT_MASKED_LOOP;
     static constexpr bool kSoftcap = SOFTCAP;  // logit soft-capping (softcap.cuh)
+    // The split-KV decoding kernel (params SplitKvParams): per-batch key lengths, a K/V batch map, key splits over
+    // grid z with fp32 partial outputs; warps whose rows see none of a key block skip its tensor-core work. Only the
+    // decoding tiles set it (volta_train/kernels/tiles.py DECODE_TILES_*).
+    static constexpr bool kSplitKv = SPLIT_KV;
+    using Params = typename type_if<SPLIT_KV, SplitKvParams, AttentionParams>::type;  // flash_fwd_kernel's parameter
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;

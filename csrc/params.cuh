@@ -50,6 +50,33 @@ struct BackwardParams {
     int num_n_blocks;  // key blocks per (batch, kv head)
 };
 
+// The split-KV decoding kernel's parameters (flash_fwd_kernel of a FwdKernelTraits with SPLIT_KV): AttentionParams
+// with the KV-cache fields appended after its last field (a derived struct: the same bytes as AttentionParams, then
+// these), so that AttentionParams and BackwardParams, which embeds it, keep their layout and every other kernel its
+// code. volta_train/kernels/params.py SplitKvKernelParams mirrors it. Dense batches only (cu_seqlens_* null).
+// Batch entry b reads K/V batch k_batch_index[b], keys [leftpad_k[b], seqused_k[b]) of it, seen by the masks as keys
+// 0 .. seqused_k[b] - leftpad_k[b] - 1 (bottom-right aligned as ever). Grid z is the split: split s walks only the key
+// blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of its rows' visible range. With num_splits > 1 the kernel
+// writes, instead of o / lse, its normalised partial output and log-sum-exp (natural log, -inf where the split saw
+// no key), contiguous fp32 arrays indexed by (split, batch * nheads + head, row[, column]):
+//   o_partial   [num_splits, B, nheads, seqlen_q, head_dim],   lse_partial [num_splits, B, nheads, seqlen_q];
+// volta_train/kernels/decode.py combines them. With num_splits == 1 it writes o / lse like the forward kernel.
+struct SplitKvParams : AttentionParams {
+    const int* seqused_k;      // [B] one past the last key of entry b; null: seqlen_k
+    const int* k_batch_index;  // [B] K/V batch of entry b (cache_batch_idx); null: b
+    const int* leftpad_k;      // [B] first key of entry b (cache_leftpad); null: 0
+    float* o_partial;
+    float* lse_partial;
+    int num_splits;            // = gridDim.z
+    int blocks_per_split;      // key blocks (of the tile's kBlockN keys) per split
+};
+
+// The K/V batch of batch entry b: b itself, or the decoding kernel's k_batch_index[b].
+__device__ __forceinline__ int kv_batch_of(const AttentionParams&, int batch) { return batch; }
+__device__ __forceinline__ int kv_batch_of(const SplitKvParams& p, int batch) {
+    return p.k_batch_index != nullptr ? p.k_batch_index[batch] : batch;
+}
+
 // ALiBi slope of (batch, head) times log2(e): the bias -slope * |i + sk - sq - j| in the log2 domain. 0 = none.
 __device__ __forceinline__ float alibi_slope_log2(const AttentionParams& p, int batch, int head) {
     return p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e : 0.f;
@@ -73,5 +100,13 @@ struct SequenceExtent {
             seqlen_q = p.seqlen_q;
             seqlen_k = p.seqlen_k;
         }
+    }
+    // The decoding kernel's dense batch entry: keys [leftpad_k[b], seqused_k[b]) of its K/V batch.
+    __device__ __forceinline__ SequenceExtent(const SplitKvParams& p, int batch_) : batch(batch_) {
+        q_start = 0;
+        seqlen_q = p.seqlen_q;
+        const int first = p.leftpad_k != nullptr ? p.leftpad_k[batch] : 0;
+        k_start = first;
+        seqlen_k = (p.seqused_k != nullptr ? p.seqused_k[batch] : p.seqlen_k) - first;
     }
 };

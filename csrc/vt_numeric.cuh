@@ -83,6 +83,10 @@ __device__ __forceinline__ void store_global_16B(void* ptr, const u32x4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+__device__ __forceinline__ void store_global_f32x2(float* ptr, float x, float y) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(ptr), "f"(x), "f"(y));
+}
+
 __device__ __forceinline__ u32x4 load_shared_16B(const void* ptr) {
     return *reinterpret_cast<const u32x4*>(ptr);
 }

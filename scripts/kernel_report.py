@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Resource report of every shipped kernel, from NVRTC's ptxas -v output, with V100 occupancy.
 
-    python scripts/kernel_report.py --arch sm_70 [--json-out FILE] [--cubin-dir DIR] [--no-cache]
+    python scripts/kernel_report.py --arch sm_70 [--json-out FILE] [--cubin-dir DIR] [--no-cache] [--only NAME]
 
 Compiles each variant of volta_train.kernels.tiles.shipped_variants through the kernel cache (the same
 compile function the run-time path uses) and prints one JSON line per kernel, then one summary line. The exit
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None, variants: list[KernelVariant] | None = N
     parser.add_argument("--no-cache", action="store_true", help="compile with NVRTC directly, bypassing the cache")
     parser.add_argument("--jobs", type=int, default=1,
                         help="fill the kernel cache in this many processes first (not with --no-cache; default 1)")
+    parser.add_argument("--only", help="only the variants whose name contains this (e.g. decode_)")
     options = parser.parse_args(argv)
     if options.jobs < 1:
         parser.error(f"--jobs {options.jobs}: accepted: 1 or more")
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None, variants: list[KernelVariant] | None = N
 
     lines, all_problems, kernels = [], [], 0
     variants = variants if variants is not None else shipped_variants(arch)
+    if options.only:
+        variants = [v for v in variants if options.only in v.name]
     if options.jobs > 1 and not options.no_cache:
         from volta_train.kernels.precompile import compile_variants
 

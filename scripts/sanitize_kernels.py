@@ -20,6 +20,10 @@ the forward also with the other setting, so that the causal and the full tiles e
   one), GQA (4 query heads on 2 KV heads), a partial key and query block;
 * variable length (3 sequences: 37/90, 150/64 and 1/17 query/key tokens), a local window (12, 15) and ALiBi.
 
+and the split-KV decoding kernel (flash_attn_with_kvcache, every head_dim, soft-capping on and off; the calls of
+``tiles.decode_calls``) on two calls each (``_decode_calls``): GQA-packed with three key splits, and unpacked with
+one split, a causal window, cache_leftpad and ALiBi.
+
 Each call's output is also checked: finite, key-less rows exactly 0, and within 2e-2 of the reference backend.
 ``--workload`` runs the workload alone (what each sanitizer process runs).
 """
@@ -139,11 +143,61 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                             ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
                 torch.cuda.synchronize()
                 print(f"[workload] {table} d{d} {c['name']}: done ({calls} calls so far)", flush=True)
+        for call in tiles.decode_calls(table, arch, head_dims=head_dims):
+            calls += _decode_calls(call, failures, check)
+        torch.cuda.synchronize()
+        print(f"[workload] {table} decoding: done ({calls} calls so far)", flush=True)
     torch.cuda.synchronize()
     for line in failures:
         print(f"[workload] WRONG: {line}", flush=True)
     print(f"[workload] {calls} kernel calls, {len(failures)} wrong results", flush=True)
     return 1 if failures else 0
+
+
+def _decode_calls(call, failures: list[str], check: bool) -> int:
+    """Two flash_attn_with_kvcache calls of one decoding variant (tiles.decode_calls), each against the reference
+    backend on copies of the caches: GQA-packed (1 query, 8 heads on 2, cache lengths 0 / full / 77, one appended
+    token, cache_batch_idx, 3 key splits: partial outputs and their combine) and unpacked (5 queries, causal window
+    (40, 0), cache_leftpad, ALiBi, 5 appended tokens, one split: the kernel writes out / lse itself)."""
+    import torch
+
+    from volta_train import _reference
+    from volta_train._options import AttentionOptions
+    from volta_train.kernels import decode
+
+    d, dev = call.head_dim, "cuda"
+    cases = [
+        dict(batch=3, sq=1, h=8, hk=2, cache=(4, 300), seqlens=[0, 299, 77], new=1, rows=[2, 0, 3], leftpad=None,
+             causal=True, window=(-1, -1), alibi=False, splits=3, name="packed gqa, 3 splits"),
+        dict(batch=2, sq=5, h=4, hk=2, cache=(2, 200), seqlens=[3, 150], new=5, rows=None, leftpad=[0, 20],
+             causal=True, window=(40, 0), alibi=True, splits=1, name="window(40,0) leftpad alibi, 1 split"),
+    ]
+    for c in cases:
+        q = torch.randn(c["batch"], c["sq"], c["h"], d, device=dev).half()
+        k_cache = torch.randn(c["cache"][0], c["cache"][1], c["hk"], d, device=dev).half()
+        v_cache = torch.randn_like(k_cache)
+        k_new = torch.randn(c["batch"], c["new"], c["hk"], d, device=dev).half()
+        v_new = torch.randn_like(k_new)
+        seqlens = torch.tensor(c["seqlens"], dtype=torch.int32, device=dev)
+        rows = torch.tensor(c["rows"], dtype=torch.int32, device=dev) if c["rows"] else None
+        leftpad = torch.tensor(c["leftpad"], dtype=torch.int32, device=dev) if c["leftpad"] else None
+        alibi = torch.rand(c["batch"], c["h"], device=dev) * 0.3 if c["alibi"] else None
+        prm = AttentionOptions(softmax_scale=d**-0.5, causal=c["causal"], window_left=c["window"][0],
+                               window_right=c["window"][1], softcap=6.0 if call.softcap else 0.0)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        args = (k_new, v_new, None, None, seqlens, rows, leftpad, prm, alibi, True)
+        out, lse = decode.forward_with_kvcache(q, k_cache, v_cache, *args, num_splits=c["splits"], **call.overrides)
+        label = f"{call.table} d{d} decode {c['name']} softcap={prm.softcap}"
+        if check:
+            ref_out, ref_lse = _reference.reference_kvcache_forward(q, k_ref, v_ref, *args)
+            if not (torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)):
+                failures.append(f"{label}: the caches differ from the reference backend's after the append")
+            err = (out.float() - ref_out.float()).abs().max().item()
+            if not torch.isfinite(out).all() or err > 2e-2 * max(1.0, ref_out.float().abs().max().item()):
+                failures.append(f"{label}: max-abs error {err:.3e} against the reference backend (or non-finite)")
+            if not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
+                failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
+    return len(cases)
 
 
 def _reference_grads(c, prm, dout):
@@ -164,7 +218,8 @@ def precompile_tables(arch: int, processes: int | None = None) -> int:
     from volta_train.kernels.precompile import compile_variants
 
     variants = [v for table_arch in sorted({70, arch})
-                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)]
+                for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)
+                + tiles.shipped_decode_variants(table_arch)]
     return compile_variants(variants, arch, processes)
 
 

@@ -209,8 +209,15 @@ def fake_kernel(monkeypatch):
         calls.append(("backward", q.shape[-1], params))
         return _reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
 
+    def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, params, alibi, rotary_interleaved):  # kernels.decode's signature
+        calls.append(("forward_with_kvcache", q.shape[-1], params))
+        return _reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                    cache_batch_idx, cache_leftpad, params, alibi, rotary_interleaved)
+
     monkeypatch.setattr(kernels, "forward", forward)
     monkeypatch.setattr(kernels, "backward", backward)
+    monkeypatch.setattr(kernels, "forward_with_kvcache", forward_with_kvcache)
     return calls
 
 
@@ -478,11 +485,21 @@ def test_kvcache_has_no_backward_and_says_so(monkeypatch, caplog):
     assert any("has no backward" in r.getMessage() for r in caplog.records)
 
 
-def test_kvcache_logs_why_it_runs_on_the_reference(fake_kernel, rng, caplog):
+def test_kvcache_runs_on_the_kernel_and_logs_why_not_without_it(fake_kernel, monkeypatch, rng, caplog):
     q = _randn(1, 1, 2, 16, rng=rng)
     cache = _randn(1, 8, 2, 16, rng=rng)
+    assert _dispatch.kernel_supports("kvcache")  # the split-KV decoding kernel (volta_train/kernels/decode.py)
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        out = volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, softcap=3.0, causal=True)
+    assert [c[0] for c in fake_kernel] == ["forward_with_kvcache"] and fake_kernel[0][2].softcap == 3.0
+    assert fake_kernel[0][2].causal
+    ref, _ = naive_attention(q, cache[:, :4], cache[:, :4], causal=True, softcap=3.0)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}))  # a kernel package without it
+    monkeypatch.setattr(_dispatch, "_logged_reasons", set())
     with caplog.at_level(logging.INFO, logger="volta_train"):
         volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4)
+    assert len(fake_kernel) == 1
     assert any("with_kvcache: reference backend (flash_attn_with_kvcache: the Volta kernel has no KV-cache"
                in r.getMessage() for r in caplog.records)
 
@@ -771,7 +788,8 @@ def test_gpu_aligned_head_dim_is_not_copied(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_softcap_and_kvcache_run_on_gpu_tensors_via_the_reference():
+def test_gpu_softcap_and_kvcache_run_on_gpu_tensors():
+    """Through the public API: on a GPU with NVRTC the kvcache call runs the split-KV decoding kernel."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 1, 8, 64, generator=gen, device="cuda").half()
     k_cache = torch.randn(2, 300, 2, 64, generator=gen, device="cuda").half()

@@ -305,15 +305,15 @@ def apply_rotary(
     return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
 
 
-def reference_kvcache_forward(
-    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, params,
-    alibi_slopes=None, rotary_interleaved=True,
-):
-    """flash_attn_with_kvcache on the reference backend: out [B, Nq, H, D], lse [B, H, Nq].
+def kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, params,
+                   rotary_interleaved=True):
+    """What both backends of flash_attn_with_kvcache do before attention (the kernel path reuses it:
+    volta_train/kernels/decode.py): new k/v (rotated when rotary_cos is given) are written in place into cache row
+    ``cache_batch_idx[b]`` at positions ``cache_seqlens[b]..``, and q is rotated at ``cache_seqlens[b] + i`` (causal
+    or windowed) or ``cache_seqlens[b]`` (otherwise).
 
-    New k/v (rotated when rotary_cos is given) are written into cache row ``cache_batch_idx[b]`` at positions
-    ``cache_seqlens[b]..``; entry b then attends to that row's keys ``[cache_leftpad[b], cache_seqlens[b] +
-    seqlen_new)`` with masks aligned to the bottom right. The caches are read as views (no copy).
+    Returns (q, rows, ends): q rotated (q itself without rotary), the cache row of each batch entry (long [B]) and one
+    past its last key, ``cache_seqlens + seqlen_new`` (long [B]), both on q's device.
     """
     batch, seqlen_q = q.shape[0], q.shape[1]
     seqlen_new = 0 if k is None else k.shape[1]
@@ -337,7 +337,24 @@ def reference_kvcache_forward(
             seqlen_q, dtype=torch.long, device=device
         )
         q = apply_rotary(q, rotary_cos, rotary_sin, starts.view(-1, 1) + offsets.view(1, -1), rotary_interleaved)
-    ends = (starts + seqlen_new).tolist()
+    return q, rows, starts + seqlen_new
+
+
+def reference_kvcache_forward(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, params,
+    alibi_slopes=None, rotary_interleaved=True,
+):
+    """flash_attn_with_kvcache on the reference backend: out [B, Nq, H, D], lse [B, H, Nq].
+
+    New k/v (rotated when rotary_cos is given) are written into cache row ``cache_batch_idx[b]`` at positions
+    ``cache_seqlens[b]..`` (:func:`kvcache_append`); entry b then attends to that row's keys ``[cache_leftpad[b],
+    cache_seqlens[b] + seqlen_new)`` with masks aligned to the bottom right. The caches are read as views (no copy).
+    """
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    device = q.device
+    q, rows, ends = kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   params, rotary_interleaved)
+    ends = ends.tolist()
     first = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=device)
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=_compute_dtype(q.dtype), device=device)

@@ -1,5 +1,5 @@
-"""ctypes mirrors of the kernels' parameter structs in csrc/params.cuh (``AttentionParams``, ``BackwardParams``)
-and of the probe's ``ProbeParams`` (csrc/probe_mma.cu): same fields, same order."""
+"""ctypes mirrors of the kernels' parameter structs in csrc/params.cuh (``AttentionParams``, ``SplitKvParams``,
+``BackwardParams``) and of the probe's ``ProbeParams`` (csrc/probe_mma.cu): same fields, same order."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ class KernelParams(ctypes.Structure):
 
 
 assert ctypes.sizeof(KernelParams) == 248, "KernelParams must match AttentionParams in csrc/params.cuh (248 bytes)"
+
+
+class SplitKvKernelParams(KernelParams):
+    """ctypes mirror of ``SplitKvParams`` in csrc/params.cuh (the split-KV decoding kernel): ``AttentionParams``'
+    fields, then these (a ctypes subclass appends its fields after the base's, as the C++ derived struct does)."""
+
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in ("seqused_k", "k_batch_index", "leftpad_k", "o_partial", "lse_partial")]
+        + [("num_splits", ctypes.c_int), ("blocks_per_split", ctypes.c_int)]
+    )
+
+
+assert ctypes.sizeof(SplitKvKernelParams) == 248 + 5 * 8 + 2 * 4, "SplitKvKernelParams must match SplitKvParams"
 
 
 _BWD_STRIDES = tuple(f"{t}_{axis}_stride" for t in ("do", "dq", "dk", "dv") for axis in ("batch", "row", "head"))

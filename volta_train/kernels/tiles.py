@@ -344,10 +344,70 @@ def shipped_fwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHO
     return variants
 
 
+# --- decoding: the split-KV kernel's tiles (flash_attn_with_kvcache; volta_train/kernels/decode.py) -----------------
+#
+# Decoding has 1-16 query rows per (batch, head) (after GQA packing: the query heads of one KV group), far fewer than
+# the forward's 64-row tiles. Its tiles hold 16 rows: 2x2 quad-pairs, one warp (the smallest CTA that a 2x2 tile,
+# which fits every head_dim % 16 == 0, allows), Q in shared memory, 32 keys per block up to head_dim 64 and 16 above
+# (K/V staging: 4-8 16-byte chunks per thread); head_dim 256 takes 32 rows (below). They run flash_fwd_kernel built
+# with FwdKernelTraits SPLIT_KV (csrc/params.cuh SplitKvParams), fp32 accumulation, no dropout, with and without
+# soft-capping. sm_70 (NVRTC 12.9): 114-246 registers, no spills, 6-16 CTAs (warps) per V100 SM up to head_dim 128,
+# 16-32 KB of K/V loads in flight per SM; the rows are in docs/performance.md ("Decoding"). Candidates that spilled
+# at d128 on sm_70: 1x4 with 2 warps (Q in registers or in smem, 128-168 registers: 60-552 B), 2x2 one warp with 32
+# keys (296 B).
+DECODE_TILES_SM70: dict[int, FwdTile] = {
+    64: FwdTile(2, 1, 1, 32, q_in_smem=True),
+    128: FwdTile(2, 1, 1, 16, q_in_smem=True),
+    # head_dim 256: the 2x2 one-warp tile spills 488 B (128 fp32 output registers per lane); 1x4 quad-pairs, 4 warps
+    # (32 rows; warps without rows skip the tensor-core work), 32 keys: 244 registers, no spills, 58 KB (1 CTA per
+    # V100 SM, 16 KB of K/V loads in flight)
+    256: FwdTile(1, 1, 4, 32, q_in_smem=True),
+}
+# The same tiles on sm_80+ (spill-free on sm_90 too: 222 / 241 / 247 registers at d64 / d128 / d256); not measured
+# against others.
+DECODE_TILES_EMULATED: dict[int, FwdTile] = dict(DECODE_TILES_SM70)
+
+
+def decode_tile(head_dim: int, arch: int = 70) -> FwdTile:
+    """The split-KV decoding kernel's tile for head_dim on arch (DECODE_TILES_SM70 or DECODE_TILES_EMULATED)."""
+    return _pick(DECODE_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DECODE_TILES_SM70, head_dim)
+
+
+def decode_name_expression(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f16: bool = False) -> str:
+    return (
+        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
+        f"{tile.block_n}, {_flag(accum_f16)}, false, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
+        f"{_flag(tile.q_in_smem)}, {_flag(tile.split_masked)}, {_flag(softcap)}, true>>"
+    )
+
+
+def decode_variant(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f16: bool = False) -> KernelVariant:
+    """The split-KV decoding kernel of one tile (shipped with fp32 accumulation: accum_f16 is for experiments)."""
+    return KernelVariant(
+        name=f"decode_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_softcap' if softcap else ''}"
+        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
+        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
+        f"{'_split' if tile.split_masked else ''}",
+        sources=("flash_fwd.cu",),
+        name_expressions=(decode_name_expression(head_dim, tile, softcap, accum_f16),),
+        dynamic_smem_bytes=tile.smem_bytes(head_dim),
+        threads_per_block=tile.threads,
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": False, "softcap": softcap,
+              "pass": "decode"},
+    )
+
+
+def shipped_decode_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHOICES) -> list[KernelVariant]:
+    """Every split-KV decoding variant the dispatcher can launch on arch (flash_attn_with_kvcache)."""
+    return [decode_variant(head_dim, decode_tile(head_dim, arch), cap)
+            for cap in softcap for head_dim in SUPPORTED_HEAD_DIMS]
+
+
 def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
     """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
     target = normalize_arch(arch)
-    return shipped_fwd_variants(target) + shipped_bwd_variants(target) + [PROBE_VARIANT]
+    return (shipped_fwd_variants(target) + shipped_bwd_variants(target) + shipped_decode_variants(target)
+            + [PROBE_VARIANT])
 
 
 # --- calls that reach every shipped variant of a tile table ------------------------------------------------------
@@ -365,7 +425,7 @@ class TableCall:
     """
 
     table: str
-    pass_name: str  # "fwd" or "bwd"
+    pass_name: str  # "fwd", "bwd" or "decode" (decode_calls)
     head_dim: int
     causal: bool
     accum: str  # the forward's accum or the backward's bwd_accum: "fp32" or "fp16"
@@ -388,7 +448,9 @@ class TableCall:
         """Keyword arguments for launch.forward / launch.backward: the tiles of table "sm70", none for "default"."""
         if self.table == "default":
             return {}
-        return {"tile": self.tile} if self.pass_name == "fwd" else {"tile": self.tile, "dq_tile": self.dq_tile}
+        if self.pass_name in ("fwd", "decode"):  # launch.forward, decode.forward_with_kvcache
+            return {"tile": self.tile}
+        return {"tile": self.tile, "dq_tile": self.dq_tile}
 
 
 def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(False, True), dropout=(False, True),
@@ -435,6 +497,22 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
                 kept.append(call)
                 seen |= keys
         calls = kept
+    return calls
+
+
+def decode_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, softcap=SOFTCAP_CHOICES) -> list[TableCall]:
+    """The flash_attn_with_kvcache calls (volta_train/kernels/decode.py forward_with_kvcache) that launch every
+    shipped decoding variant of table on a GPU of arch: one per head_dim and soft-capping setting (fp32 accumulation,
+    no dropout; ``causal`` False, for the caller to set)."""
+    if table not in TILE_TABLES:
+        raise ValueError(f"table {table!r}; accepted: {', '.join(TILE_TABLES)}")
+    table_arch = 70 if table == "sm70" else normalize_arch(arch)
+    calls = []
+    for cap in softcap:
+        for head_dim in head_dims:
+            tile = decode_tile(head_dim, table_arch)
+            calls.append(TableCall(table, "decode", head_dim, False, "fp32", False, False, tile, None,
+                                   (decode_variant(head_dim, tile, cap),), cap))
     return calls
 
 

@@ -1,0 +1,512 @@
+"""flash_attn_with_kvcache on the split-KV decoding kernel (volta_train/kernels/decode.py, csrc SplitKvParams).
+
+CPU: the split rule, the GQA packing decision, the combine of the splits, the decoding tile table and the parameter
+struct's ctypes mirror. GPU (``@pytest.mark.gpu``): flash-attn's accuracy standard against the float64 truth (max-abs
+error within twice that of PyTorch's fp16 attention on the same fp16 inputs, plus the floor of volta_train.testing;
+rows that see no key exactly 0 with lse +inf), per-batch cache lengths including 0 and the full cache, seqlen_q 1 /
+3 / 16, GQA groups 1 / 4 / 8 (packed and not), cache_batch_idx, k/v appends of 1 and 5 tokens, rotary (interleaved
+and not), causal masks, left and right windows, soft-capping, ALiBi, cache_leftpad, padded head dims; outputs and
+the split partials poisoned with NaN; bitwise-repeatable calls; a 20,000-key cache over many splits; both tile
+tables ("sm70" through the launcher's tile override); the caches bit-equal to the reference backend's after the
+append.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+
+import volta_train
+from volta_train import _reference
+from volta_train._options import AttentionOptions
+from volta_train.kernels import decode, tiles
+from volta_train.kernels.params import KernelParams, SplitKvKernelParams
+from volta_train.kernels.variants import csrc_dir
+from volta_train.testing import error_vs_yardstick, naive_attention, torch_fp16_attention
+
+# --- the split rule (CPU) ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ctas, key_blocks, sms, want", [
+    (8, 2048, 80, (40, 52)),        # 1 x 8 KV heads, 32k keys of 16, V100: 320 CTAs wanted -> 40 splits
+    (8, 2048, 132, (64, 32)),       # H100: 66 splits wanted, capped at 64
+    (8, 10, 80, (2, 5)),            # few keys: each split keeps >= 4 blocks
+    (8, 3, 80, (1, 3)),             # fewer than 2 x 4 blocks: no split
+    (256, 2048, 80, (2, 1024)),     # 8 x 32 heads: 2 splits reach 4 CTAs per SM
+    (320, 2048, 80, (1, 2048)),     # enough CTAs already
+    (8, 0, 80, (1, 1)),             # no key at all
+])
+def test_split_plan_examples(ctas, key_blocks, sms, want):
+    assert decode.split_plan(ctas, key_blocks, sms) == want
+
+
+def test_split_plan_invariants():
+    for ctas in (1, 3, 8, 24, 100, 500):
+        for key_blocks in (1, 2, 7, 8, 63, 64, 65, 1000, 20000):
+            for sms in (1, 80, 132):
+                splits, per = decode.split_plan(ctas, key_blocks, sms)
+                assert (splits, per) == decode.split_plan(ctas, key_blocks, sms)  # a function of its inputs
+                assert 1 <= splits <= decode.MAX_SPLITS
+                assert splits * per >= key_blocks > (splits - 1) * per, "every block in one split, no empty split"
+                if splits > 1:
+                    assert per >= decode.MIN_BLOCKS_PER_SPLIT
+                    assert ctas * (splits - 1) < decode.DECODE_CTAS_PER_SM * sms, "no more splits than needed"
+                if ctas >= decode.DECODE_CTAS_PER_SM * sms:
+                    assert splits == 1
+
+
+@pytest.mark.parametrize("seqlen_q, h, hk, alibi, left, packed", [
+    (1, 32, 8, False, -1, True),
+    (1, 32, 1, False, -1, True),    # MQA
+    (1, 8, 8, False, -1, False),    # no group to pack
+    (2, 32, 8, False, -1, False),   # two queries: their causal masks differ
+    (1, 32, 8, True, -1, False),    # ALiBi: a bias per query head
+    (1, 32, 8, False, 100, False),  # left window: the rows would need different masks
+    (1, 32, 8, False, 0, False),
+])
+def test_pack_gqa_decision(seqlen_q, h, hk, alibi, left, packed):
+    assert decode.pack_gqa(seqlen_q, h, hk, alibi, left) is packed
+
+
+def test_combine_splits_equals_one_softmax():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 4, 50, generator=gen, dtype=torch.float64) * 3
+    scores[0, 1, 2] = -math.inf  # a row that sees no key
+    v = torch.randn(50, 8, generator=gen, dtype=torch.float64)
+    bounds = [(0, 13), (13, 13), (13, 40), (40, 50)]  # the second split is empty
+    o_parts, lse_parts = [], []
+    for a, b in bounds:
+        s = scores[..., a:b]
+        lse = torch.logsumexp(s, -1) if b > a else torch.full(s.shape[:-1], -math.inf, dtype=s.dtype)
+        seen = torch.isfinite(lse)
+        p = torch.exp(s - torch.where(seen, lse, 0).unsqueeze(-1))
+        o_parts.append(torch.where(seen.unsqueeze(-1), p @ v[a:b], 0))
+        lse_parts.append(lse)
+    out, lse = decode.combine_splits(torch.stack(o_parts), torch.stack(lse_parts))
+    full_lse = torch.logsumexp(scores, -1)
+    seen = torch.isfinite(full_lse)
+    want = torch.where(seen.unsqueeze(-1), torch.softmax(scores, -1).nan_to_num(0.0) @ v, 0)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(lse[seen], full_lse[seen], rtol=1e-12, atol=1e-12)
+    assert torch.isposinf(lse[0, 1, 2]) and torch.equal(out[0, 1, 2], torch.zeros(8, dtype=torch.float64))
+    assert int((~seen).sum()) == 1
+
+
+# --- the tile table and the parameter mirror (CPU) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", [70, 90])
+def test_decode_tiles_cover_every_head_dim(arch):
+    names = set()
+    for head_dim in tiles.SUPPORTED_HEAD_DIMS:
+        tile = tiles.decode_tile(head_dim, arch)
+        assert 16 <= tile.block_m <= 32 and head_dim % (8 * (4 // tile.quad_pair_rows)) == 0
+        assert tile.block_n * head_dim / 8 / tile.threads <= 8, "K/V staging chunks per thread"
+        assert tile.smem_bytes(head_dim) <= tiles.V100_SMEM_PER_BLOCK
+        for softcap in (False, True):
+            variant = tiles.decode_variant(head_dim, tile, softcap)
+            assert variant.name_expressions[0].startswith("flash_fwd_kernel<")
+            assert variant.name_expressions[0].endswith(", true>>")  # SPLIT_KV, the last template flag
+            names.add(variant.name)
+    shipped = {v.name for v in tiles.shipped_variants(arch)}
+    assert names <= shipped and len(names) == 2 * len(tiles.SUPPORTED_HEAD_DIMS)
+    calls = tiles.decode_calls("sm70", arch) + tiles.decode_calls("default", arch)
+    assert {v.name for c in calls for v in c.launches} == names | {v.name for v in tiles.shipped_decode_variants(70)}
+    assert all(c.overrides == ({"tile": c.tile} if c.table == "sm70" else {}) for c in calls)
+
+
+def _struct_fields(source: str, struct: str) -> list[tuple[str, str]]:
+    """(kind, name) of each field of `struct` in params.cuh, in order: kind "ptr", "i64", "u64", "i32" or "f32"."""
+    body = re.search(r"struct " + struct + r"\b[^{]*\{(.*?)\n\};", source, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip()
+        if not line.endswith(";") or "(" in line:
+            continue
+        decl, names = re.match(r"(.*?)\s*(\w+(?:\s*,\s*\w+)*);$", line.replace("*", "* ")).groups()[0:2]
+        kind = ("ptr" if "*" in decl else "i64" if "long long" in decl else "u64" if "u64" in decl
+                else "f32" if "float" in decl else "i32")
+        fields += [(kind, name.strip()) for name in names.split(",")]
+    return fields
+
+
+def _ctypes_kind(ctype) -> str:
+    import ctypes
+    return {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_ulonglong: "u64", ctypes.c_int: "i32",
+            ctypes.c_uint: "i32", ctypes.c_float: "f32"}[ctype]
+
+
+def test_split_kv_params_and_decode_smem_mirror_the_cuda_code():
+    source = (csrc_dir() / "params.cuh").read_text()
+    base = [(_ctypes_kind(t), n) for n, t in KernelParams._fields_]
+    extra = [(_ctypes_kind(t), n) for n, t in SplitKvKernelParams._fields_]
+    assert _struct_fields(source, "AttentionParams") == base
+    assert re.search(r"struct SplitKvParams\s*:\s*AttentionParams\s*\{", source), "derived: the same bytes first"
+    assert _struct_fields(source, "SplitKvParams") == extra
+    from volta_train.kernels import nvrtc
+    try:
+        nvrtc.find_nvrtc(70)
+    except Exception as error:  # noqa: BLE001 - no NVRTC here: nothing to compile with
+        pytest.skip(f"no libnvrtc for sm_70: {error}")
+    import ctypes
+    lines = ['#include "flash_fwd_kernel.cuh"',
+             f'static_assert(sizeof(AttentionParams) == {ctypes.sizeof(KernelParams)}, "AttentionParams");',
+             f'static_assert(sizeof(SplitKvParams) == {ctypes.sizeof(SplitKvKernelParams)}, "SplitKvParams");']
+    # the decoding tiles' shared memory as the launcher sizes it (FwdTile.smem_bytes) and as the kernel lays it out
+    variants = {v.name: v for arch in (70, 90) for v in tiles.shipped_decode_variants(arch)}
+    for n, v in enumerate(variants.values()):
+        traits = re.match(r"flash_fwd_kernel<(.*)>$", v.name_expressions[0]).group(1)
+        lines.append(f"using DT{n} = {traits};")
+        lines.append(f'static_assert(DT{n}::kSplitKv && DT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}");')
+    lines.append("__global__ void params_check_kernel() {}")
+    nvrtc.compile_program("\n".join(lines) + "\n", ["params_check_kernel"], 70, (), [csrc_dir()], "params_check.cu")
+
+
+# --- GPU -------------------------------------------------------------------------------------------------------------
+
+TABLES = ("default", "sm70")
+
+
+def _gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 7:
+        pytest.skip("needs a CUDA GPU of sm_70 or newer")
+
+
+def _case(batch, seqlen_q, h, hk, d, *, seqlen_cache=333, new=0, seqlens=None, batch_idx=False, leftpad=False,
+          rotary=None, alibi=False, seed=None, device="cuda"):
+    """fp16 inputs; seqlens defaults to lengths drawn in [0, seqlen_cache - new] with 0 and the full cache among
+    them."""
+    seed = random.getrandbits(31) if seed is None else seed
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device).half()  # noqa: E731
+    batch_cache = batch + 2 if batch_idx else batch
+    # the longest past: the full cache, or with rotary the last position the rotary table must still hold
+    room = seqlen_cache - (max(new, seqlen_q) if rotary else new)
+    if seqlens is None:
+        seqlens = [0, room] + torch.randint(0, room + 1, (max(0, batch - 2),), generator=gen, device=device).tolist()
+        seqlens = seqlens[:batch]
+    c = dict(q=rnd(batch, seqlen_q, h, d), k_cache=rnd(batch_cache, seqlen_cache, hk, d),
+             v_cache=rnd(batch_cache, seqlen_cache, hk, d), k=rnd(batch, new, hk, d) if new else None,
+             v=rnd(batch, new, hk, d) if new else None, rotary_cos=None, rotary_sin=None,
+             cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+             cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None, rotary_interleaved=rotary != "neox")
+    if batch_idx:
+        c["cache_batch_idx"] = torch.randperm(batch_cache, generator=gen, device=device)[:batch].int()
+    if alibi:
+        c["alibi_slopes"] = torch.rand(batch, h, generator=gen, device=device) * 0.5
+    if leftpad:
+        c["cache_leftpad"] = torch.tensor([random.randint(0, n) for n in seqlens], dtype=torch.int32, device=device)
+    if rotary:
+        angle = torch.rand(seqlen_cache, d // 4, generator=gen, device=device) * 2 * math.pi
+        c["rotary_cos"], c["rotary_sin"] = angle.cos(), angle.sin()
+    return c
+
+
+def _options(c, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    d = c["q"].shape[-1]
+    return AttentionOptions(softmax_scale=scale if scale is not None else d**-0.5, causal=causal,
+                            window_left=window[0], window_right=window[1], softcap=softcap)
+
+
+_ARGS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad")
+
+
+def _kernel(c, prm, table="default", num_splits=None, poison=True):
+    """decode.forward_with_kvcache on c's own caches (appended in place), outputs and partials NaN-poisoned."""
+    q = c["q"]
+    tile = {"tile": tiles.decode_tile(_kernel_d(q), 70)} if table == "sm70" else {}
+    buffers = {}
+    if poison:
+        buffers = dict(out=torch.full_like(q, float("nan")),
+                       lse=torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device),
+                       partial_fill=float("nan"))
+    return decode.forward_with_kvcache(q, c["k_cache"], c["v_cache"], *(c[a] for a in _ARGS), prm, c["alibi_slopes"],
+                                       c["rotary_interleaved"], num_splits=num_splits, **tile, **buffers)
+
+
+def _kernel_d(q) -> int:
+    return min(d for d in tiles.SUPPORTED_HEAD_DIMS if d >= q.shape[-1])
+
+
+def _reference_copy(c, prm):
+    """The reference backend on copies of the caches: (out, lse, k_cache, v_cache) and the rotated q."""
+    k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+    q_rot, rows, ends = _reference.kvcache_append(c["q"], k_cache.clone(), v_cache.clone(), c["k"], c["v"],
+                                                  c["rotary_cos"], c["rotary_sin"], c["cache_seqlens"],
+                                                  c["cache_batch_idx"], prm, c["rotary_interleaved"])
+    out, lse = _reference.reference_kvcache_forward(c["q"], k_cache, v_cache, *(c[a] for a in _ARGS), prm,
+                                                    c["alibi_slopes"], c["rotary_interleaved"])
+    return out, lse, k_cache, v_cache, q_rot, rows, ends
+
+
+def _oracle(c, prm, k_cache, v_cache, q_rot, rows, ends):
+    """float64 truth, PyTorch fp16 yardstick and float64 lse, entry by entry over its visible cache keys."""
+    window = (prm.window_left, prm.window_right)
+    pads = c["cache_leftpad"].tolist() if c["cache_leftpad"] is not None else [0] * q_rot.shape[0]
+    truth, yard, lses = [], [], []
+    for b, (row, end) in enumerate(zip(rows.tolist(), ends.tolist())):
+        kk, vv = k_cache[row : row + 1, pads[b] : end], v_cache[row : row + 1, pads[b] : end]
+        slopes = c["alibi_slopes"][b : b + 1] if c["alibi_slopes"] is not None else None
+        kw = dict(causal=prm.causal, softmax_scale=prm.softmax_scale, window_size=window, alibi_slopes=slopes,
+                  softcap=prm.softcap)
+        out64, lse64 = naive_attention(q_rot[b : b + 1], kk, vv, **kw)
+        truth.append(out64)
+        yard.append(torch_fp16_attention(q_rot[b : b + 1], kk, vv, **kw))
+        lses.append(lse64)
+    return torch.cat(truth), torch.cat(yard), torch.cat(lses)
+
+
+def _check(c, prm, table="default", num_splits=None, what=""):
+    """Kernel against the float64 truth (the standard), the reference backend's caches, key-less rows."""
+    out_ref, lse_ref, k_ref, v_ref, q_rot, rows, ends = _reference_copy(c, prm)
+    out, lse = _kernel(c, prm, table, num_splits)
+    assert torch.equal(c["k_cache"], k_ref) and torch.equal(c["v_cache"], v_ref), f"{what}: caches after the append"
+    truth, yard, lse64 = _oracle(c, prm, k_ref, v_ref, q_rot, rows, ends)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN / inf in out or NaN in lse"
+    e = error_vs_yardstick(out, yard, truth)
+    assert e.ok, f"{what}: {e}"
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isposinf(lse), empty), f"{what}: lse must be +inf exactly on the key-less rows"
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_ref)), what
+    keyless = empty.transpose(1, 2)
+    assert torch.equal(out[keyless], torch.zeros_like(out[keyless])), f"{what}: key-less rows must be exactly 0"
+    seen = ~empty
+    err = (lse[seen].double() - lse64[seen]).abs().max().item() if seen.any() else 0.0
+    assert err <= 2e-3 * max(1.0, lse64[seen].abs().max().item() if seen.any() else 1.0), f"{what}: lse error {err}"
+    return out, lse
+
+
+# batch, seqlen_q, h, hk, d, new, causal, window, softcap, alibi, rotary, batch_idx, leftpad
+CASES = [
+    (4, 1, 32, 8, 128, 1, True, (-1, -1), 0.0, False, "interleaved", True, False),  # packed GQA 4, decode step
+    (3, 1, 16, 2, 64, 0, False, (-1, -1), 0.0, False, None, False, True),  # packed GQA 8, leftpad, no append
+    (3, 1, 8, 8, 64, 1, True, (-1, -1), 30.0, False, "neox", False, False),  # MHA (group 1), softcap
+    (2, 3, 8, 2, 128, 5, True, (-1, -1), 0.0, False, "neox", True, False),  # 3 queries: not packed
+    (3, 16, 8, 2, 96, 5, True, (-1, -1), 0.0, False, "interleaved", False, True),
+    (2, 16, 8, 1, 64, 1, True, (7, -1), 0.0, False, None, True, False),  # causal + left window
+    (2, 3, 4, 4, 80, 5, False, (-1, 1), 0.0, False, None, False, False),  # right window
+    (3, 1, 16, 2, 128, 1, False, (40, -1), 0.0, False, None, False, False),  # left window: not packed
+    (2, 1, 8, 2, 112, 1, True, (-1, -1), 0.0, True, None, False, True),  # ALiBi: not packed
+    (2, 5, 8, 4, 48, 5, True, (-1, -1), 20.0, True, None, True, False),  # softcap + ALiBi
+    (2, 1, 8, 2, 40, 1, True, (-1, -1), 0.0, False, "interleaved", False, False),  # head_dim 40 padded to 48
+    (2, 1, 4, 1, 16, 0, False, (-1, -1), 0.0, False, None, False, False),
+    (2, 16, 4, 2, 32, 1, False, (-1, -1), 0.0, False, None, False, False),
+    (3, 1, 16, 2, 256, 1, True, (-1, -1), 0.0, False, None, True, False),  # d256: the 1x4, 4-warp tile, 8 rows
+    (2, 16, 4, 2, 256, 5, True, (-1, -1), 10.0, False, "neox", False, True),  # d256, 16 rows: two warps active
+]
+
+
+def _case_id(c):
+    b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = c
+    return (f"b{b}_q{sq}_h{h}/{hk}_d{d}_new{new}{'_causal' if causal else ''}"
+            f"{'' if window == (-1, -1) else f'_win{window[0]}.{window[1]}'}{f'_softcap{cap:g}' if cap else ''}"
+            f"{'_alibi' if alibi else ''}{f'_rot-{rotary}' if rotary else ''}{'_idx' if idx else ''}"
+            f"{'_leftpad' if pad else ''}")
+
+
+# --- the Python side against an emulated kernel (CPU) -----------------------------------------------------------------
+# decode.forward_with_kvcache with the launch replaced by a float64 model of the SPLIT_KV kernel that reads and
+# writes the memory SplitKvParams points to, as csrc/params.cuh documents it: checks the packing views, the strides,
+# the partial buffers' layout, the combine and the unpacking without a GPU.
+
+
+def _flat(ptr: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """count elements of raw CPU memory at ptr as a writable flat tensor."""
+    import ctypes
+    size = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_byte * size).from_address(ptr), dtype=dtype)
+
+
+class _EmulatedKernel:
+    def __init__(self, variant):
+        meta = variant.meta
+        self.d, self.block_n, self.softcap = meta["head_dim"], meta["tile"].block_n, meta["softcap"]
+
+    def launch(self, grid, threads, smem, args):
+        (p,) = args
+        d, bn = self.d, self.block_n
+        x, y, splits = grid
+        num_bh = y if p.m_blocks_fastest else x
+        heads, rows = p.nheads, p.seqlen_q
+        batch = num_bh // heads
+        ints = lambda ptr: _flat(ptr, torch.int32, batch).tolist() if ptr else None  # noqa: E731
+        used, kv_batch, pad = ints(p.seqused_k), ints(p.k_batch_index), ints(p.leftpad_k)
+        kv_batch = kv_batch or list(range(batch))
+        pad = pad or [0] * batch
+        span = lambda b, r, h, n_b, n_r, n_h: (n_b - 1) * b + (n_r - 1) * r + (n_h - 1) * h + d  # noqa: E731
+        q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, rows, heads))
+        n_kv = heads // p.heads_per_kv
+        kv_rows, kv_batches = max(used), max(kv_batch) + 1
+        k, v = (_flat(ptr, torch.float16, span(b, r, h, kv_batches, kv_rows, n_kv))
+                for ptr, b, r, h in ((p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride),
+                                     (p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride)))
+        scale = p.scale_log2 / decode_log2e()
+        cols = torch.arange(d)
+        for b in range(batch):
+            seqlen_k, k0 = used[b] - pad[b], pad[b]
+            shift = seqlen_k - rows
+            for h in range(heads):
+                kvh, bh = h // p.heads_per_kv, b * heads + h
+                qi = b * p.q_batch_stride + h * p.q_head_stride + torch.arange(rows).view(-1, 1) * p.q_row_stride + cols
+                keys = torch.arange(seqlen_k).view(-1, 1)
+                kb = kv_batch[b] * p.k_batch_stride + kvh * p.k_head_stride + (k0 + keys) * p.k_row_stride + cols
+                vb = kv_batch[b] * p.v_batch_stride + kvh * p.v_head_stride + (k0 + keys) * p.v_row_stride + cols
+                s_all = q[qi].double() @ k[kb].double().T * scale
+                if self.softcap:
+                    cap = p.softcap_log2 / decode_log2e()
+                    s_all = cap * torch.tanh(s_all / cap)
+                i, j = torch.arange(rows).view(-1, 1), torch.arange(seqlen_k).view(1, -1)
+                if p.alibi_slopes:
+                    slope = _flat(p.alibi_slopes, torch.float32, b * p.alibi_batch_stride + heads)[
+                        b * p.alibi_batch_stride + h].item()
+                    s_all = s_all - slope * (i + shift - j).abs()
+                ok = torch.ones(rows, seqlen_k, dtype=torch.bool)
+                if p.window_right >= 0:
+                    ok &= j <= i + shift + p.window_right
+                if p.window_left >= 0:
+                    ok &= j >= i + shift - p.window_left
+                for split in range(splits):
+                    in_split = (j >= split * p.blocks_per_split * bn) & (j < (split + 1) * p.blocks_per_split * bn)
+                    s = s_all.masked_fill(~(ok & in_split), -math.inf)
+                    m = s.amax(-1, keepdim=True) if seqlen_k else torch.full((rows, 1), -math.inf, dtype=s.dtype)
+                    e = torch.exp(s - torch.where(torch.isinf(m), 0, m))
+                    l = e.sum(-1, keepdim=True)
+                    o = torch.where(l > 0, (e @ v[vb].double()) / torch.where(l > 0, l, 1), 0)
+                    lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, 1)), -math.inf).view(-1)
+                    if splits > 1:
+                        base = (split * num_bh + bh) * rows
+                        _flat(p.o_partial, torch.float32, (base + rows) * d)[base * d:] = o.float().reshape(-1)
+                        _flat(p.lse_partial, torch.float32, base + rows)[base:] = lse.float()
+                    else:
+                        oi = (b * p.o_batch_stride + h * p.o_head_stride + cols
+                              + torch.arange(rows).view(-1, 1) * p.o_row_stride)
+                        _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = o.half()
+                        li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
+                        lse = torch.where(torch.isinf(lse), math.inf, lse).float()  # the key-less convention
+                        _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse
+
+
+def decode_log2e() -> float:
+    return 1.0 / math.log(2.0)
+
+
+@pytest.fixture
+def emulated_kernel(monkeypatch):
+    class Properties:
+        multi_processor_count = 80
+
+    monkeypatch.setattr(decode, "_arch", lambda device: 70)
+    monkeypatch.setattr(decode, "_kernel", lambda variant, device: _EmulatedKernel(variant))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_python_side_with_an_emulated_kernel(case, emulated_kernel):
+    b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
+    c = _case(b, sq, h, hk, d, seqlen_cache=77, new=new, batch_idx=idx, leftpad=pad, rotary=rotary, alibi=alibi,
+              device="cpu")
+    prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
+    snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
+    for num_splits in (1, 3):  # (the split rule gives 1 on these short caches)
+        c.update({k: v.clone() for k, v in snapshot.items()})
+        _check(c, prm, "default", num_splits, what=f"emulated num_splits={num_splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_within_twice_pytorch_fp16(case, table):
+    _gpu()
+    b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
+    c = _case(b, sq, h, hk, d, new=new, batch_idx=idx, leftpad=pad, rotary=rotary, alibi=alibi)
+    prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
+    splits = (None, 1, 4)  # the split rule's choice, one split (out / lse by the kernel), several (the combine)
+    snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
+    for num_splits in splits:
+        c.update({k: v.clone() for k, v in snapshot.items()})
+        _check(c, prm, table, num_splits, what=f"{table} num_splits={num_splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_repeated_calls_are_bitwise_equal(num_splits):
+    _gpu()
+    c = _case(3, 1, 32, 8, 128, new=1, batch_idx=True, rotary="interleaved")
+    prm = _options(c, causal=True)
+    first_out, first_lse = _kernel(c, prm, num_splits=num_splits)  # appends: later calls rewrite the same values
+    caches = (c["k_cache"].clone(), c["v_cache"].clone())
+    for _ in range(3):
+        out, lse = _kernel(c, prm, num_splits=num_splits)
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+        assert torch.equal(c["k_cache"], caches[0]) and torch.equal(c["v_cache"], caches[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, hk", [(32, 8), (8, 8)])
+def test_decode_long_cache_many_splits(h, hk):
+    _gpu()
+    c = _case(1, 1, h, hk, 128, seqlen_cache=20000, new=1, seqlens=[19999])
+    prm = _options(c, causal=True)
+    tile = tiles.decode_tile(128, 70)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = hk if decode.pack_gqa(1, h, hk, False, -1) else h
+    splits, _ = decode.split_plan(heads, -(-20000 // tile.block_n), sms)
+    assert splits >= 8, "the rule splits a lone sequence many ways"
+    for table in TABLES:
+        for num_splits in (None, 64):
+            c["k_cache"], c["v_cache"] = c["k_cache"].clone(), c["v_cache"].clone()
+            _check(c, prm, table, num_splits, what=f"{table} 20000 keys, num_splits={num_splits}")
+
+
+@pytest.mark.gpu
+def test_decode_through_the_api_matches_the_reference_backend(monkeypatch):
+    _gpu()
+    c = _case(4, 1, 16, 4, 64, new=1, batch_idx=True, rotary="neox")
+    cases = {}
+    for backend in ("kernel", "reference"):
+        monkeypatch.setenv("VOLTA_TRAIN_BACKEND", backend)
+        k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+        out, lse = volta_train.flash_attn_with_kvcache(
+            c["q"], k_cache, v_cache, c["k"], c["v"], c["rotary_cos"], c["rotary_sin"], c["cache_seqlens"],
+            c["cache_batch_idx"], causal=True, rotary_interleaved=False, return_softmax_lse=True)
+        cases[backend] = (out, lse, k_cache, v_cache)
+    (out, lse, k1, v1), (ref, ref_lse, k2, v2) = cases["kernel"], cases["reference"]
+    assert torch.equal(k1, k2) and torch.equal(v1, v2), "the append is shared: bit-equal caches"
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape == (4, 16, 1) and lse.dtype == torch.float32
+    assert (out.double() - ref.double()).abs().max().item() <= 1e-2 * max(1.0, ref.double().abs().max().item())
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
+# --- the decoding benchmark's arithmetic (CPU) -----------------------------------------------------------------------
+
+
+def _bench_decode():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_counts_and_table():
+    bench = _bench_decode()
+    assert bench.decode_flops(8, 32, 4096, 128) == 4 * 8 * 32 * 4096 * 128
+    assert bench.kv_bytes(8, 8, 4096, 128) == 2 * 8 * 8 * 4096 * 128 * 2  # K and V, fp16, read once
+    assert bench.input_sets_for(2 * 2**20, 100.0) == 50 and bench.input_sets_for(2**30, 100.0) == 1
+    assert bench.input_sets_for(1.0, 100.0) == 64
+    args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
+    assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
+    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
+               ms=0.0125, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+               gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
+    table = bench.markdown([row], args, {"gpu": "test"})
+    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way

@@ -1,0 +1,178 @@
+"""flash_attn_with_kvcache on the Volta kernel: the split-KV decoding path.
+
+The append of the new keys/values into the caches and the rotary embedding run in PyTorch, shared with the reference
+backend (``volta_train._reference.kvcache_append``). Attention runs the forward kernel built with ``SPLIT_KV``
+(csrc/flash_fwd_kernel.cuh, parameters csrc/params.cuh ``SplitKvParams``) on a decoding tile (``tiles.decode_tile``):
+
+* **GQA packing** (:func:`pack_gqa`): with one query per batch entry, no ALiBi and no left window, every query head
+  of a KV group sees the same keys, so the group's heads become the rows (M) of one CTA: a zero-copy strided view of
+  q ``[B, 1, H, D] -> [B, H / H_kv, H_kv, D]`` (and of out / lse), one KV head per kernel head, no mask.
+* **Key split** (:func:`split_plan`): grid z cuts each CTA's key blocks into ``num_splits`` ranges so that short
+  batches still fill the GPU; each split writes its normalised fp32 partial output and log-sum-exp, combined here
+  (:func:`combine_splits`). With one split the kernel writes out / lse itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _reference as reference
+from .._options import AttentionOptions
+from . import tiles
+from .launch import _arch, _kernel, fill_common
+from .params import SplitKvKernelParams
+from .support import tensors_aligned
+
+# The split rule's constants (split_plan): CTAs to aim for per SM, key blocks a split keeps at least, most splits.
+DECODE_CTAS_PER_SM = 4
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def pack_gqa(seqlen_q: int, nheads: int, nheads_kv: int, alibi: bool, window_left: int) -> bool:
+    """Whether the query heads of a KV group become the rows of one CTA (GQA packing).
+
+    True when seqlen_q == 1, there are several query heads per KV head, no ALiBi (its bias is per query head) and no
+    left window (window_left < 0): the single query of every head then sees exactly the keys [0, seqlen_k) of its
+    batch entry (bottom-right aligned causal masks and right windows keep every key from the last query on), so the
+    packed rows need no mask at all.
+    """
+    return seqlen_q == 1 and nheads > nheads_kv and not alibi and window_left < 0
+
+
+def split_plan(ctas: int, key_blocks: int, sm_count: int, ctas_per_sm: int = DECODE_CTAS_PER_SM,
+               min_blocks: int = MIN_BLOCKS_PER_SPLIT, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(num_splits, blocks_per_split) for a launch of ``ctas`` CTAs (batch x kernel heads x query blocks) over at most
+    ``key_blocks`` key blocks each, on a GPU of ``sm_count`` SMs.
+
+    The rule: aim for ``ctas_per_sm * sm_count`` CTAs in all. No split when ``ctas`` reaches that already (or there
+    are no keys); otherwise ``ceil(target / ctas)`` splits, but no more than leave each split ``min_blocks`` key
+    blocks (``key_blocks // min_blocks``), and at most ``max_splits``. The blocks are then dealt evenly:
+    ``blocks_per_split = ceil(key_blocks / splits)``, and splits that would get none are dropped, so
+    ``num_splits = ceil(key_blocks / blocks_per_split)``. A function of the shapes, the longest key range and the SM
+    count only: the same call always splits the same way.
+    """
+    if key_blocks <= 0:
+        return 1, max(key_blocks, 1)
+    target = ctas_per_sm * sm_count
+    splits = 1 if ctas >= target else min(-(-target // max(ctas, 1)), key_blocks // min_blocks, max_splits)
+    splits = max(splits, 1)
+    per_split = -(-key_blocks // splits)
+    return -(-key_blocks // per_split), per_split
+
+
+def combine_splits(o_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of the whole key range from the splits' normalised partials.
+
+    o_partial: fp32 [S, ..., D], lse_partial: fp32 [S, ...] (natural log, -inf where a split saw no key). lse =
+    logsumexp over the splits, out = sum_s exp(lse_s - lse) O_s; a row no split saw a key of gets out 0 and lse +inf
+    (the key-less row convention of every backend).
+    """
+    lse = torch.logsumexp(lse_partial, dim=0)
+    seen = torch.isfinite(lse)
+    weights = torch.exp(lse_partial - torch.where(seen, lse, torch.zeros_like(lse)))  # 0 for the -inf splits
+    out = (weights.unsqueeze(-1) * o_partial).sum(0)
+    return out, torch.where(seen, lse, torch.full_like(lse, math.inf))
+
+
+def _kernel_head_dim(head_dim: int) -> int:
+    from .._dispatch import kernel_head_dim  # (the dispatcher imports this package)
+
+    d = kernel_head_dim(head_dim)
+    if d is None:
+        raise ValueError(f"head_dim {head_dim}: the Volta decoding kernel supports {tiles.SUPPORTED_HEAD_DIMS}")
+    return d
+
+
+def _for_kernel(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded
+    (_dispatch.pad_head_dim) or aligned contiguous copy."""
+    from .._dispatch import pad_head_dim
+
+    if t.shape[-1] != head_dim:
+        return pad_head_dim(t, head_dim)
+    if tensors_aligned(t) and t.stride(-1) == 1:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype=torch.int32).contiguous()
+
+
+def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, params: AttentionOptions, alibi_slopes, rotary_interleaved: bool, *,
+                         tile: tiles.FwdTile | None = None, num_splits: int | None = None,
+                         out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                         partial_fill: float | None = None):
+    """flash_attn_with_kvcache on the decoding kernel: returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] (fp32),
+    and appends k/v into the caches in place, like ``_reference.reference_kvcache_forward``.
+
+    Test and sweep hooks: ``tile`` overrides the tile table, ``num_splits`` the split rule (its blocks are dealt as
+    :func:`split_plan` deals them); ``out``/``lse`` take caller buffers (e.g. NaN-poisoned); ``partial_fill`` fills
+    the partial buffers before the launch (NaN proves the kernel writes every element the combine reads).
+    """
+    q, rows, ends = reference.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                             cache_batch_idx, params, rotary_interleaved)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv = k_cache.shape[2]
+    device = q.device
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if lse is None:
+        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
+    leftpad = _int32(cache_leftpad)
+    lengths = ends - leftpad if leftpad is not None else ends
+    longest, key_end = torch.stack((lengths.max(), ends.max())).tolist()  # one sync: the split rule needs them
+
+    d = _kernel_head_dim(head_dim)
+    tile = tile or tiles.decode_tile(d, _arch(device))
+    qk = _for_kernel(q, d)
+    kc, vc = _for_kernel(k_cache[:, :key_end], d), _for_kernel(v_cache[:, :key_end], d)  # the positions it may read
+    out_full = out if d == head_dim else torch.empty(q.shape[:-1] + (d,), dtype=q.dtype, device=device)
+    out_k = out_full
+    alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    packed = pack_gqa(seqlen_q, nheads, nheads_kv, alibi is not None, params.window_left)
+    if packed:  # [B, 1, H, D] -> [B, G, H_kv, D]: rows = the G query heads of each KV head, no mask
+        group = nheads // nheads_kv
+        qk, out_k = (t.as_strided((batch, group, nheads_kv, d), (t.stride(0), t.stride(2), group * t.stride(2), 1))
+                     for t in (qk, out_k))
+        lse_k = lse.as_strided((batch, nheads_kv, group), (lse.stride(0), group * lse.stride(1), lse.stride(1)))
+        run = AttentionOptions(softmax_scale=params.softmax_scale, softcap=params.softcap)
+    else:
+        lse_k, run = lse, params
+    rows_k, heads_k = qk.shape[1], qk.shape[2]
+
+    prm = SplitKvKernelParams()
+    grid = fill_common(prm, qk, kc, vc, out_k, lse_k, None, None, rows_k, longest, run, tile.block_m, alibi)
+    key_blocks = -(-longest // tile.block_n)
+    if num_splits is None:
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        splits, per_split = split_plan(grid[0] * grid[1], key_blocks, sm_count)
+    else:
+        per_split = -(-max(key_blocks, 1) // max(1, num_splits))
+        splits = -(-max(key_blocks, 1) // per_split)
+    seqused, batch_index = _int32(ends), _int32(rows) if cache_batch_idx is not None else None
+    prm.seqused_k = seqused.data_ptr()
+    prm.k_batch_index = batch_index.data_ptr() if batch_index is not None else None
+    prm.leftpad_k = leftpad.data_ptr() if leftpad is not None else None
+    prm.num_splits, prm.blocks_per_split = splits, per_split
+    prm.o_partial = prm.lse_partial = None
+    if splits > 1:  # [splits, B, heads_k, rows_k(, D)], fp32
+        shape = (splits, batch, heads_k, rows_k)
+        fill = (lambda s: torch.empty(s, dtype=torch.float32, device=device)) if partial_fill is None else (
+            lambda s: torch.full(s, partial_fill, dtype=torch.float32, device=device))
+        o_partial, lse_partial = fill(shape + (d,)), fill(shape)
+        prm.o_partial, prm.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
+
+    variant = tiles.decode_variant(d, tile, params.softcap > 0)
+    _kernel(variant, device).launch(grid + (splits,), tile.threads, variant.dynamic_smem_bytes, [prm])
+    if splits > 1:
+        o_comb, lse_comb = combine_splits(o_partial, lse_partial)  # [B, heads_k, rows_k(, D)]
+        out_k.copy_(o_comb.permute(0, 2, 1, 3))
+        lse_k.copy_(lse_comb)
+    if d != head_dim:
+        out.copy_(out_full[..., :head_dim])
+    return out, lse
