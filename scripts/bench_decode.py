@@ -190,32 +190,12 @@ def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     """GB/s against N, one panel per (batch, kv_heads, head_dim), one line per backend."""
-    from matplotlib.figure import Figure
+    from volta_train.bench import plot_panels
 
-    keys = sorted({(r["batch"], r["kv_heads"], r["head_dim"]) for r in rows if r.get("gbps")})
-    if not keys:
-        return None
-    cols = min(4, len(keys))
-    fig = Figure(figsize=(4.5 * cols, 3.6 * -(-len(keys) // cols)))
-    axes = fig.subplots(-(-len(keys) // cols), cols, squeeze=False).ravel()
-    for ax, (batch, kv_heads, d) in zip(axes, keys):
-        for name in sorted({r["backend"] for r in rows}):
-            pts = sorted((r["seqlen_k"], r["gbps"]) for r in rows if r["backend"] == name and r.get("gbps")
-                         and (r["batch"], r["kv_heads"], r["head_dim"]) == (batch, kv_heads, d))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"batch {batch}, {rows[0]['heads']}/{kv_heads} heads, d {d}")
-        ax.set_xlabel("cache length N")
-        ax.set_ylabel("GB/s of K/V")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axes[len(keys):]:
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    heads = rows[0]["heads"] if rows else 0
+    panel = lambda r: (r["batch"], r["kv_heads"], r["head_dim"])  # noqa: E731
+    return plot_panels(rows, path, title, sorted({panel(r) for r in rows if r.get("gbps")}), panel, "seqlen_k", "gbps",
+                       lambda k: f"batch {k[0]}, {heads}/{k[1]} heads, d {k[2]}", "cache length N", "GB/s of K/V")
 
 
 def build_parser() -> argparse.ArgumentParser:

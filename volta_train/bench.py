@@ -260,27 +260,28 @@ def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    """TFLOP/s against N, one panel per (pass, head_dim, causal), one line per backend."""
+def plot_panels(rows: list[dict], path: Path, title: str, panels: list, panel, x: str, y: str, panel_title,
+                xlabel: str, ylabel: str) -> Path | None:
+    """`y` against `x` (log2 axis), one panel per key of `panels` (the rows whose panel(row) is that key), one line
+    per backend; panel_title(key) names a panel. None when `panels` is empty."""
     from matplotlib.figure import Figure
 
-    keys = sorted({(r["pass_name"], r["head_dim"], r["causal"]) for r in rows})
+    keys = panels
     if not keys:
         return None
     cols = min(4, len(keys))
     n_rows = (len(keys) + cols - 1) // cols
     fig = Figure(figsize=(4.5 * cols, 3.6 * n_rows))
     axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
-    for ax, (pass_name, d, causal) in zip(axes, keys):
+    for ax, key in zip(axes, keys):
         for name in sorted({r["backend"] for r in rows}):
-            pts = sorted((r["seqlen"], r["tflops"]) for r in rows if r["backend"] == name and r["tflops"]
-                         and (r["pass_name"], r["head_dim"], r["causal"]) == (pass_name, d, causal))
+            pts = sorted((r[x], r[y]) for r in rows if r["backend"] == name and r.get(y) and panel(r) == key)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{pass_name}, head_dim {d}, {'causal' if causal else 'full'}")
-        ax.set_xlabel("N (seqlen)")
-        ax.set_ylabel("TFLOP/s")
+        ax.set_title(panel_title(key))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in axes[len(keys):]:
@@ -289,6 +290,13 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """TFLOP/s against N, one panel per (pass, head_dim, causal), one line per backend."""
+    panel = lambda r: (r["pass_name"], r["head_dim"], r["causal"])  # noqa: E731
+    return plot_panels(rows, path, title, sorted({panel(r) for r in rows}), panel, "seqlen", "tflops",
+                       lambda k: f"{k[0]}, head_dim {k[1]}, {'causal' if k[2] else 'full'}", "N (seqlen)", "TFLOP/s")
 
 
 def _bool(text: str) -> bool:
