@@ -58,14 +58,18 @@ _OFFSETS = {"q": "kOffQ", "do": "kOffDo", "qt": "kOffQt", "dot": "kOffDot", "kt"
             "k": "kOffK", "v": "kOffV", "lse": "kOffLse", "dsum": "kOffDsum"}
 
 
+def _rows_assert(rows_type: str, lay, count: int, what: str) -> str:
+    """static_assert that the TileRows `rows_type` starts its first `count` rows where the mirror's layout does."""
+    want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(count))
+    return f'static_assert(rows_are<{rows_type}>({{{want}}}), "{what}");'
+
+
 def _key_tile_asserts(traits: str, s, vt, name: str) -> list[str]:
     """static_asserts of FwdKernelTraits' K / V rows (KRows) and V^T / K^T rows (VtRows) against the mirror."""
     k = bm.fwd_layouts(s, "fwd")["k"]
-    want_k = ", ".join(str(k.row_chunk(r) * 8) for r in range(s.block_n))
-    want_vt = ", ".join(str(vt.row_chunk(r) * 8) for r in range(s.head_dim))
-    return [f'static_assert(rows_are<{traits}::KRows>({{{want_k}}}), "{name}: K rows");',
+    return [_rows_assert(f"{traits}::KRows", k, s.block_n, f"{name}: K rows"),
             f'static_assert({traits}::kTileBytes == {16 * k.chunks(s.block_n)}, "{name}: kTileBytes");',
-            f'static_assert(rows_are<{traits}::VtRows>({{{want_vt}}}), "{name}: V^T rows");',
+            _rows_assert(f"{traits}::VtRows", vt, s.head_dim, f"{name}: V^T rows"),
             f'static_assert({traits}::kVtTileBytes == {16 * vt.chunks(s.head_dim)}, "{name}: kVtTileBytes");']
 
 
@@ -104,8 +108,7 @@ def test_traits_layouts_equal_the_mirror():
         lines.append(f"using DT{n} = {traits};")
         lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
         lines += _key_tile_asserts(f"DT{n}", s, bm.fwd_layouts(s, "dq")["kt"], v.name)
-        want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
-        lines.append(f'static_assert(rows_are<DT{n}::QRows>({{{want}}}), "{v.name}: Q / dO rows");')
+        lines.append(_rows_assert(f"DT{n}::QRows", lay, s.block_m, f"{v.name}: Q / dO rows"))
     for n, (v, traits) in enumerate(_fwd_variants()):
         s = _dq_shape(v)
         lay = bm.fwd_layouts(s, "fwd")["q"]
@@ -114,8 +117,7 @@ def test_traits_layouts_equal_the_mirror():
         lines += _key_tile_asserts(f"FT{n}", s, bm.fwd_layouts(s, "fwd")["vt"], v.name)
         if s.q_in_smem:
             lines.append(f'static_assert(FT{n}::kTileBytes + FT{n}::kVtTileBytes == {lay.base}, "{v.name}: Q base");')
-            want = ", ".join(str(lay.row_chunk(r) * 8) for r in range(s.block_m))
-            lines.append(f'static_assert(rows_are<FT{n}::QRows>({{{want}}}), "{v.name}: Q rows");')
+            lines.append(_rows_assert(f"FT{n}::QRows", lay, s.block_m, f"{v.name}: Q rows"))
     lines.append("__global__ void layout_check_kernel() {}")
     nvrtc.compile_program("\n".join(lines) + "\n", ["layout_check_kernel"], 70, (), [csrc_dir()],
                           "layout_check.cu")
