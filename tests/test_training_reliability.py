@@ -26,7 +26,7 @@ import torch
 
 from volta_train.training import checkpoint, config, data, distributed, fsio, gpt, logs, optim, runlock
 from volta_train.training import finetune as ft
-from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed
+from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed, end_training
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_RECIPE = ROOT / "recipes" / "gpt_long.py"
@@ -668,3 +668,22 @@ def test_log_and_summary_write_errors_name_the_file(tmp_path):
     with pytest.raises(fsio.WriteError, match=rf"cannot write {re.escape(str(out / 'summary.json'))}"):
         fsio.write_text_atomic(out / "summary.json", "{}\n")
     assert not (out / "summary.json").exists()
+
+
+def test_end_training_waits_for_every_process_first():
+    """The recipes end through trainer.end_training: the barrier comes before the process group is torn down (a gloo
+    peer that closes its sockets while the main process still writes summary.json can abort the main process)."""
+    calls: list[str] = []
+
+    class Recorder:
+        def wait_for_everyone(self):
+            calls.append("barrier")
+
+        def end_training(self):
+            calls.append("end")
+
+    end_training(Recorder())
+    assert calls == ["barrier", "end"]
+    for recipe in ("gpt_long", "finetune"):
+        source = (ROOT / "volta_train" / "recipes" / f"{recipe}.py").read_text()
+        assert "accelerator.end_training()" not in source, f"{recipe} ends training without the barrier"

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf, ulysses  # noqa: E402
-from volta_train.training import data, distributed, gpt, optim, sequence_parallel  # noqa: E402
+from volta_train.training import data, distributed, gpt, optim, sequence_parallel, trainer  # noqa: E402
 
 PROBE = "volta_train_probe"
 _WINDOW = {"left": -1}  # keys before the diagonal each query sees; -1: full causal attention
@@ -244,7 +244,7 @@ def main(argv=None) -> dict:
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    acc.end_training()
+    trainer.end_training(acc)  # all processes together (a barrier first)
     return result
 
 

@@ -32,7 +32,7 @@ from ..training import (  # noqa: E402
 )
 from ..training import finetune as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
+    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, save_final_and_summary,
 )
 
 log = logging.getLogger("finetune")
@@ -131,7 +131,7 @@ def _main(argv, held: list) -> dict:
                "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
     save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer)
     _log_done(summary, impl, out_dir)
-    accelerator.end_training()
+    end_training(accelerator)
     return summary
 
 

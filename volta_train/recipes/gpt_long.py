@@ -40,7 +40,7 @@ from ..training import (  # noqa: E402
     attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, finished_earlier, run_or_fail, save_final_and_summary,
+    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, save_final_and_summary,
 )
 
 log = logging.getLogger("gpt_long")
@@ -158,7 +158,7 @@ def _main(argv, held: list) -> dict:
     }
     save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer)
     _log_done(summary, val_loss, impl, out_dir)
-    accelerator.end_training()
+    end_training(accelerator)
     return summary
 
 

@@ -409,6 +409,14 @@ def run_or_fail(trainer: Trainer, fail: Callable[[str], None]) -> dict:
         raise
 
 
+def end_training(accelerator) -> None:
+    """Ends the run on every process together: a barrier, then accelerate's end_training (trackers, process group).
+    Without the barrier a process that tears its group down while the main one still writes summary.json can make
+    gloo abort the main process (SIGABRT in its socket loop) after a run that succeeded."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 def finished_earlier(result: dict, out_dir: Path, accelerator, log: logging.Logger, resume_flag: str) -> dict | None:
     """When out_dir already held the finished run (this call trained nothing): logs so, ends training and returns
     that run's summary.json (``result`` if there is none). Otherwise None."""
@@ -416,7 +424,7 @@ def finished_earlier(result: dict, out_dir: Path, accelerator, log: logging.Logg
         return None
     log.info("%s already holds the finished run (step %d); its summary.json stays. %s never starts over",
              out_dir, result["start_step"], resume_flag)
-    accelerator.end_training()
+    end_training(accelerator)
     previous = out_dir / "summary.json"
     return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
 
