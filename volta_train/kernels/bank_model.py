@@ -29,6 +29,7 @@ in the code yet are in bank_fixes.py. Every reader and writer of a tile goes thr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 BANKS = 32
@@ -343,6 +344,7 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
             "o_stage": RowLayout(0, c + 1), "fill_groups8": groups8}
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of the frozen shape; every launch asks (KernelVariant's smem)
 def fwd_smem_bytes(s: FwdShape) -> int:
     """FwdKernelTraits::kSmemBytes (kernel_traits.cuh) for fwd_layouts(s, "fwd")."""
     L = fwd_layouts(s, "fwd")
@@ -350,6 +352,7 @@ def fwd_smem_bytes(s: FwdShape) -> int:
     return max(end, 16 * L["o_stage"].chunks(s.block_m))
 
 
+@functools.lru_cache(maxsize=None)
 def dq_smem_bytes(s: FwdShape) -> int:
     """DqLayout::kBytes (flash_bwd_dq_kernel.cuh) for fwd_layouts(s, "dq")."""
     L = fwd_layouts(s, "dq")
@@ -602,6 +605,12 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
     if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
         L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
     return restack(BWD_TILE_ORDER, L, bwd_tile_rows(s))
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_shape_smem_bytes(s: BwdShape) -> int:
+    """BwdKernelTraits::kSmemBytes of the shape's own layouts (bwd_layouts(s)); cached, as every launch asks."""
+    return bwd_smem_bytes(s, bwd_layouts(s))
 
 
 def bwd_smem_bytes(s: BwdShape, L: dict) -> int:

@@ -168,11 +168,11 @@ class BwdTile:
 
     def smem_bytes(self, head_dim: int, dq_atomic: bool) -> int:
         """BwdKernelTraits::kSmemBytes, from the mirror of its tile layouts (bank_model.bwd_layouts)."""
-        from .bank_model import BwdShape, bwd_layouts, bwd_smem_bytes
+        from .bank_model import BwdShape, bwd_shape_smem_bytes
 
-        shape = BwdShape(head_dim, self.quad_pair_rows, self.warps, self.block_m, dq_atomic=dq_atomic,
-                         kv_in_smem=self.kv_in_smem, lean=self.lean, out_split=self.out_split)
-        return bwd_smem_bytes(shape, bwd_layouts(shape))
+        return bwd_shape_smem_bytes(BwdShape(head_dim, self.quad_pair_rows, self.warps, self.block_m,
+                                             dq_atomic=dq_atomic, kv_in_smem=self.kv_in_smem, lean=self.lean,
+                                             out_split=self.out_split))
 
 
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
