@@ -517,8 +517,9 @@ def test_bench_decode_counts_and_table():
     args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
     assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
     row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
-               ms=0.0125, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+               ms=0.0125, ms_stream=0.01, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
                gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
     table = bench.markdown([row], args, {"gpu": "test"})
-    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert args.burst == 20 and "volta-kernel-device-checks" in args.backends
     assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way
