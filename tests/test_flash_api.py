@@ -859,3 +859,20 @@ def test_kvcache_check_mode_is_validated(monkeypatch):
     monkeypatch.setenv(_validation.KVCACHE_CHECK_ENV, "fast")
     with pytest.raises(ValueError, match="VOLTA_TRAIN_KVCACHE_CHECK='fast'; accepted: 'host'"):
         _kvcache_call([1, 2])
+
+
+@pytest.mark.slow
+def test_kvcache_under_torch_compile_checks_on_the_device():
+    """Compiled, the checks read nothing to the host (no graph break on .tolist()) and still refuse a bad length."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True)  # a host read would be a graph break: an error here
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    want = step(q, k_cache.clone(), v_cache.clone(), k, v, seqlens)
+    assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, seqlens), want)
+    with pytest.raises(RuntimeError, match="cache_seqlens"):
+        compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
