@@ -11,6 +11,8 @@ decoding step does). Backends:
 
 * ``volta-kernel``: ``volta_train.flash_attn_with_kvcache`` with VOLTA_TRAIN_BACKEND=kernel (the split-KV kernel,
   volta_train/kernels/decode.py; the split count it picks is in the ``splits`` column);
+* ``volta-kernel-device-checks``: the same with VOLTA_TRAIN_KVCACHE_CHECK=device: the argument checks run on the GPU
+  and nothing is read to the host (no wait for the GPU; the split planned for the whole cache);
 * ``volta-reference``: the same call on the reference backend (VOLTA_TRAIN_BACKEND=reference);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on [B, H, 1, D] queries and [B, H_kv, N, D] caches
   (``enable_gqa=True`` when H_kv < H), PyTorch's own backend choice;
@@ -21,7 +23,9 @@ Metrics: TFLOP/s = 4 * B * H * N * D / time (Q K^T and P V, 2 FLOPs per multiply
 bytes / time: K and V of the cache in fp16, read once, the least any decoding kernel moves (q, the output and the split
 partials are not counted; the same byte count for every backend, so ``sdpa-efficient``'s figure is of the GQA cache
 too). Times are medians of ``--repeats`` CUDA-event timings after ``--warmup`` calls, cycling through enough input sets
-to exceed ``--l2-mb`` so the L2 cache does not hold the caches. ``max_abs``: error of the output of batch entry 0
+to exceed ``--l2-mb`` so the L2 cache does not hold the caches: ``ms`` times one call alone (the host's work and any
+wait for the GPU included), ``ms_stream`` a burst of ``--burst`` calls queued back to back, per call (as in a decoding
+loop, where the host runs ahead of the GPU unless a call waits for it). ``max_abs``: error of the output of batch entry 0
 against float64 attention. Writes bench_decode.md, bench_decode.json and bench_decode.png to ``--out``.
 """
 
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("volta-kernel", "volta-reference", "sdpa", "sdpa-efficient")
+BACKENDS = ("volta-kernel", "volta-kernel-device-checks", "volta-reference", "sdpa", "sdpa-efficient")
 
 
 def decode_flops(batch: int, heads: int, seqlen_k: int, head_dim: int) -> float:
@@ -79,10 +83,12 @@ def backend_fn(name: str, append: bool):
     import volta_train
 
     if name.startswith("volta"):
-        policy = "kernel" if name == "volta-kernel" else "reference"
+        policy = "reference" if name == "volta-reference" else "kernel"
+        checks = "device" if name == "volta-kernel-device-checks" else "host"
 
         def run(c):
             os.environ["VOLTA_TRAIN_BACKEND"] = policy
+            os.environ["VOLTA_TRAIN_KVCACHE_CHECK"] = checks
             extra = dict(k=c["k_new"], v=c["k_new"]) if append else {}
             return volta_train.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["seqlens"],
                                                        **extra)
@@ -105,6 +111,23 @@ def time_ms(fn, cases, warmup: int, repeats: int) -> float:
     from volta_train.bench import time_ms as bench_time_ms
 
     return bench_time_ms(fn, [(c,) for c in cases], warmup, repeats)
+
+
+def time_stream_ms(fn, cases, warmup: int, repeats: int, burst: int) -> float:
+    """Median over ``repeats`` of the CUDA-event time of ``burst`` calls queued back to back, per call."""
+    for i in range(warmup):
+        fn(cases[i % len(cases)])
+    torch.cuda.synchronize()
+    times = []
+    for r in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(burst):
+            fn(cases[(r * burst + i) % len(cases)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / burst)
+    return sorted(times)[len(times) // 2]
 
 
 def max_abs_error(out: torch.Tensor, case: dict, seqlen_k: int) -> float:
@@ -140,12 +163,14 @@ def run(args) -> list[dict]:
             continue
         for name in args.backends:
             row = dict(batch=batch, heads=args.heads, kv_heads=kv_heads, head_dim=d, seqlen_k=n, backend=name,
-                       splits=splits if name == "volta-kernel" else None, ms=None, tflops=None, gbps=None,
-                       max_abs=None, note="")
+                       splits=splits if name.startswith("volta-kernel") else None, ms=None, ms_stream=None,
+                       tflops=None, gbps=None, max_abs=None, note="")
             fn = backend_fn(name, args.append)
             try:
                 ms = time_ms(fn, inputs, args.warmup, args.repeats)
                 row.update(ms=ms, tflops=fl / ms / 1e9, gbps=nbytes / ms / 1e6)
+                if args.burst > 1:
+                    row["ms_stream"] = time_stream_ms(fn, inputs, args.warmup, args.repeats, args.burst)
                 if args.accuracy:
                     row["max_abs"] = max_abs_error(fn(inputs[0]), inputs[0], keys)
             except (RuntimeError, NotImplementedError) as error:  # backend unavailable here, out of memory
@@ -156,15 +181,15 @@ def run(args) -> list[dict]:
     return rows
 
 
-COLUMNS = ("batch", "heads", "kv_heads", "head_dim", "seqlen_k", "backend", "splits", "ms", "tflops", "gbps", "max_abs",
-           "note")
+COLUMNS = ("batch", "heads", "kv_heads", "head_dim", "seqlen_k", "backend", "splits", "ms", "ms_stream", "tflops",
+           "gbps", "max_abs", "note")
 
 
 def _cell(row: dict, column: str) -> str:
     value = row.get(column)
     if value is None:
         return ""
-    if column == "ms":
+    if column in ("ms", "ms_stream"):
         return f"{value:.4f}"
     if column in ("tflops", "gbps"):
         return f"{value:.2f}" if column == "tflops" else f"{value:.0f}"
@@ -209,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--append", action="store_true", help="append one token per call (a decoding step)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=20, help="calls per ms_stream timing (1: no ms_stream)")
     parser.add_argument("--l2-mb", type=float, default=100.0, help="cycle input sets until they exceed this (MiB)")
     parser.add_argument("--no-accuracy", dest="accuracy", action="store_false")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))

@@ -215,10 +215,18 @@ def _options(c, causal=False, window=(-1, -1), softcap=0.0, scale=None):
 _ARGS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad")
 
 
-def _kernel(c, prm, table="default", num_splits=None, poison=True):
-    """decode.forward_with_kvcache on c's own caches (appended in place), outputs and partials NaN-poisoned."""
+def _kernel(c, prm, table="default", num_splits=None, poison=True, extent=True):
+    """decode.forward_with_kvcache on c's own caches (appended in place), outputs and partials NaN-poisoned.
+
+    extent: pass the cache extent (key_end, longest) as the API does after reading the lengths on the host; False:
+    leave it unknown, as with VOLTA_TRAIN_KVCACHE_CHECK=device (the kernel is given the whole cache)."""
     q = c["q"]
     tile = {"tile": tiles.decode_tile(_kernel_d(q), 70)} if table == "sm70" else {}
+    if extent:
+        new = 0 if c["k"] is None else c["k"].shape[1]
+        ends = c["cache_seqlens"].long() + new
+        pads = c["cache_leftpad"].long() if c["cache_leftpad"] is not None else torch.zeros_like(ends)
+        tile.update(key_end=int(ends.max()), longest=int((ends - pads).max()))
     buffers = {}
     if poison:
         buffers = dict(out=torch.full_like(q, float("nan")),
@@ -260,10 +268,10 @@ def _oracle(c, prm, k_cache, v_cache, q_rot, rows, ends):
     return torch.cat(truth), torch.cat(yard), torch.cat(lses)
 
 
-def _check(c, prm, table="default", num_splits=None, what=""):
+def _check(c, prm, table="default", num_splits=None, what="", extent=True):
     """Kernel against the float64 truth (the standard), the reference backend's caches, key-less rows."""
     out_ref, lse_ref, k_ref, v_ref, q_rot, rows, ends = _reference_copy(c, prm)
-    out, lse = _kernel(c, prm, table, num_splits)
+    out, lse = _kernel(c, prm, table, num_splits, extent=extent)
     assert torch.equal(c["k_cache"], k_ref) and torch.equal(c["v_cache"], v_ref), f"{what}: caches after the append"
     truth, yard, lse64 = _oracle(c, prm, k_ref, v_ref, q_rot, rows, ends)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN / inf in out or NaN in lse"
@@ -411,9 +419,9 @@ def test_decode_python_side_with_an_emulated_kernel(case, emulated_kernel):
               device="cpu")
     prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
     snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
-    for num_splits in (1, 3):  # (the split rule gives 1 on these short caches)
+    for num_splits, extent in ((1, True), (3, True), (None, False), (3, False)):  # (the rule gives 1 on 77 keys)
         c.update({k: v.clone() for k, v in snapshot.items()})
-        _check(c, prm, "default", num_splits, what=f"emulated num_splits={num_splits}")
+        _check(c, prm, "default", num_splits, what=f"emulated num_splits={num_splits} extent={extent}", extent=extent)
 
 
 @pytest.mark.gpu
@@ -424,11 +432,13 @@ def test_decode_within_twice_pytorch_fp16(case, table):
     b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
     c = _case(b, sq, h, hk, d, new=new, batch_idx=idx, leftpad=pad, rotary=rotary, alibi=alibi)
     prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
-    splits = (None, 1, 4)  # the split rule's choice, one split (out / lse by the kernel), several (the combine)
+    # the split rule's choice, one split (out / lse by the kernel), several (the combine); the extent read on the
+    # host, or unknown (the whole cache given, as with VOLTA_TRAIN_KVCACHE_CHECK=device)
+    runs = ((None, True), (1, True), (4, True), (None, False), (4, False))
     snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
-    for num_splits in splits:
+    for num_splits, extent in runs:
         c.update({k: v.clone() for k, v in snapshot.items()})
-        _check(c, prm, table, num_splits, what=f"{table} num_splits={num_splits}")
+        _check(c, prm, table, num_splits, what=f"{table} num_splits={num_splits} extent={extent}", extent=extent)
 
 
 @pytest.mark.gpu
@@ -463,8 +473,10 @@ def test_decode_long_cache_many_splits(h, hk):
 
 
 @pytest.mark.gpu
-def test_decode_through_the_api_matches_the_reference_backend(monkeypatch):
+@pytest.mark.parametrize("check", ["host", "device"])
+def test_decode_through_the_api_matches_the_reference_backend(monkeypatch, check):
     _gpu()
+    monkeypatch.setenv("VOLTA_TRAIN_KVCACHE_CHECK", check)
     c = _case(4, 1, 16, 4, 64, new=1, batch_idx=True, rotary="neox")
     cases = {}
     for backend in ("kernel", "reference"):
@@ -505,8 +517,9 @@ def test_bench_decode_counts_and_table():
     args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
     assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
     row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
-               ms=0.0125, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+               ms=0.0125, ms_stream=0.01, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
                gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
     table = bench.markdown([row], args, {"gpu": "test"})
-    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert args.burst == 20 and "volta-kernel-device-checks" in args.backends
     assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way

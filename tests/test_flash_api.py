@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _dispatch, _options, _philox, kernels
+from volta_train import _dispatch, _options, _philox, _validation, kernels
 from volta_train.kernels import tiles
 from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
@@ -210,8 +210,9 @@ def fake_kernel(monkeypatch):
         return _reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
 
     def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, params, alibi, rotary_interleaved):  # kernels.decode's signature
-        calls.append(("forward_with_kvcache", q.shape[-1], params))
+                             cache_leftpad, params, alibi, rotary_interleaved, *, key_end=-1,
+                             longest=-1):  # kernels.decode's signature
+        calls.append(("forward_with_kvcache", q.shape[-1], params, key_end, longest))
         return _reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                     cache_batch_idx, cache_leftpad, params, alibi, rotary_interleaved)
 
@@ -493,6 +494,7 @@ def test_kvcache_runs_on_the_kernel_and_logs_why_not_without_it(fake_kernel, mon
         out = volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, softcap=3.0, causal=True)
     assert [c[0] for c in fake_kernel] == ["forward_with_kvcache"] and fake_kernel[0][2].softcap == 3.0
     assert fake_kernel[0][2].causal
+    assert fake_kernel[0][3:] == (4, 4)  # key_end, longest: read by the validation, not again by the kernel path
     ref, _ = naive_attention(q, cache[:, :4], cache[:, :4], causal=True, softcap=3.0)
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
     monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}))  # a kernel package without it
@@ -800,3 +802,77 @@ def test_gpu_softcap_and_kvcache_run_on_gpu_tensors():
     ref, _ = naive_attention(q, k_cache[:, :201], v_cache[:, :201], causal=True, softcap=30.0)
     assert torch.equal(k_cache[:, 200], k_new[:, 0])
     assert _rel(out, ref) < 2e-3
+
+
+def _kvcache_call(seqlens, leftpad=None, batch_idx=None, new=0, cache_len=12, batch_cache=3):
+    q = torch.randn(len(seqlens), 1, 2, 8)
+    k_cache, v_cache = torch.randn(batch_cache, cache_len, 2, 8), torch.randn(batch_cache, cache_len, 2, 8)
+    k = v = torch.randn(len(seqlens), new, 2, 8) if new else None
+    as_t = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return _validation.check_kvcache(q, k_cache, v_cache, k, v, None, None, as_t(seqlens), as_t(batch_idx),
+                                     as_t(leftpad), True, (-1, -1))
+
+
+def test_kvcache_extent_is_read_once_on_the_host(monkeypatch):
+    """The lengths, rows and left pads are read in one device-to-host copy; the extent the kernel path plans with
+    (one past the last key read, the most keys one entry sees) comes from those values."""
+    reads = []
+    real = _validation._read_int_vectors
+    monkeypatch.setattr(_validation, "_read_int_vectors", lambda v: reads.append(sorted(v)) or real(v))
+    extent = _kvcache_call([5, 9], leftpad=[0, 6], batch_idx=[2, 0], new=2)
+    assert reads == [["cache_batch_idx", "cache_leftpad", "cache_seqlens"]]
+    assert (extent.key_end, extent.longest) == (11, 7)  # ends 7 and 11; 11 - 6 = 5 < 7 - 0
+    assert extent.cache_seqlens.dtype == torch.int32 and extent.cache_seqlens.tolist() == [5, 9]
+    extent = _validation.check_kvcache(torch.randn(2, 1, 2, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8),
+                                       None, None, None, None, 3, None, None, False, (-1, -1))
+    assert (extent.key_end, extent.longest, extent.cache_seqlens.tolist()) == (3, 3, [3, 3])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(seqlens=[5, 11], new=2), r"cache_seqlens\[1\] is 11 with 2 new tokens"),
+    (dict(seqlens=[5, 9], batch_idx=[0, 3]), "cache_batch_idx has 3; accepted: cache rows 0 to 2"),
+    (dict(seqlens=[5, 9], batch_idx=[1, 1], new=1), "cache_batch_idx repeats a cache row"),
+    (dict(seqlens=[5, 9], leftpad=[6, 0]), r"cache_leftpad\[0\] is 6; accepted: 0 to cache_seqlens\[0\] \(5\)"),
+])
+def test_kvcache_bad_vectors_are_named_on_the_host(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _kvcache_call(**bad)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(seqlens=[5, 11], new=2), dict(seqlens=[5, 9], batch_idx=[0, 3]), dict(seqlens=[5, 9], batch_idx=[1, 1], new=1),
+    dict(seqlens=[5, 9], leftpad=[6, 0]), dict(seqlens=[-1, 2]),
+])
+def test_kvcache_device_checks_read_nothing_and_still_refuse(bad, monkeypatch):
+    """VOLTA_TRAIN_KVCACHE_CHECK=device (and compiling / CUDA-graph capture): no host read, the extent is unknown
+    (-1: the kernel path plans for the whole cache), and the same bounds are asserted on the device (on the CPU a
+    failed torch._assert_async raises at once)."""
+    monkeypatch.setenv(_validation.KVCACHE_CHECK_ENV, "device")
+    monkeypatch.setattr(_validation, "_read_int_vectors", lambda v: pytest.fail(f"read {sorted(v)} on the host"))
+    good = _kvcache_call([5, 9], leftpad=[1, 0], batch_idx=[2, 0], new=2)
+    assert (good.key_end, good.longest) == (-1, -1) and good.cache_seqlens.tolist() == [5, 9]
+    with pytest.raises(RuntimeError):
+        _kvcache_call(**bad)
+
+
+def test_kvcache_check_mode_is_validated(monkeypatch):
+    monkeypatch.setenv(_validation.KVCACHE_CHECK_ENV, "fast")
+    with pytest.raises(ValueError, match="VOLTA_TRAIN_KVCACHE_CHECK='fast'; accepted: 'host'"):
+        _kvcache_call([1, 2])
+
+
+@pytest.mark.slow
+def test_kvcache_under_torch_compile_checks_on_the_device():
+    """Compiled, the checks read nothing to the host (no graph break on .tolist()) and still refuse a bad length."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True)  # a host read would be a graph break: an error here
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    want = step(q, k_cache.clone(), v_cache.clone(), k, v, seqlens)
+    assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, seqlens), want)
+    with pytest.raises(RuntimeError, match="cache_seqlens"):
+        compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))

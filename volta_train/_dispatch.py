@@ -368,8 +368,14 @@ def attention_with_kvcache(
     window_right: int,
     softcap: float,
     rotary_interleaved: bool,
+    key_end: int = -1,
+    longest: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache: appends k/v into the caches in place, returns (out, lse [B, H, Nq]). No backward.
+
+    ``key_end`` / ``longest``: the cache extent when the validation read the lengths on the host
+    (``_validation.KvCacheExtent``), so that the kernel path need not read them again; -1: unknown (it then plans
+    for the whole cache, with no host read).
 
     The kernel path, once kernels.support.KERNEL_FEATURES lists "kvcache", is
     ``kernels.forward_with_kvcache`` with this op's arguments (its params carry scale, masks and softcap).
@@ -386,7 +392,8 @@ def attention_with_kvcache(
     params = _params(softmax_scale, causal, window_left, window_right, 0.0, 0, 0, softcap)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
     if choice.backend == "kernel":
-        out, lse = kernels.forward_with_kvcache(*args, params, alibi_slopes, rotary_interleaved)
+        out, lse = kernels.forward_with_kvcache(*args, params, alibi_slopes, rotary_interleaved, key_end=key_end,
+                                                longest=longest)
     else:
         out, lse = reference.reference_kvcache_forward(*args, params, alibi_slopes, rotary_interleaved)
     return out.contiguous(), lse.contiguous()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -243,8 +245,38 @@ def check_block_table(block_table) -> None:
         )
 
 
-def _int_vector(name: str, t, batch: int, device: torch.device) -> list[int]:
-    """An integer [batch] tensor on device, read to the host."""
+KVCACHE_CHECK_ENV = "VOLTA_TRAIN_KVCACHE_CHECK"
+KVCACHE_CHECK_MODES = ("host", "device")
+
+
+def kvcache_checks_read_values(q: torch.Tensor) -> bool:
+    """Whether flash_attn_with_kvcache reads cache_seqlens / cache_batch_idx / cache_leftpad to the host to check them
+    (one device-to-host copy, which waits for the GPU): yes unless ``VOLTA_TRAIN_KVCACHE_CHECK=device``, and never
+    while compiling or capturing a CUDA graph (a host read would break the graph or the capture); then the same checks
+    run on the device (``torch._assert_async``: a bad value stops the CUDA context with the check's message)."""
+    mode = os.environ.get(KVCACHE_CHECK_ENV, "host")
+    if mode not in KVCACHE_CHECK_MODES:
+        raise ValueError(f"{KVCACHE_CHECK_ENV}={mode!r}; accepted: 'host' (the default: read the cache lengths and "
+                         f"raise a ValueError naming a bad one) or 'device' (check on the GPU, no wait for it)")
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return mode == "host"
+
+
+@dataclass(frozen=True)
+class KvCacheExtent:
+    """What check_kvcache hands the kernel path: cache_seqlens as an int32 [batch] tensor on q's device and, when
+    the lengths were read on the host, one past the last key any entry reads (``key_end``: max of cache_seqlens +
+    seqlen_new) and the most keys one entry sees (``longest``: max of that minus cache_leftpad); -1 when not read
+    (the kernel path then plans for the whole cache)."""
+
+    cache_seqlens: torch.Tensor
+    key_end: int = -1
+    longest: int = -1
+
+
+def _int_vector(name: str, t, batch: int, device: torch.device) -> torch.Tensor:
+    """Checks an integer [batch] tensor on device (its metadata only: no values are read)."""
     require_tensor(name, t)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (int32, as flash-attn), got {t.dtype}")
@@ -252,14 +284,23 @@ def _int_vector(name: str, t, batch: int, device: torch.device) -> list[int]:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; accepted: ({batch},), one entry per batch entry of q")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}: they must be on the same device")
-    return t.tolist()
+    return t
+
+
+def _read_int_vectors(vectors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The values of several integer [batch] tensors of one device, in one device-to-host copy."""
+    if not vectors:
+        return {}
+    rows = torch.stack([t.to(torch.long) for t in vectors.values()]).tolist()
+    return dict(zip(vectors, rows))
 
 
 def check_kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, causal,
     window_size,
-) -> torch.Tensor:
-    """Checks a flash_attn_with_kvcache call; returns cache_seqlens as an int32 [batch] tensor on q's device."""
+) -> KvCacheExtent:
+    """Checks a flash_attn_with_kvcache call. The integer vectors' values are checked on the host when
+    :func:`kvcache_checks_read_values` says so (all read in one copy), else on the device."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {t.dim()}-D ({_describe(t)})")
@@ -285,38 +326,27 @@ def check_kvcache(
                 )
         check_dtype_and_devices(q, k, v)
         seqlen_new = k.shape[1]
+    vectors: dict[str, torch.Tensor] = {}  # the tensors whose values are checked
+    seqlens: list[int] | None = None
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is None but k/v are given: cache_seqlens says where to append them")
         seqlens = [seqlen_cache] * batch
     elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1:
-        seqlens = _int_vector("cache_seqlens", cache_seqlens, batch, q.device)
+        vectors["cache_seqlens"] = _int_vector("cache_seqlens", cache_seqlens, batch, q.device)
     else:
         seqlens = [as_int("cache_seqlens", cache_seqlens, f"{INT_LIKE} or an integer [batch] tensor")] * batch
-    for b, n in enumerate(seqlens):
-        if n < 0 or n + seqlen_new > seqlen_cache:
-            raise ValueError(
-                f"cache_seqlens[{b}] is {n} with {seqlen_new} new tokens, but the cache holds {seqlen_cache}: "
-                f"accepted: 0 <= cache_seqlens <= {seqlen_cache - seqlen_new}"
-            )
     if cache_batch_idx is not None:
-        rows = _int_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
-        bad = [r for r in rows if not 0 <= r < batch_cache]
-        if bad:
-            raise ValueError(f"cache_batch_idx has {bad[0]}; accepted: cache rows 0 to {batch_cache - 1}")
-        if k is not None and len(set(rows)) != len(rows):
-            raise ValueError("cache_batch_idx repeats a cache row while k/v are appended: each row must appear once")
+        vectors["cache_batch_idx"] = _int_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
     elif batch > batch_cache:
         raise ValueError(
             f"q has batch {batch} but k_cache holds {batch_cache} rows: pass cache_batch_idx or a cache with >= {batch}"
         )
     if cache_leftpad is not None:
-        leftpad = _int_vector("cache_leftpad", cache_leftpad, batch, q.device)
-        for b, (pad, n) in enumerate(zip(leftpad, seqlens)):
-            if not 0 <= pad <= n:
-                raise ValueError(f"cache_leftpad[{b}] is {pad}; accepted: 0 to cache_seqlens[{b}] ({n})")
+        vectors["cache_leftpad"] = _int_vector("cache_leftpad", cache_leftpad, batch, q.device)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin go together: pass both or neither")
+    span = 0  # rotated positions past cache_seqlens[b]: rotary_cos must reach max(cache_seqlens) + span
     if rotary_cos is not None:
         if k is None:
             raise ValueError("rotary_cos/rotary_sin are given without k/v: rotary embedding applies to new keys")
@@ -332,10 +362,88 @@ def check_kvcache(
         left, right, _ = check_options(q, 0.0, None, window_size, None, 0.0, batch, q.shape[2])
         local = (left, right) != (-1, -1)
         span = max(seqlen_new, seqlen_q if (causal or local) else 1)
-        needed = max(seqlens, default=0) + span
-        if rotary_cos.shape[0] < needed:
-            raise ValueError(
-                f"rotary_cos has {rotary_cos.shape[0]} positions but position {needed - 1} is rotated: "
-                f"accepted: seqlen_ro >= {needed}"
-            )
-    return torch.tensor(seqlens, dtype=torch.int32, device=q.device)
+
+    limits = _KvCacheLimits(batch, batch_cache, seqlen_cache, seqlen_new, span,
+                            rotary_cos.shape[0] if rotary_cos is not None else None)
+    on_host = not vectors or kvcache_checks_read_values(q)
+    if on_host:
+        values = _read_int_vectors(vectors)
+        seqlens = values.get("cache_seqlens", seqlens)
+        limits.check_on_host(seqlens, values.get("cache_batch_idx"), values.get("cache_leftpad"))
+        ends = [n + seqlen_new for n in seqlens]
+        pads = values.get("cache_leftpad") or [0] * batch
+        key_end, longest = max(ends, default=0), max((e - p for e, p in zip(ends, pads)), default=0)
+    else:
+        limits.assert_on_device(vectors.get("cache_seqlens"), seqlens, vectors.get("cache_batch_idx"),
+                                vectors.get("cache_leftpad"))
+        key_end = longest = -1
+    given = vectors.get("cache_seqlens")
+    if given is not None and given.dtype == torch.int32:
+        lengths = given
+    elif given is not None:
+        lengths = given.to(torch.int32)
+    else:
+        lengths = torch.full((batch,), seqlens[0], dtype=torch.int32, device=q.device)
+    return KvCacheExtent(lengths, key_end, longest)
+
+
+@dataclass(frozen=True)
+class _KvCacheLimits:
+    """The bounds flash_attn_with_kvcache's integer vectors must keep, checked on the host or on the device."""
+
+    batch: int
+    batch_cache: int
+    seqlen_cache: int
+    seqlen_new: int
+    rotary_span: int
+    seqlen_ro: int | None
+
+    def seqlens_message(self, b: str, n: str) -> str:
+        return (f"cache_seqlens[{b}] is {n} with {self.seqlen_new} new tokens, but the cache holds {self.seqlen_cache}: "
+                f"accepted: 0 <= cache_seqlens <= {self.seqlen_cache - self.seqlen_new}")
+
+    def check_on_host(self, seqlens: list[int], rows: list[int] | None, leftpad: list[int] | None) -> None:
+        for b, n in enumerate(seqlens):
+            if n < 0 or n + self.seqlen_new > self.seqlen_cache:
+                raise ValueError(self.seqlens_message(str(b), str(n)))
+        if rows is not None:
+            bad = [r for r in rows if not 0 <= r < self.batch_cache]
+            if bad:
+                raise ValueError(f"cache_batch_idx has {bad[0]}; accepted: cache rows 0 to {self.batch_cache - 1}")
+            if self.seqlen_new and len(set(rows)) != len(rows):
+                raise ValueError("cache_batch_idx repeats a cache row while k/v are appended: each row must appear once")
+        if leftpad is not None:
+            for b, (pad, n) in enumerate(zip(leftpad, seqlens)):
+                if not 0 <= pad <= n:
+                    raise ValueError(f"cache_leftpad[{b}] is {pad}; accepted: 0 to cache_seqlens[{b}] ({n})")
+        if self.seqlen_ro is not None:
+            needed = max(seqlens, default=0) + self.rotary_span
+            if self.seqlen_ro < needed:
+                raise ValueError(f"rotary_cos has {self.seqlen_ro} positions but position {needed - 1} is rotated: "
+                                 f"accepted: seqlen_ro >= {needed}")
+
+    def assert_on_device(self, seqlens: torch.Tensor | None, host_seqlens: list[int] | None,
+                         rows: torch.Tensor | None, leftpad: torch.Tensor | None) -> None:
+        """The same bounds as check_on_host, as asynchronous device asserts (no host read)."""
+        if seqlens is not None:
+            torch._assert_async(((seqlens >= 0) & (seqlens <= self.seqlen_cache - self.seqlen_new)).all(),
+                                self.seqlens_message("b", "out of range"))
+        elif host_seqlens is not None:
+            self.check_on_host(host_seqlens, None, None)
+        if rows is not None:
+            torch._assert_async(((rows >= 0) & (rows < self.batch_cache)).all(),
+                                f"cache_batch_idx: accepted: cache rows 0 to {self.batch_cache - 1}")
+            if self.seqlen_new and rows.numel() > 1:
+                ordered = rows.sort().values
+                torch._assert_async((ordered[1:] != ordered[:-1]).all(),
+                                    "cache_batch_idx repeats a cache row while k/v are appended")
+        lengths = seqlens if seqlens is not None else None
+        if leftpad is not None:
+            upper = lengths if lengths is not None else torch.tensor(host_seqlens, device=leftpad.device)
+            torch._assert_async(((leftpad >= 0) & (leftpad <= upper)).all(),
+                                "cache_leftpad: accepted: 0 to cache_seqlens[b]")
+        if self.seqlen_ro is not None:
+            top = lengths.max() if lengths is not None else torch.tensor(max(host_seqlens, default=0))
+            torch._assert_async(top + self.rotary_span <= self.seqlen_ro,
+                                f"rotary_cos has {self.seqlen_ro} positions: accepted: seqlen_ro >= "
+                                f"max(cache_seqlens) + {self.rotary_span}")

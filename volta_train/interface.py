@@ -308,7 +308,7 @@ def flash_attn_with_kvcache(
     """
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
     _validation.check_block_table(block_table)
-    cache_seqlens = _validation.check_kvcache(
+    extent = _validation.check_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         causal, window_size,
     )
@@ -326,7 +326,8 @@ def flash_attn_with_kvcache(
             )
         q, k, v = (t.detach() if t is not None else None for t in (q, k, v))
     out, lse = _dispatch.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved),
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, extent.cache_seqlens, cache_batch_idx, cache_leftpad,
+        alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved), extent.key_end,
+        extent.longest,
     )
     return (out, lse) if return_softmax_lse else out

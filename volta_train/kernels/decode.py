@@ -106,13 +106,19 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
                          cache_leftpad, params: AttentionOptions, alibi_slopes, rotary_interleaved: bool, *,
                          tile: tiles.FwdTile | None = None, num_splits: int | None = None,
                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                         partial_fill: float | None = None):
+                         partial_fill: float | None = None, key_end: int = -1, longest: int = -1):
     """flash_attn_with_kvcache on the decoding kernel: returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] (fp32),
     and appends k/v into the caches in place, like ``_reference.reference_kvcache_forward``.
 
     Test and sweep hooks: ``tile`` overrides the tile table, ``num_splits`` the split rule (its blocks are dealt as
     :func:`split_plan` deals them); ``out``/``lse`` take caller buffers (e.g. NaN-poisoned); ``partial_fill`` fills
     the partial buffers before the launch (NaN proves the kernel writes every element the combine reads).
+
+    ``key_end`` (one past the last key any entry reads) and ``longest`` (the most keys one entry sees), when the
+    caller read the lengths on the host (``_validation.KvCacheExtent``), bound the keys the kernel is given and the
+    split rule's key range; -1 (unknown): the whole cache, so that nothing here reads a device value (no wait for the
+    GPU). The kernel takes each entry's own range from ``seqused_k`` / ``leftpad_k`` either way; the bound only
+    changes how the key blocks are dealt to splits.
     """
     q, rows, ends = reference.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                              cache_batch_idx, params, rotary_interleaved)
@@ -124,8 +130,8 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
     leftpad = _int32(cache_leftpad)
-    lengths = ends - leftpad if leftpad is not None else ends
-    longest, key_end = torch.stack((lengths.max(), ends.max())).tolist()  # one sync: the split rule needs them
+    if key_end < 0 or longest < 0:  # not read on the host: plan for the whole cache (no device read here)
+        key_end = longest = k_cache.shape[1]
 
     d = _kernel_head_dim(head_dim)
     tile = tile or tiles.decode_tile(d, _arch(device))
