@@ -20,7 +20,8 @@ usage or build problem.
 Getting CUTLASS (headers only, never committed; the device has no network, so carry the wheel or the binary):
 
     pip download nvidia-cutlass==4.2.0 --no-deps -d /tmp/cutl
-    mkdir -p /tmp/cutl/unpacked && python3 -m zipfile -e /tmp/cutl/nvidia_cutlass-4.2.0.0-py3-none-any.whl /tmp/cutl/unpacked
+    mkdir -p /tmp/cutl/unpacked
+    python3 -m zipfile -e /tmp/cutl/nvidia_cutlass-4.2.0.0-py3-none-any.whl /tmp/cutl/unpacked
     # CUTLASS root = /tmp/cutl/unpacked/cutlass_library/source (include/, tools/util/include/, examples/41_...)
 
 ``--cutlass DIR`` names that root (or a CUTLASS git checkout); ``--cutlass-wheel FILE`` unpacks the wheel into the
@@ -54,7 +55,8 @@ SOURCES = ("harness.cu", "instance.cu", "api.h", "compat/curand_kernel.h")
 ARCH = "sm_90"
 # CUTLASS's own builds pass --expt-relaxed-constexpr; warning 940 ("missing return statement") comes from
 # CustomMmaPipelined::set_prologue_done / set_zero_outside_bounds in example 41, whose results are never used.
-NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}"]
+NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+              f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}"]
 INSTANCE_FLAGS = ["-diag-suppress", "940", "-Xptxas", "-v"]
 SUITES = ("check", "train", "hd256", "decode", "all")
 STEM = "cutlass_sm70"
@@ -380,7 +382,8 @@ def train_table(rows: list[dict]) -> list[str]:
     lines = ["| pass | head_dim | N | batch x heads | causal | kernel | ms | TFLOP/s | split 1 TFLOP/s | best split | "
              "PyTorch's split: TFLOP/s | max_abs | status |", "|" + "---|" * 13]
     for r in rows:
-        pt = "" if r.get("tflops_pytorch_split") is None else f"{r.get('pytorch_split')}: {r['tflops_pytorch_split']:.2f}"
+        pt = r.get("tflops_pytorch_split")
+        pt = "" if pt is None else f"{r.get('pytorch_split')}: {pt:.2f}"
         lines.append(f"| {r['pass']} | {r['head_dim']} | {r['seqlen_q']} | {r['batch']}x{r['heads']} | "
                      f"{'yes' if r['causal'] else 'no'} | {r.get('kernel', '')} | {_f(r.get('ms'), '.3f')} | "
                      f"{_f(r.get('tflops'), '.2f')} | {_f(r.get('tflops_split1'), '.2f')} | "
@@ -389,7 +392,8 @@ def train_table(rows: list[dict]) -> list[str]:
 
 
 def decode_table(rows: list[dict]) -> list[str]:
-    lines = ["| batch | heads (Q = K/V) | head_dim | N_k | kernel | ms | TFLOP/s | GB/s (K/V read) | max_abs | status |",
+    lines = ["| batch | heads (Q = K/V) | head_dim | N_k | kernel | ms | TFLOP/s | GB/s (K/V read) | max_abs | "
+             "status |",
              "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['heads']} | {r['head_dim']} | {r['seqlen_k']} | {r.get('kernel', '')} | "
@@ -404,7 +408,8 @@ def check_table(rows: list[dict]) -> list[str]:
     for r in rows:
         splits = " ".join(str(s["splits"]) for s in r.get("split_runs", []))
         lines.append(f"| {r.get('kernel', '')} | {r['pass']} | {r['batch']}x{r['heads']} | "
-                     f"{r['seqlen_q']}x{r['seqlen_k']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {splits} | "
+                     f"{r['seqlen_q']}x{r['seqlen_k']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{splits} | "
                      f"{_f(r.get('max_abs'), '.1e')} | {_f(r.get('tol'), '.1e')} | {_status(r)} |")
     return lines
 
@@ -422,7 +427,8 @@ def markdown(result: dict, extra_env: dict | None = None) -> str:
              "best num_splits_key among those timed (1-8 by default), split 1, and PyTorch's own heuristic split; "
              "the backward call includes the workspace zeroing and, for the k65536 kernel, the delta kernel. "
              f"max_abs: worst of out / dQ / dK / dV against an fp32 GPU reference on batch 0 x "
-             f"{env.get('verify_heads', '?')} heads; a case fails above {env.get('tol', '?')} x max(1, max |ref|) or with "
+             f"{env.get('verify_heads', '?')} heads; a case fails above {env.get('tol', '?')} x max(1, max |ref|) or "
+             "with "
              f"||x - ref|| / ||ref|| above {env.get('tol', '?')}.", ""]
     if result["kernels"]:
         lines += ["Kernels built (resources of this sm_90 build; V100 fit from sizeof(SharedStorage)):", ""]
@@ -449,6 +455,8 @@ def markdown(result: dict, extra_env: dict | None = None) -> str:
 def plot(result: dict, out: Path) -> list[Path]:
     """TFLOP/s against N (training shapes, one panel per pass x head_dim x causal) and GB/s against N_k (decoding, one
     panel per batch x head_dim), with volta_train.bench.plot_panels."""
+    if str(REPO) not in sys.path:  # run as scripts/bench_cutlass_sm70.py from a checkout that is not installed
+        sys.path.insert(0, str(REPO))
     try:
         from volta_train.bench import plot_panels
     except ImportError as error:  # no matplotlib / volta_train: tables only
@@ -570,7 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     if not check and not cases:
         print("error: the chosen suites give no case", file=sys.stderr)
         return 2
-    result, returncode = run_harness(binary, check, cases, args, args.out)
+    try:
+        result, returncode = run_harness(binary, check, cases, args, args.out)
+    except OSError as error:  # not executable, wrong architecture
+        print(f"error: cannot run the harness {binary}: {error}", file=sys.stderr)
+        return 2
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     table = write_results(result, args.out, settings, extra)
     print(table)

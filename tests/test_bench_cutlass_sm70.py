@@ -112,7 +112,8 @@ def test_markdown_tables():
                           {"python": "3.11"})
     assert text.startswith("environment: gpu NVIDIA H100 80GB HBM3; cc 90;")
     assert "cutlass_version 4.2.0" in text and "python 3.11" in text
-    assert "| fmha_cutlassB_f16_aligned_128x64_k65536_sm70 | bwd | 128x64 | 65536 | 256 | 50176 | yes | 1 | 188 |" in text
+    assert ("| fmha_cutlassB_f16_aligned_128x64_k65536_sm70 | bwd | 128x64 | 65536 | 256 | 50176 | yes | 1 | 188 |"
+            in text)
     assert "| fwd | 256 | 4096 | 4x8 | no | fmha_cutlassF_f16_aligned_32x128_gmem_sm70 | 61.000 | 9.01 |" in text
     assert "| 210.000 | 6.55 | 3.21 | 4 | 6: 6.40 | 1.2e-03 | ok |" in text
     assert "| 8 | 32 | 128 | 32768 | fmha_cutlassF_f16_aligned_32x128_rf_sm70 | 2.5000 | 0.110 | 3436 |" in text
@@ -170,9 +171,13 @@ def test_main_runs_a_prebuilt_binary(tmp_path, status, capsys):
     assert "bwd d256 B4 H8 Nq4096 Nk4096 [fmha_cutlassB_f16_aligned_128x64_k65536_sm70]: 6.55 TFLOP/s" in printed
 
 
-def test_main_refuses_a_missing_binary(tmp_path, capsys):
+def test_main_refuses_a_missing_or_unrunnable_binary(tmp_path, capsys):
     assert bench.main(["--binary", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "--binary" in capsys.readouterr().err
+    not_executable = tmp_path / "harness"
+    not_executable.write_text("not a program")
+    assert bench.main(["--binary", str(not_executable), "--suite", "decode", "--out", str(tmp_path)]) == 2
+    assert "cannot run the harness" in capsys.readouterr().err
 
 
 def test_sources_agree_on_the_instances():

@@ -461,7 +461,8 @@ void parse_splits(const std::string& text, std::vector<int>& ints, bool& pytorch
 
 // ------------------------------------------------------------------------------------------------ kernel choice
 
-// PyTorch's dispatch order for fp16 on sm_70 (aligned kernels; dispatch_cutlassF_f16_sm70 / dispatch_cutlassB_f16_sm70).
+// PyTorch's dispatch order for fp16 on sm_70 (aligned kernels; dispatch_cutlassF_f16_sm70 and
+// dispatch_cutlassB_f16_sm70 in mem_eff_attention/kernels/cutlassF.h, cutlassB.h).
 struct Entry {
   const char* name;
   int max_k;

@@ -17,7 +17,8 @@
 //        output accumulates in a float global buffer across value-column iterations ("gmem")
 //   backward (PyTorch additionally takes the "seqaligned" kernel first when Nq % kBlockSizeI == 0 and
 //   Nk % kBlockSizeJ == 0; the 64x64_k32 pair serves head_dim <= 32, not built here):
-//     3  fmha_cutlassB_f16_aligned_64x64_k64_seqaligned_sm70   <Sm70, half, aligned, no dropout, no preload, 64, 64, 64, seqaligned>
+//     3  fmha_cutlassB_f16_aligned_64x64_k64_seqaligned_sm70   <Sm70, half, aligned, no dropout, no preload,
+//                                                              64, 64, 64, seqaligned>
 //     4  fmha_cutlassB_f16_aligned_64x64_k64_sm70              <..., 64, 64, 64>
 //     5  fmha_cutlassB_f16_aligned_128x64_k128_seqaligned_sm70 <..., 128, 64, 128, seqaligned>
 //     6  fmha_cutlassB_f16_aligned_128x64_k128_sm70            <..., 128, 64, 128>
