@@ -39,8 +39,9 @@ candidate backward tiles of the head dims whose shipped dK/dV tile has fewer tha
    ``5 / (4 / r_dkdv + 3 / r_dq)``), TFLOP/s counted as in docs/performance.md (backward = 2.5x forward).
 
 The CUTLASS example 41 Sm70 kernels (what PyTorch SDPA runs on a V100) get the same treatment from the figures
-of shared/tools/v100model/README.md (not rebuilt here), with no conflict factor (not measured: conflict-free is
-assumed, which favours CUTLASS).
+of shared/tools/v100model/README.md and, for head_dim 256, of ``scripts/cutlass_sm70_sass.py`` (the same build,
+not rerun here: ``CUTLASS_SM70``), with no conflict factor (not measured: conflict-free is assumed, which favours
+CUTLASS).
 
 Writes DIR/v100_estimate.md and DIR/v100_estimate.json; the cubins go to --cubin-dir (default: a temporary
 directory). The committed result: docs/bench/v100_estimate_sm70.md (.json), summarised in docs/performance.md.
@@ -86,6 +87,11 @@ _SMEM_OP = re.compile(r"^(LDS|LDSM|STS|ATOMS)(?:\.(\d+))?$")
 # kernels" (sm_70 cubins built from the nvidia-cutlass 4.2 wheel's example, ptxas 12.9; not rebuilt here).
 # warps_per_cta follows from the HMMA count: HMMA/iter x warps x 256 FMA = the iteration's FMA (fwd 2 GEMMs of
 # block_m x block_n x d, bwd 5 GEMMs); tests/test_v100_estimate.py checks it.
+# scripts/cutlass_sm70_sass.py rebuilds all of them the README's way (`--flags example`; `--check` compares): the
+# first five rows are the README's and come out identical; the head_dim 256 rows (PyTorch's kernels for d > 128:
+# fmha_cutlassF_f16_aligned_32x128_gmem_sm70 and fmha_cutlassB_f16_aligned_128x64_k65536_sm70, instances 2 and 7 of
+# scripts/cutlass_sm70/instance.cu, with the GEMM trips of d = 256) come from it (nvcc 13.0, ptxas 12.9.86, CUTLASS
+# 4.2.0, 2026-11).
 CUTLASS_SM70 = (
     dict(kernel="CUTLASS fwd 64x64 kMaxK=64", pass_name="fwd", head_dim=64, block=(64, 64), regs=168,
          spills="40/36", ctas_per_sm=3, warps_per_cta=4, hmma_per_iter=512, instr_body=2214, instr_must=2051,
@@ -102,6 +108,12 @@ CUTLASS_SM70 = (
     dict(kernel="CUTLASS bwd 128x64 kMaxK=128", pass_name="bwd", head_dim=128, block=(128, 64), regs=255,
          spills="288/396", ctas_per_sm=1, warps_per_cta=8, hmma_per_iter=2560, instr_body=9167, instr_must=7525,
          tc_util_body=0.526, tc_util_must=0.642, bound_body="lsu_data"),
+    dict(kernel="CUTLASS fwd 32x128 kMaxK=inf", pass_name="fwd", head_dim=256, block=(32, 128), regs=164,
+         spills="0/0", ctas_per_sm=2, warps_per_cta=4, hmma_per_iter=2048, instr_body=7244, instr_must=5525,
+         tc_util_body=0.388, tc_util_must=0.585, bound_body="lsu_data"),
+    dict(kernel="CUTLASS bwd 128x64 kMaxK=inf", pass_name="bwd", head_dim=256, block=(128, 64), regs=255,
+         spills="0/0", ctas_per_sm=1, warps_per_cta=8, hmma_per_iter=5120, instr_body=16196, instr_must=13352,
+         tc_util_body=0.521, tc_util_must=0.670, bound_body="lsu_data"),
 )
 CUTLASS_TENSOR_CYCLES_PER_HMMA = 2  # HMMA.884.F32 steps (256 FMA each), 2 SMSP cycles
 
@@ -658,12 +670,12 @@ def candidate_rows(kernels: list[Kernel], intervals: tuple[float, ...]) -> list[
 
 
 REPORT_KEYS = ("registers", "spill_bytes", "smem_bytes", "threads", "ctas_per_sm", "warps_per_sm", "limited_by")
-HEADLINE = (("fwd", 64), ("fwd", 128), ("bwd", 64), ("bwd", 128))
+HEADLINE = (("fwd", 64), ("fwd", 128), ("fwd", 256), ("bwd", 64), ("bwd", 128), ("bwd", 256))
 
 
 def headline_rows(kernels: list[Kernel], candidates: list[dict], intervals: tuple[float, ...]) -> list[dict]:
-    """fwd/bwd at d64/d128, fp32 accumulation, no dropout, must view: the shipped default path, the best spill-free
-    candidate at the calibrated L (if any), and the CUTLASS kernels, each at every interval L."""
+    """fwd/bwd at d64/d128/d256, fp32 accumulation, no dropout, must view: the shipped default path, the best
+    spill-free candidate at the calibrated L (if any), and the CUTLASS kernels, each at every interval L."""
     from volta_train.kernels import tiles
 
     by_name = {k.name: k for k in kernels}
@@ -732,7 +744,7 @@ def markdown(kernels: list[Kernel], cutlass: list[dict], passes: list[dict], can
     intervals = info["sensitivity_intervals"]
     ls = " / ".join(f"L={x:.1f}" for x in intervals)
     if headline:
-        out += ["## Headline: d64 and d128 against CUTLASS (fp32 accumulation, no dropout)", "",
+        out += ["## Headline: d64, d128 and d256 against CUTLASS (fp32 accumulation, no dropout)", "",
                 f"TFLOP/s of the pass (backward: 2.5x the forward's FLOPs), must view at {ls}, body view at "
                 f"L={intervals[1]:.1f}; `upper bound`: pipes + conflicts, no latency.", "",
                 f"| pass | d | kernel | warps/SM | spills B | upper bound | estimate must ({ls}) | body |",
@@ -756,7 +768,8 @@ def markdown(kernels: list[Kernel], cutlass: list[dict], passes: list[dict], can
                    f"({r['bwd_bound_must']:.1f}; {r['bwd_path']}) | {r['bwd_det_body']:.1f}-{r['bwd_det_must']:.1f} "
                    f"({r['bwd_det_bound_must']:.1f}) |")
     out += ["", "## CUTLASS example 41 Sm70 kernels, treated the same way", "",
-            "From the figures of shared/tools/v100model/README.md (not rebuilt here); no conflict factor was "
+            "From the figures of shared/tools/v100model/README.md, and for head_dim 256 of "
+            "`scripts/cutlass_sm70_sass.py` (the same build; not rebuilt here); no conflict factor was "
             "measured for them, so none is applied (conflict-free: favours CUTLASS), and their spills (in the "
             "model as L1 traffic) cost no latency here. Its backward computes dQ in the same kernel (5 GEMMs), "
             "comparable with our `dK/dV + dQ atomics` pass.", "",

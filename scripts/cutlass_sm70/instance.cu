@@ -30,6 +30,10 @@
 // Differences from PyTorch's build, none of which changes a kernel that runs without dropout: HAS_PYTORCH is not
 // defined, so the Philox dropout branches PyTorch compiles into the forward (kSupportsDropout = true, never taken at
 // dropout_p = 0) are absent here, and cuRAND is replaced by compat/curand_kernel.h (never called).
+//
+// -DSM70_FWD_EXAMPLE_FLAGS (never set by the harness) builds the forward instances with CUTLASS example 41's own
+// kSupportsDropout = kSupportsBias = false (fused_multihead_attention_fixed_seqlen.cu) instead of PyTorch's true, true:
+// the build behind shared/tools/v100model/README.md's CUTLASS figures, which scripts/cutlass_sm70_sass.py reproduces.
 
 #include "api.h"
 
@@ -254,11 +258,20 @@ sm70h::KernelInfo backward_info(const char* name, const char* args, int order) {
   return info;
 }
 
-#define SM70_FORWARD(NAME, ORDER, Q, K, MAXK)                                              \
-  using Kernel = AttentionKernel<half_t, Sm70, true, Q, K, MAXK, true, true>;              \
-  const sm70h::Registrar registrar(forward_info<Kernel>(                                   \
-      NAME, "AttentionKernel<half_t, Sm70, isAligned=true, " #Q ", " #K ", kMaxK=" #MAXK   \
-            ", kSupportsDropout=true, kSupportsBias=true>", ORDER));
+#ifdef SM70_FWD_EXAMPLE_FLAGS
+#define SM70_FWD_DROPOUT false
+#define SM70_FWD_BIAS false
+#else
+#define SM70_FWD_DROPOUT true
+#define SM70_FWD_BIAS true
+#endif
+
+#define SM70_FORWARD(NAME, ORDER, Q, K, MAXK)                                                      \
+  using Kernel = AttentionKernel<half_t, Sm70, true, Q, K, MAXK, SM70_FWD_DROPOUT, SM70_FWD_BIAS>; \
+  const sm70h::Registrar registrar(forward_info<Kernel>(                                           \
+      NAME, "AttentionKernel<half_t, Sm70, isAligned=true, " #Q ", " #K ", kMaxK=" #MAXK           \
+            ", kSupportsDropout=" SM70_STR(SM70_FWD_DROPOUT) ", kSupportsBias=" SM70_STR(SM70_FWD_BIAS) ">",  \
+      ORDER));
 
 #define SM70_BACKWARD(NAME, ORDER, I, J, MAXK, SEQALIGNED)                                        \
   using Kernel = AttentionBackwardKernel<Sm70, half_t, true, false, false, I, J, MAXK, SEQALIGNED>; \
