@@ -6,7 +6,9 @@
 
 No GPU needed. For every shipped sm_70 kernel without soft-capping (forward, backward dK/dV, backward dQ), for the
 candidate backward tiles of the head dims whose shipped dK/dV tile has fewer than 8 warps per SM
-(``candidate_bwd_tiles``) and for candidate 12-warp forward tiles where the shipped forward has fewer than 12
+(``candidate_bwd_tiles``; where the shipped tile splits dK/dV over CTAs, head_dim 256, the template's whole tile
+space there: ``split_bwd_tiles``), for candidate dQ kernel tiles where the shipped dQ kernel has fewer than 8
+(``candidate_dq_tiles``) and for candidate 12-warp forward tiles where the shipped forward has fewer than 12
 (``candidate_fwd_tiles``):
 
 1. compile it for sm_70 (NVRTC 12, as ``scripts/kernel_report.py`` does; a --cubin-dir that already holds the
@@ -36,7 +38,9 @@ candidate backward tiles of the head dims whose shipped dK/dV tile has fewer tha
    latency-limited, which is what makes its IPC give L).
 5. per head_dim, the *pass* estimate: the forward kernel; the backward as the dK/dV kernel alone (dQ by atomics:
    5 GEMMs) or dK/dV without atomics plus the dQ kernel (4 + 3 GEMMs for the 5 useful ones:
-   ``5 / (4 / r_dkdv + 3 / r_dq)``), TFLOP/s counted as in docs/performance.md (backward = 2.5x forward).
+   ``5 / (4 / r_dkdv + 3 / r_dq)``; a dK/dV tile split over s CTAs runs 2s + 2 GEMMs instead of 4), TFLOP/s
+   counted as in docs/performance.md (backward = 2.5x forward). Candidate dK/dV tiles without atomics are paired
+   with the shipped dQ kernel and with every candidate dQ kernel.
 
 The CUTLASS example 41 Sm70 kernels (what PyTorch SDPA runs on a V100) get the same treatment from the figures
 of shared/tools/v100model/README.md and, for head_dim 256, of ``scripts/cutlass_sm70_sass.py`` (the same build,
@@ -44,7 +48,8 @@ not rerun here: ``CUTLASS_SM70``), with no conflict factor (not measured: confli
 CUTLASS).
 
 Writes DIR/v100_estimate.md and DIR/v100_estimate.json; the cubins go to --cubin-dir (default: a temporary
-directory). The committed result: docs/bench/v100_estimate_sm70.md (.json), summarised in docs/performance.md.
+directory). The committed results: docs/bench/v100_estimate_sm70*.md (.json), summarised in docs/performance.md;
+the head_dim 256 tile search: ``--filter _d256_`` (docs/bench/v100_estimate_sm70_d256_candidates.md).
 Everything here is an estimate for ranking kernels; what it cannot see is listed in the markdown.
 """
 
@@ -359,6 +364,55 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
     return tile.smem_bytes(head_dim, dq_atomic) <= 96 * 1024
 
 
+def smem_warps_per_sm(smem_bytes: int, warps: int) -> int:
+    """Warps per V100 SM that shared memory allows a kernel of ``warps`` warps per CTA (registers cannot stop 8
+    warps: 255 x 256 threads fit; the 2048-thread limit caps it at 64)."""
+    return min(64, (96 * 1024) // (math.ceil(smem_bytes / 256) * 256) * warps)
+
+
+# The dK/dV tile space of a head_dim whose shipped tile splits dK/dV over CTAs (out_split > 1: head_dim 256), where
+# the tables hold no other tile to borrow: every combination of these the kernel accepts (bwd_tile_ok). More slices
+# than 4 only add recompute (2 * out_split + 2 GEMMs per key block); K/V in registers takes head_dim registers
+# per lane (at head_dim 256 with 8 or 16 keys per warp: every A row of the warp, 128 + 128).
+SPLIT_SPACE_WARPS = (1, 2, 4, 8)
+SPLIT_SPACE_BLOCK_M = (16, 32, 64)
+SPLIT_SPACE_OUT_SPLITS = (1, 2, 4)
+# accumulator registers a lane may hold for dK/dV (or dQ) before the tile is dropped unbuilt: the unsplit 2x2 tile
+# at d256 (256) spilled 1.8-2.9 KB (docs/performance.md, "head_dim 256"); 1x4 / split tiles (64-128) did not
+MAX_ACCUMULATOR_REGS = 192
+
+
+def bwd_accumulator_regs(head_dim: int, tile) -> int:
+    """fp32 registers per lane of the dK and dV accumulators (BwdAccumulators: 2 x 8 x kOTilesPerQuadPair), plus
+    the K and V rows when they are held in registers (2 x kQRegs)."""
+    cols = 4 // tile.quad_pair_rows
+    acc = 2 * head_dim // (tile.out_split * cols)
+    return acc + (0 if tile.kv_in_smem else head_dim)
+
+
+def split_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
+    """(tile, dq_atomic, where from): the template's dK/dV tiles at a head_dim whose shipped tile is split
+    (``out_split`` > 1): quad-pairs 2x2 or 1x4, warps SPLIT_SPACE_WARPS, queries SPLIT_SPACE_BLOCK_M, K/V in shared
+    memory or registers, lean or not, out_split SPLIT_SPACE_OUT_SPLITS (1 with or without dQ atomics); kept where
+    the kernel accepts them (bwd_tile_ok) and the accumulators leave room (MAX_ACCUMULATOR_REGS)."""
+    from volta_train.kernels import tiles
+
+    out = []
+    for qpr in (2, 1):
+        for warps in SPLIT_SPACE_WARPS:
+            for block_m in SPLIT_SPACE_BLOCK_M:
+                for kv_in_smem in (True, False):
+                    for out_split in SPLIT_SPACE_OUT_SPLITS:
+                        for lean in (True, False):
+                            for dq_atomic in ((True, False) if out_split == 1 else (False,)):
+                                tile = tiles.BwdTile(qpr, warps, block_m, kv_in_smem=kv_in_smem, dq_atomic=dq_atomic,
+                                                     lean=lean, out_split=out_split)
+                                if (bwd_accumulator_regs(head_dim, tile) <= MAX_ACCUMULATOR_REGS
+                                        and bwd_tile_ok(head_dim, tile, dq_atomic)):
+                                    out.append((tile, dq_atomic, f"split space (out_split {out_split})"))
+    return out
+
+
 def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
     """(tile, dq_atomic, where from) for a head_dim whose shipped dK/dV tile is under 8 warps per SM.
 
@@ -367,9 +421,17 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
     Kept: the tiles the kernel accepts (bwd_tile_ok) whose shared memory lets 8 warps per SM fit (registers cannot
     stop 8 warps: 255 x 256 threads fit), and the emulated tables' own choice at this head_dim whatever its
     occupancy (the comparison the issue names). The shipped tile itself is left out.
+
+    A head_dim whose shipped tile splits dK/dV over CTAs (head_dim 256) takes ``split_bwd_tiles`` instead, kept
+    where shared memory allows at least the shipped tile's warps per SM (no tile there reaches 8).
     """
     from volta_train.kernels import tiles
 
+    shipped = tiles.bwd_tile(head_dim, 70)
+    if shipped.out_split > 1:
+        floor = smem_warps_per_sm(shipped.smem_bytes(head_dim, False), shipped.warps)
+        return [(tile, dq_atomic, source) for tile, dq_atomic, source in split_bwd_tiles(head_dim)
+                if tile != shipped and smem_warps_per_sm(tile.smem_bytes(head_dim, dq_atomic), tile.warps) >= floor]
     pool: dict = {}
     for table_name in ("BWD_TILES_SM70", "BWD_TILES_EMULATED", "BWD_TILES_EMULATED_FP16"):
         for d, tile in getattr(tiles, table_name).items():
@@ -382,7 +444,6 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
         pool.setdefault(tiles.BwdTile(2, 2, 16, kv_in_smem=kv_in_smem, dq_atomic=False), "2x2 2 warps, block_m 16")
     emulated_here = {replace(t, min_blocks_per_sm=1, min_blocks_emulated=1)
                      for t in (tiles.bwd_tile(head_dim, 90, False), tiles.bwd_tile(head_dim, 90, True))}
-    shipped = tiles.bwd_tile(head_dim, 70)
     out = []
     for tile, source in pool.items():
         if tile == shipped:
@@ -390,11 +451,56 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
         for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
             if not bwd_tile_ok(head_dim, tile, dq_atomic):
                 continue
-            smem = tile.smem_bytes(head_dim, dq_atomic)
-            warps = (96 * 1024) // (math.ceil(smem / 256) * 256) * tile.warps
+            warps = smem_warps_per_sm(tile.smem_bytes(head_dim, dq_atomic), tile.warps)
             if warps >= TARGET_WARPS_PER_SM or tile in emulated_here:
                 label = source + (", the emulated table's tile here" if tile in emulated_here else "")
                 out.append((tile, dq_atomic, label))
+    return out
+
+
+def dq_tile_ok(head_dim: int, tile) -> bool:
+    """The static_asserts of FwdKernelTraits and DqLayout (csrc/kernel_traits.cuh, flash_bwd_dq_kernel.cuh) for a
+    dQ kernel tile, and the 96 KB limit."""
+    from volta_train.kernels.bank_model import FwdShape, dq_smem_bytes
+
+    cols = 4 // tile.quad_pair_rows
+    if tile.quad_pair_rows not in (1, 2, 4) or head_dim % (8 * cols) or (tile.block_n // 8) % cols or tile.block_n % 8:
+        return False
+    smem = dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                  tile.q_in_smem))
+    return smem <= 96 * 1024
+
+
+def dq_tile_smem(head_dim: int, tile) -> int:
+    from volta_train.kernels.bank_model import FwdShape, dq_smem_bytes
+
+    return dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                  tile.q_in_smem))
+
+
+def candidate_dq_tiles(head_dim: int) -> list[tuple[object, str]]:
+    """(tile, where from) for a head_dim whose shipped dQ kernel is under 8 warps per SM (head_dim 256): quad-pairs
+    4x1, 2x2 or 1x4, 1-2 m-tiles, 2-8 warps, 16-64 keys per block, Q/dO in shared memory or registers; kept where
+    the kernel accepts them (dq_tile_ok), the dQ accumulators (+ Q and dO rows in registers) stay within
+    MAX_ACCUMULATOR_REGS and shared memory allows at least the shipped tile's warps per SM. The shipped tile is
+    left out."""
+    from volta_train.kernels import tiles
+
+    shipped = tiles.dq_tile(head_dim, 70)
+    floor = smem_warps_per_sm(dq_tile_smem(head_dim, shipped), shipped.warps)
+    out = []
+    for qpr in (4, 2, 1):
+        for m_tiles in (1, 2):
+            for warps in (2, 4, 8):
+                for block_n in (16, 32, 64):
+                    for q_in_smem in (True, False):
+                        tile = tiles.FwdTile(qpr, m_tiles, warps, block_n, q_in_smem=q_in_smem)
+                        # dQ accumulators: head_dim / quad-pair columns per m-tile; Q and dO rows: head_dim
+                        regs = m_tiles * head_dim // (4 // qpr) + (0 if q_in_smem else m_tiles * head_dim)
+                        if tile == shipped or regs > MAX_ACCUMULATOR_REGS or not dq_tile_ok(head_dim, tile):
+                            continue
+                        if smem_warps_per_sm(dq_tile_smem(head_dim, tile), warps) >= floor:
+                            out.append((tile, "dQ tile space"))
     return out
 
 
@@ -632,9 +738,13 @@ def candidate_rows(kernels: list[Kernel], intervals: tuple[float, ...]) -> list[
     for pass_name, head_dim, accum_f16 in groups:
         members = [k for k in kernels if k.pass_name == pass_name and k.meta["head_dim"] == head_dim
                    and k.meta["accum_f16"] == accum_f16 and not k.meta["dropout"]]
-        if not any(k.role == "candidate" for k in members):
-            continue
+        # dQ kernels of the deterministic path: the shipped one first, then candidates (fp32, no dropout)
         dq = by_name.get(tiles.dq_variant(head_dim, tiles.dq_tile(head_dim, 70), False, False).name)
+        dq_options = [dq] + sorted((k for k in kernels if k.pass_name == "bwd_dq" and k.role == "candidate"
+                                    and k.meta["head_dim"] == head_dim and not k.meta["dropout"]
+                                    and pass_name == "bwd_dkdv"), key=lambda k: k.name)
+        if not any(k.role == "candidate" for k in members + dq_options[1:]):
+            continue
         reference = [k for k in members if k.role == "shipped" and (pass_name == "fwd" or k.dq_atomic == (
             tiles.bwd_tile(head_dim, 70).dq_atomic))]
         if not reference or (pass_name == "bwd_dkdv" and dq is None):
@@ -642,12 +752,25 @@ def candidate_rows(kernels: list[Kernel], intervals: tuple[float, ...]) -> list[
         reference = reference[0]
         if pass_name == "bwd_dkdv":
             members = [k for k in members if k.dq_atomic or dq is not None]
-        for k in sorted(members, key=lambda k: (k.role != "shipped", k.name)):
+        pairs = [(k, None if pass_name == "fwd" or k.dq_atomic else d)
+                 for k in sorted(members, key=lambda k: (k.role != "shipped", k.name))
+                 for d in (dq_options if pass_name == "bwd_dkdv" and not k.dq_atomic else [dq])]
+        for k, kdq in pairs:
+            split = getattr(k.meta["tile"], "out_split", 1)
             row = {"pass": "fwd" if pass_name == "fwd" else "bwd", "head_dim": head_dim,
-                   "accum": "fp16" if accum_f16 else "fp32", "role": k.role, "variant": k.name,
+                   "accum": "fp16" if accum_f16 else "fp32",
+                   "role": "shipped" if k.role == "shipped" and (kdq is None or kdq.role == "shipped") else "candidate",
+                   "variant": k.name, "dq_variant": kdq.name if kdq is not None else "",
                    "tile": _tile_text(k.variant)
-                   + (f" occ{k.meta['tile'].min_blocks_per_sm}" if pass_name == "fwd" else ""),
-                   "dq": "" if pass_name == "fwd" else "atomics" if k.dq_atomic else "dQ kernel", "from": k.note,
+                   + (f" occ{k.meta['tile'].min_blocks_per_sm}" if pass_name == "fwd" else "")
+                   + (f" split{split}" if split > 1 else ""),
+                   "dq": "" if pass_name == "fwd" else "atomics" if k.dq_atomic else "dQ kernel" + (
+                       f" {_tile_text(kdq.variant)} ({kdq.report['registers']} regs, {kdq.report['spill_bytes']} B "
+                       f"spills, {kdq.report['warps_per_sm']} warps/SM)"
+                       if kdq is not None and kdq.role == "candidate" else ""),
+                   "dq_spill_bytes": kdq.report["spill_bytes"] if kdq is not None else 0,
+                   "gemms": None if pass_name == "fwd" else 5 if k.dq_atomic else 2 * split + 2 + 3,
+                   "from": k.note + (f"; dQ kernel: {kdq.note}" if kdq is not None and kdq.role == "candidate" else ""),
                    "registers": k.report["registers"], "spill_bytes": k.report["spill_bytes"],
                    "smem_bytes": k.report["smem_bytes"], "warps_per_sm": k.report["warps_per_sm"],
                    "factors": k.factors, "factor_source": k.factor_source,
@@ -659,12 +782,14 @@ def candidate_rows(kernels: list[Kernel], intervals: tuple[float, ...]) -> list[
                         if cf and interval != intervals[1]:
                             continue
                         row[f"pass_{view}_L{interval:.1f}" + ("_conflict_free" if cf else "")] = pass_rate(
-                            k, dq, view, interval, cf)
+                            k, kdq, view, interval, cf)
             row["reference"] = reference.name
-            row["faster_than_shipped_when"] = "" if k is reference else faster_when(
-                lambda x, k=k: pass_rate(k, dq, "must", x), lambda x: pass_rate(reference, dq, "must", x))
-            row["faster_than_shipped_when_conflict_free"] = "" if k is reference else faster_when(
-                lambda x, k=k: pass_rate(k, dq, "must", x, True), lambda x: pass_rate(reference, dq, "must", x, True))
+            is_reference = k is reference and kdq in (None, dq)
+            row["faster_than_shipped_when"] = "" if is_reference else faster_when(
+                lambda x, k=k, kdq=kdq: pass_rate(k, kdq, "must", x), lambda x: pass_rate(reference, dq, "must", x))
+            row["faster_than_shipped_when_conflict_free"] = "" if is_reference else faster_when(
+                lambda x, k=k, kdq=kdq: pass_rate(k, kdq, "must", x, True),
+                lambda x: pass_rate(reference, dq, "must", x, True))
             rows.append(row)
     return rows
 
@@ -699,14 +824,14 @@ def headline_rows(kernels: list[Kernel], candidates: list[dict], intervals: tupl
         entry["body_calibrated"] = pass_rate(ours, dq, "body", intervals[1])
         rows.append(entry)
         pool = [r for r in candidates if r["pass"] == pass_name and r["head_dim"] == head_dim and r["accum"] == "fp32"
-                and r["role"] == "candidate" and r["spill_bytes"] == 0
+                and r["role"] == "candidate" and r["spill_bytes"] == 0 and not r.get("dq_spill_bytes")
                 and r[f"pass_must_L{intervals[1]:.1f}"] > rows[-1][f"must_L{intervals[1]:.1f}"]]
         if pool:
             best = max(pool, key=lambda r: r[f"pass_must_L{intervals[1]:.1f}"])
-            k = by_name[best["variant"]]
+            k, kdq = by_name[best["variant"]], by_name.get(best.get("dq_variant", ""), dq)
             entry = {"pass": pass_name, "head_dim": head_dim, "kernel": f"best spill-free candidate ({best['tile']}"
                      + (f", {best['dq']}" if best["dq"] else "") + ")", "warps_per_sm": best["warps_per_sm"],
-                     "spill_bytes": 0, "upper_bound_must": pass_rate(k, dq, "must", 1e-9),
+                     "spill_bytes": 0, "upper_bound_must": pass_rate(k, kdq, "must", 1e-9),
                      "body_calibrated": best[f"pass_body_L{intervals[1]:.1f}"]}
             for x in intervals:
                 entry[f"must_L{x:.1f}"] = best[f"pass_must_L{x:.1f}"]
@@ -799,18 +924,22 @@ def markdown(kernels: list[Kernel], cutlass: list[dict], passes: list[dict], can
         out += ["", f"## {title}", "",
                 f"{'Backward' if pass_name == 'bwd' else 'Forward'} TFLOP/s estimated for the pass, must view, at "
                 f"{ls}; `no conflicts`: at L={intervals[1]:.1f} with every conflict factor 1"
-                + (" (the dQ kernel's too). dK/dV tiles without atomics are paired with the shipped dQ kernel. "
+                + (" (the dQ kernel's too). dK/dV tiles without atomics are paired with the shipped dQ kernel, and "
+                   "with each candidate dQ kernel where there are any (named in the `dQ` column; registers, spills "
+                   "and warps in the other columns are the dK/dV kernel's). `GEMMs`: GEMMs executed for the 5 "
+                   "counted (dQ by atomics 5; dK/dV split over s CTAs + dQ kernel 2s + 2 + 3). "
                    if pass_name == "bwd" else ". ")
                 + "`faster ... when`: the range of L in [1, 20] cycles over which the row's must-view estimate beats "
                 "the shipped default's (dQ by atomics where the shipped tile has them). "
                 + "Candidates were compiled for this estimate only: none of them was run.", "",
-                "| d | accum | role | tile | dQ | from | regs | spill B | smem KB | warps/SM | ld / st factor | "
-                f"model must | + conflicts body / must | pass TF/s must ({ls}) | no conflicts | faster than the "
-                "shipped default when (no conflicts) |", "|" + " --- |" * 16]
+                "| d | accum | role | tile | dQ | GEMMs | from | regs | spill B | smem KB | warps/SM | "
+                f"ld / st factor | model must | + conflicts body / must | pass TF/s must ({ls}) | no conflicts | "
+                "faster than the shipped default when (no conflicts) |", "|" + " --- |" * 17]
         for r in rows:
             src = _source_mark(r["factor_source"])
             rates = " / ".join(f"{r[f'pass_must_L{x:.1f}']:.1f}" for x in intervals)
-            out.append(f"| {r['head_dim']} | {r['accum']} | {r['role']} | {r['tile']} | {r['dq']} | {r['from']} | "
+            out.append(f"| {r['head_dim']} | {r['accum']} | {r['role']} | {r['tile']} | {r['dq']} | "
+                       f"{r['gemms'] or ''} | {r['from']} | "
                        f"{r['registers']} | {r['spill_bytes']} | {r['smem_bytes'] / 1024:.1f} | {r['warps_per_sm']} | "
                        f"{r['factors'][0]:.2f} / {r['factors'][1]:.2f}{src} | {_pct(r['model_must'])} | "
                        f"{_pct(r['conflict_body'])} / {_pct(r['conflict_must'])} | {rates} | "
@@ -898,6 +1027,11 @@ def main(argv: list[str] | None = None) -> int:
                           and k.report["warps_per_sm"] < 12})
         extra += [Kernel(tiles.fwd_variant(d, tile, accum_f16, False), "candidate", source)
                   for d in fwd_low for tile, source in candidate_fwd_tiles(d) for accum_f16 in (False, True)]
+        # head dims whose shipped dQ kernel is under 8 warps per SM: candidate dQ tiles (fp32, no dropout)
+        dq_low = sorted({k.meta["head_dim"] for k in kernels if k.pass_name == "bwd_dq"
+                         and k.report["warps_per_sm"] < TARGET_WARPS_PER_SM})
+        extra += [Kernel(tiles.dq_variant(d, tile, False, False), "candidate", source)
+                  for d in dq_low for tile, source in candidate_dq_tiles(d)]
         extra = [k for k in extra if k.name not in by_name]
         evaluate(extra)
         kernels += extra

@@ -243,6 +243,69 @@ def test_bwd_tile_ok_mirrors_the_kernel_asserts():
         assert ve.bwd_tile_ok(head_dim, tile, tile.dq_atomic)
 
 
+def test_head_dim_256_searches_the_split_tile_space():
+    """d256 (shipped tile split over 2 CTAs): the template's tiles with at least the shipped tile's 4 warps per SM,
+    every one accepted by the kernel's asserts; none reaches 8 warps (K/V alone take 67.6 KB at 64 keys)."""
+    shipped = tiles.bwd_tile(256, 70)
+    found = ve.candidate_bwd_tiles(256)
+    pairs = {(t, a) for t, a, _ in found}
+    for tile, dq_atomic, source in found:
+        assert tile != shipped and source.startswith("split space")
+        assert ve.bwd_tile_ok(256, tile, dq_atomic) and tile.kv_in_smem
+        assert ve.smem_warps_per_sm(tile.smem_bytes(256, dq_atomic), tile.warps) == 4
+        assert ve.bwd_accumulator_regs(256, tile) <= ve.MAX_ACCUMULATOR_REGS
+    assert (tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, out_split=2), False) in pairs  # not lean
+    assert (tiles.BwdTile(1, 4, 32, kv_in_smem=True, dq_atomic=False, out_split=2), False) in pairs
+    space = ve.split_bwd_tiles(256)
+    assert max(ve.smem_warps_per_sm(t.smem_bytes(256, a), t.warps) for t, a, _ in space) == 4
+    assert (shipped, False) in {(t, a) for t, a, _ in space}
+    # the unsplit 2x2 tile (dK/dV 256 registers per lane) and K/V in registers (256 more) are not built
+    assert ve.bwd_accumulator_regs(256, tiles.BwdTile(2, 2, 16, kv_in_smem=True, dq_atomic=False)) == 256
+    assert ve.bwd_accumulator_regs(256, tiles.BwdTile(1, 4, 32, dq_atomic=False, out_split=2)) == 64 + 256
+    assert all(t.out_split > 1 or t.quad_pair_rows == 1 for t, _, _ in space)
+
+
+def test_candidate_dq_tiles_of_head_dim_256():
+    shipped = tiles.dq_tile(256, 70)
+    found = ve.candidate_dq_tiles(256)
+    assert [t for t, _ in found] == [tiles.FwdTile(1, 1, 4, 32, q_in_smem=True)]  # the only other 4-warp fit
+    assert ve.dq_tile_ok(256, shipped) and ve.dq_tile_smem(256, shipped) == 97280
+    assert not ve.dq_tile_ok(256, tiles.FwdTile(1, 1, 4, 16, q_in_smem=True))  # 2 key groups over 4 quad-pairs
+    assert not ve.dq_tile_ok(256, tiles.FwdTile(1, 1, 8, 32, q_in_smem=True))  # 127,344 B > 96 KB
+    assert ve.candidate_dq_tiles(128) is not None  # other head dims: the same rules, no crash
+
+
+def _fake_kernel(variant, role, tensor, instructions, util, warps=4):
+    view = {"model_tc_util": util, "tc_util": util, "tensor_cycles": tensor, "instructions": instructions}
+    return ve.Kernel(variant, role, "test", report={"registers": 200, "spill_bytes": 0, "smem_bytes": 90000,
+                                                    "warps_per_sm": warps},
+                     factors=(1.0, 1.0), factor_source="measured", views={"body": view, "must": view})
+
+
+def test_candidate_rows_pair_dkdv_tiles_with_every_dq_kernel():
+    split2 = tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, out_split=2)
+    kernels = [
+        _fake_kernel(tiles.bwd_variant(256, tiles.bwd_tile(256, 70), False, False, False), "shipped", 1536, 1374, 0.5),
+        _fake_kernel(tiles.bwd_variant(256, split2, False, False, False), "candidate", 1536, 1223, 0.5),
+        _fake_kernel(tiles.dq_variant(256, tiles.dq_tile(256, 70), False, False), "shipped", 1536, 1109, 0.5),
+        _fake_kernel(tiles.dq_variant(256, tiles.FwdTile(1, 1, 4, 32, q_in_smem=True), False, False), "candidate",
+                     1536, 1220, 0.5),
+    ]
+    intervals = (3.0, 5.4, 8.0)
+    rows = ve.candidate_rows(kernels, intervals)
+    assert len(rows) == 4 and [r["role"] for r in rows] == ["shipped", "candidate", "candidate", "candidate"]
+    assert all(r["gemms"] == 9 for r in rows)
+    assert rows[0]["faster_than_shipped_when"] == "" and rows[1]["faster_than_shipped_when"] != ""
+    assert "qp1x4 m32 n32" in rows[1]["dq"] and rows[0]["dq"] == "dQ kernel"
+    for r in rows:
+        dkdv = next(k for k in kernels if k.name == r["variant"])
+        dq = next(k for k in kernels if k.name == r["dq_variant"])
+        expected = ve.deterministic_pass_rate(ve.kernel_rate(dkdv, "must", 5.4), ve.kernel_rate(dq, "must", 5.4), 2)
+        assert r["pass_must_L5.4"] == pytest.approx(expected)
+    # latency-bound at 4 warps: the denser candidate dK/dV kernel wins everywhere the latency binds
+    assert rows[2]["pass_must_L5.4"] > rows[0]["pass_must_L5.4"]
+
+
 def test_candidate_fwd_tiles_allow_three_ctas():
     for tile, source in ve.candidate_fwd_tiles(128):
         assert tile.min_blocks_per_sm == 3 and source
