@@ -377,13 +377,9 @@ def check_kvcache(
         limits.assert_on_device(vectors.get("cache_seqlens"), seqlens, vectors.get("cache_batch_idx"),
                                 vectors.get("cache_leftpad"))
         key_end = longest = -1
-    given = vectors.get("cache_seqlens")
-    if given is not None and given.dtype == torch.int32:
-        lengths = given
-    elif given is not None:
-        lengths = given.to(torch.int32)
-    else:
-        lengths = torch.full((batch,), seqlens[0], dtype=torch.int32, device=q.device)
+    given = vectors.get("cache_seqlens")  # .to returns the tensor itself when it is int32 already: no copy
+    lengths = (given.to(torch.int32) if given is not None
+               else torch.full((batch,), seqlens[0], dtype=torch.int32, device=q.device))
     return KvCacheExtent(lengths, key_end, longest)
 
 
@@ -424,12 +420,17 @@ class _KvCacheLimits:
 
     def assert_on_device(self, seqlens: torch.Tensor | None, host_seqlens: list[int] | None,
                          rows: torch.Tensor | None, leftpad: torch.Tensor | None) -> None:
-        """The same bounds as check_on_host, as asynchronous device asserts (no host read)."""
-        if seqlens is not None:
+        """The same bounds as check_on_host, as asynchronous device asserts (no host read). ``seqlens`` None: the
+        lengths are host ints (``host_seqlens``), whose own bounds and rotary reach are checked on the host."""
+        if seqlens is None:
+            self.check_on_host(host_seqlens, None, None)
+        else:
             torch._assert_async(((seqlens >= 0) & (seqlens <= self.seqlen_cache - self.seqlen_new)).all(),
                                 self.seqlens_message("b", "out of range"))
-        elif host_seqlens is not None:
-            self.check_on_host(host_seqlens, None, None)
+            if self.seqlen_ro is not None:
+                torch._assert_async(seqlens.max() + self.rotary_span <= self.seqlen_ro,
+                                    f"rotary_cos has {self.seqlen_ro} positions: accepted: seqlen_ro >= "
+                                    f"max(cache_seqlens) + {self.rotary_span}")
         if rows is not None:
             torch._assert_async(((rows >= 0) & (rows < self.batch_cache)).all(),
                                 f"cache_batch_idx: accepted: cache rows 0 to {self.batch_cache - 1}")
@@ -437,13 +438,7 @@ class _KvCacheLimits:
                 ordered = rows.sort().values
                 torch._assert_async((ordered[1:] != ordered[:-1]).all(),
                                     "cache_batch_idx repeats a cache row while k/v are appended")
-        lengths = seqlens if seqlens is not None else None
         if leftpad is not None:
-            upper = lengths if lengths is not None else torch.tensor(host_seqlens, device=leftpad.device)
+            upper = seqlens if seqlens is not None else torch.tensor(host_seqlens, device=leftpad.device)
             torch._assert_async(((leftpad >= 0) & (leftpad <= upper)).all(),
                                 "cache_leftpad: accepted: 0 to cache_seqlens[b]")
-        if self.seqlen_ro is not None:
-            top = lengths.max() if lengths is not None else torch.tensor(max(host_seqlens, default=0))
-            torch._assert_async(top + self.rotary_span <= self.seqlen_ro,
-                                f"rotary_cos has {self.seqlen_ro} positions: accepted: seqlen_ro >= "
-                                f"max(cache_seqlens) + {self.rotary_span}")
