@@ -107,27 +107,10 @@ def backend_fn(name: str, append: bool):
     return run
 
 
-def time_ms(fn, cases, warmup: int, repeats: int) -> float:
+def time_ms(fn, cases, warmup: int, repeats: int, burst: int = 1) -> float:
     from volta_train.bench import time_ms as bench_time_ms
 
-    return bench_time_ms(fn, [(c,) for c in cases], warmup, repeats)
-
-
-def time_stream_ms(fn, cases, warmup: int, repeats: int, burst: int) -> float:
-    """Median over ``repeats`` of the CUDA-event time of ``burst`` calls queued back to back, per call."""
-    for i in range(warmup):
-        fn(cases[i % len(cases)])
-    torch.cuda.synchronize()
-    times = []
-    for r in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(burst):
-            fn(cases[(r * burst + i) % len(cases)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / burst)
-    return sorted(times)[len(times) // 2]
+    return bench_time_ms(fn, [(c,) for c in cases], warmup, repeats, burst)
 
 
 def max_abs_error(out: torch.Tensor, case: dict, seqlen_k: int) -> float:
@@ -170,7 +153,7 @@ def run(args) -> list[dict]:
                 ms = time_ms(fn, inputs, args.warmup, args.repeats)
                 row.update(ms=ms, tflops=fl / ms / 1e9, gbps=nbytes / ms / 1e6)
                 if args.burst > 1:
-                    row["ms_stream"] = time_stream_ms(fn, inputs, args.warmup, args.repeats, args.burst)
+                    row["ms_stream"] = time_ms(fn, inputs, args.warmup, args.repeats, args.burst)
                 if args.accuracy:
                     row["max_abs"] = max_abs_error(fn(inputs[0]), inputs[0], keys)
             except (RuntimeError, NotImplementedError) as error:  # backend unavailable here, out of memory

@@ -47,20 +47,23 @@ def flops(pass_name: str, batch: int, heads: int, sq: int, sk: int, d: int, caus
     return {"fwd": forward, "bwd": 2.5 * forward, "fwdbwd": 3.5 * forward}[pass_name]
 
 
-def time_ms(fn, input_sets, warmup: int, repeats: int) -> float:
-    """Median of ``repeats`` CUDA-event timings of ``fn`` after ``warmup`` calls, cycling through the input sets."""
+def time_ms(fn, input_sets, warmup: int, repeats: int, burst: int = 1) -> float:
+    """Median of ``repeats`` CUDA-event timings of ``fn`` after ``warmup`` calls, cycling through the input sets.
+
+    ``burst`` > 1: each timing spans that many calls queued back to back and is divided by it (the per-call time
+    when the host runs ahead of the GPU, as in a decoding loop)."""
     for i in range(warmup):
         fn(*input_sets[i % len(input_sets)])
     torch.cuda.synchronize()
     times = []
     for i in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = input_sets[i % len(input_sets)]
         start.record()
-        fn(*args)
+        for j in range(burst):
+            fn(*input_sets[(i * burst + j) % len(input_sets)])
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / burst)
     return statistics.median(times)
 
 
