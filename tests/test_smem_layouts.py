@@ -104,17 +104,18 @@ def test_traits_layouts_equal_the_mirror():
                 lines.append(f'static_assert(rows_are<KT{n}::{_ROW_TILES[name]}>({{{want}}}), "{v.name}: {name}");')
     for n, (v, traits) in enumerate(_dq_variants()):
         s = _dq_shape(v)
-        lay = bm.fwd_layouts(s, "dq")["q"]
+        L = bm.fwd_layouts(s, "dq")
         lines.append(f"using DT{n} = {traits};")
         lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
-        lines += _key_tile_asserts(f"DT{n}", s, bm.fwd_layouts(s, "dq")["kt"], v.name)
-        lines.append(_rows_assert(f"DT{n}::QRows", lay, s.block_m, f"{v.name}: Q / dO rows"))
+        lines += _key_tile_asserts(f"DT{n}", s, L["kt"], v.name)
+        lines.append(_rows_assert(f"DT{n}::QRows", L["q"], s.block_m, f"{v.name}: Q / dO rows"))
     for n, (v, traits) in enumerate(_fwd_variants()):
         s = _dq_shape(v)
-        lay = bm.fwd_layouts(s, "fwd")["q"]
+        L = bm.fwd_layouts(s, "fwd")
+        lay = L["q"]
         lines.append(f"using FT{n} = {traits};")
         lines.append(f'static_assert(FT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
-        lines += _key_tile_asserts(f"FT{n}", s, bm.fwd_layouts(s, "fwd")["vt"], v.name)
+        lines += _key_tile_asserts(f"FT{n}", s, L["vt"], v.name)
         if s.q_in_smem:
             lines.append(f'static_assert(FT{n}::kTileBytes + FT{n}::kVtTileBytes == {lay.base}, "{v.name}: Q base");')
             lines.append(_rows_assert(f"FT{n}::QRows", lay, s.block_m, f"{v.name}: Q rows"))
