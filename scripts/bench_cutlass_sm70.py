@@ -506,6 +506,7 @@ def write_results(result: dict, out: Path, settings: dict, extra_env: dict | Non
 # ------------------------------------------------------------------------------------------------ main
 
 def _bool(text: str) -> bool:
+    # volta_train.bench._bool's rule, kept here: this script runs where torch (which volta_train.bench imports) is not
     value = text.lower()
     if value in ("1", "true", "yes", "causal"):
         return True
