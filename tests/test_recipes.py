@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from volta_train.training import checkpoint, config, data, distributed, gpt, logs, metrics, optim
+from child_process import stderr_tail, without_collective_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
@@ -48,7 +49,7 @@ def _patch_supports(model_type: str) -> bool:
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, **extra)
+    env = without_collective_warnings(dict(os.environ, **extra))
     env.pop("ACCELERATE_USE_DEEPSPEED", None)
     return env
 
@@ -56,7 +57,7 @@ def _env(**extra) -> dict:
 def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or _env())
     assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{stderr_tail(proc.stderr)}"
     )
     return proc
 

@@ -25,6 +25,7 @@ import torch
 
 from volta_train.integrations import ulysses
 from volta_train.training import config, gpt, sequence_parallel
+from child_process import stderr_tail, without_collective_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
@@ -33,32 +34,17 @@ CPU_TINY = ROOT / "configs" / "gpt_long" / "cpu_tiny.yaml"
 ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
 
 
-# DeepSpeed's ZeRO-3 calls deprecated collectives (all_gather_into_tensor, reduce_scatter_tensor) every step; their
-# warnings would fill the stderr a failure shows. Python matches a warning filter's message as a prefix.
-_COLLECTIVE_DEPRECATION = "`torch.distributed."
-
-
 def _env() -> dict:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"),
-                                                   f"ignore:{_COLLECTIVE_DEPRECATION}:FutureWarning"]))
+    env = without_collective_warnings(dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     env.pop("ACCELERATE_USE_DEEPSPEED", None)
     return env
-
-
-def _stderr_tail(text: str, chars: int = 8000) -> str:
-    """The end of a child's stderr without the per-step deprecation warnings (and the source line each repeats)."""
-    lines = text.splitlines()
-    noise = [_COLLECTIVE_DEPRECATION in line and "FutureWarning" in line for line in lines]
-    kept = [line for i, line in enumerate(lines) if not noise[i] and not (i and noise[i - 1])]
-    return "\n".join(kept)[-chars:]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=_env())
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n" \
-                                 f"--- stderr\n{_stderr_tail(proc.stderr)}"
+                                 f"--- stderr\n{stderr_tail(proc.stderr)}"
     return proc
 
 

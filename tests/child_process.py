@@ -1,0 +1,25 @@
+"""What the tests that start training processes share: an environment that silences the deprecation warning DeepSpeed's
+ZeRO-3 triggers on every collective, and the end of a child's stderr without those warnings, so that a failure shows
+its cause."""
+
+from __future__ import annotations
+
+# DeepSpeed's ZeRO-3 calls deprecated collectives (all_gather_into_tensor, reduce_scatter_tensor) every step; their
+# warnings would fill the stderr a failure shows. Python matches a warning filter's message as a prefix.
+COLLECTIVE_DEPRECATION = "`torch.distributed."
+
+
+def without_collective_warnings(env: dict) -> dict:
+    """env with a PYTHONWARNINGS filter for those warnings added to any already there."""
+    env = dict(env)
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"),
+                                                   f"ignore:{COLLECTIVE_DEPRECATION}:FutureWarning"]))
+    return env
+
+
+def stderr_tail(text: str, chars: int = 8000) -> str:
+    """The end of a child's stderr without those warnings (and the source line each repeats)."""
+    lines = text.splitlines()
+    noise = [COLLECTIVE_DEPRECATION in line and "FutureWarning" in line for line in lines]
+    kept = [line for i, line in enumerate(lines) if not noise[i] and not (i and noise[i - 1])]
+    return "\n".join(kept)[-chars:]
