@@ -204,14 +204,14 @@ def main() -> None:
                              "[,min_blocks_emulated[,lean[,out_split]]]]]] (out_split > 1: dQ by the dQ kernel)")
     parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
                         help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
-    parser.set_defaults(seqlens=[1024, 2048, 4096, 8192])
+    parser.set_defaults(seqlens=[1024, 2048, 4096, 8192], passes=["fwd"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.sweep and not args.varlen_max:
-        args.passes = [args.pass_name] if args.pass_name else ["fwd"]
+        args.passes = [args.pass_name] if args.pass_name else args.passes  # --passes (default fwd)
         stem = f"bench_{'_'.join(args.passes)}"
         print(bench.write_results(bench.run_benchmark(args), args, stem))
         return

@@ -263,7 +263,8 @@ def flops_mismatch(row: dict) -> bool:
         return False
     want = flops(row["pass"], row["batch"], row["heads"], row["seqlen_q"], row["seqlen_k"], row["head_dim"],
                  row["causal"])
-    return abs(row["flops"] - want) > 1e-6 * want
+    # the harness prints numbers with 6 significant digits: a relative difference up to 5e-6 is rounding
+    return abs(row["flops"] - want) > 1e-5 * want
 
 
 def exit_status(result: dict, returncode: int | None) -> int:
