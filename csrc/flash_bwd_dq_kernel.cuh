@@ -173,19 +173,20 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
-        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
+            float scaled[8];
 #pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                const int row = g.mtile_row0(a) - m0 + Layout::row(g.lq, i);
-                const int col = g.o_col(ot, Layout::phys_col(g.lq, i));
-                *reinterpret_cast<u32*>(stage + row * KT::kSmemStride + col) =
-                    pack_half2(dq[a][ot][i] * bp.softmax_scale, dq[a][ot][i + 1] * bp.softmax_scale);
-            }
+            for (int i = 0; i < 8; ++i) scaled[i] = dq[a][ot][i] * bp.softmax_scale;
+            u32 frag[4];
+            acc_tile_to_row_fragment<!KT::kAccumF16>(scaled, g.lq.t, frag);
+            const int row = g.mtile_row0(a) - m0 + g.lq.operand_row();
+            store_shared_16B(stage + KT::OStageRows::offset(row) + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+        }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
         int row, col;
         tile_chunk_position<KT>(chunk, row, col);
         if (m0 + row < seq.seqlen_q)
-            store_global_16B(dq_base + (long long)(m0 + row) * bp.dq_row_stride + col, load_shared_16B(stage + row * KT::kSmemStride + col));
+            store_global_16B(dq_base + (long long)(m0 + row) * bp.dq_row_stride + col, load_shared_16B(stage + KT::OStageRows::offset(row) + col));
     }
 }

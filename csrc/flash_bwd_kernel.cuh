@@ -398,14 +398,16 @@ __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTile
                                                    int out_col0) {
     half_bits* stage = reinterpret_cast<half_bits*>(smem);
     __syncthreads();  // shared memory is free (the last query block, or the previous output)
+    const int row = g.mtile_key0 - n0 + g.lq.operand_row();
 #pragma unroll
-    for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+    for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
+        float scaled[8];
 #pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-            const int row = g.mtile_key0 - n0 + BwdAccumulators<KT>::row(g.lq, i);
-            const int col = g.o_col(ot, BwdAccumulators<KT>::col(g.lq, i));
-            *reinterpret_cast<u32*>(stage + row * KT::kRowStride + col) = pack_half2(src[ot][i] * scale, src[ot][i + 1] * scale);
-        }
+        for (int i = 0; i < 8; ++i) scaled[i] = src[ot][i] * scale;
+        u32 frag[4];
+        acc_tile_to_row_fragment<!KT::kDkDvF16Products>(scaled, g.lq.t, frag);
+        store_shared_16B(stage + row * KT::kRowStride + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+    }
     __syncthreads();
     if (KT::kOutSplit > 1) out += out_col0;
     for (int chunk = tid; chunk < KT::kBlockN * KT::kOutChunksPerRow; chunk += KT::kThreads) {

@@ -118,16 +118,16 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
             const int row = g.mtile_row0(a) + Layout::slot_row(lq, r);
             if (writer && row < seqlen_q) lse_base[row] = lse;
         }
+        const int row = g.mtile_row0(a) - m0 + lq.operand_row();
 #pragma unroll
-        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
+            float scaled[8];
 #pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                const int row = g.mtile_row0(a) - m0 + Layout::row(lq, i);
-                const int col = g.o_col(ot, Layout::phys_col(lq, i));
-                const float scale = inv_sum[Layout::row_slot(i)];
-                *reinterpret_cast<u32*>(o_stage + row * KT::kSmemStride + col) =
-                    pack_half2(acc.o[a][ot][i] * scale, acc.o[a][ot][i + 1] * scale);
-            }
+            for (int i = 0; i < 8; ++i) scaled[i] = acc.o[a][ot][i] * inv_sum[Layout::row_slot(i)];
+            u32 frag[4];
+            acc_tile_to_row_fragment<!KT::kAccumF16>(scaled, lq.t, frag);
+            store_shared_16B(o_stage + KT::OStageRows::offset(row) + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+        }
     }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {
@@ -135,7 +135,7 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
         tile_chunk_position<KT>(chunk, row, col);
         if (m0 + row < seqlen_q)
             store_global_16B(o_base + (long long)(m0 + row) * prm.o_row_stride + col,
-                             load_shared_16B(o_stage + row * KT::kSmemStride + col));
+                             load_shared_16B(o_stage + KT::OStageRows::offset(row) + col));
     }
 }
 

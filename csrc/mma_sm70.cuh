@@ -94,3 +94,18 @@ __device__ __forceinline__ void f32_acc_to_row_fragment(const float (&p)[8], int
     frag[2] = upper ? recv_hi : keep_hi;  // columns 4, 5
     frag[3] = upper ? keep_hi : recv_hi;  // columns 6, 7
 }
+
+// One 8x8 accumulator tile as this lane's fp16 row fragment: row operand_row(), columns 0..7 (16 bytes), so an
+// epilogue stages a tile with one 16-byte shared store per lane instead of four 4-byte stores at the f32 layout's
+// scattered (row, column) pairs (those conflict: lanes t and t ^ 2 hit the same bank group). FP16-layout tiles
+// (kF32Layout false: row operand_row(), columns i) already are that fragment; f32 tiles trade half with lane t ^ 2.
+// Every lane of the warp must call it (shuffles). The fp16 rounding is the same as packing in place.
+template <bool kF32Layout>
+__device__ __forceinline__ void acc_tile_to_row_fragment(const float (&x)[8], int t, u32 (&frag)[4]) {
+    if (kF32Layout) {
+        f32_acc_to_row_fragment(x, t, frag);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) frag[k] = pack_half2(x[2 * k], x[2 * k + 1]);
+    }
+}

@@ -3,6 +3,7 @@
 
     python scripts/smem_bank_model.py                       # predicted ld / st wavefronts per ideal, every kernel
     python scripts/smem_bank_model.py --validate [--md F]   # against the Nsight Compute table (default: the H100 one)
+    python scripts/smem_bank_model.py --validate --code --md F   # a table measured on the code as it is now
     python scripts/smem_bank_model.py --sites NAME          # per access site of the variants whose name contains NAME
     python scripts/smem_bank_model.py --fixes               # the issue-16 designs not in csrc yet: code -> design
     python scripts/smem_bank_model.py --plain               # plain rows (before issue 16) -> the code's layouts
@@ -59,7 +60,7 @@ def read_table(path: Path) -> list[dict]:
     return rows
 
 
-def validate(path: Path, tol: float) -> int:
+def validate(path: Path, tol: float, plain: bool = True) -> int:
     variants = sm70_variants()
     rows = [r for r in read_table(path) if r["variant"] in variants]
     if not rows:
@@ -69,8 +70,8 @@ def validate(path: Path, tol: float) -> int:
     print("| variant | op | inst model/meas | ideal model/meas | wf model/meas | wf/ideal model | wf/ideal measured |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        # the table measured the code before the issue-16 layouts: plain rows
-        p = cache.get(r["variant"]) or cache.setdefault(r["variant"], predict(variants[r["variant"]], plain=True))
+        # the committed table measured the code before the issue-16 layouts (plain rows); --code: the code's layouts
+        p = cache.get(r["variant"]) or cache.setdefault(r["variant"], predict(variants[r["variant"]], plain=plain))
         for op in ("ld", "st"):
             t = p.totals(op)
             ri, rid, rw = t.inst / r[f"{op}_inst"], t.ideal / r[f"{op}_ideal"], t.wf / r[f"{op}_wf"]
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--md", type=Path, default=DEFAULT_MD)
+    ap.add_argument("--code", action="store_true",
+                    help="--validate a table measured on the code as it is (default: plain rows, the committed table)")
     ap.add_argument("--tol", type=float, default=0.02, help="accepted relative error of instruction / ideal counts")
     ap.add_argument("--sites", metavar="NAME", help="per-site breakdown of the variants whose name contains NAME")
     ap.add_argument("--fixes", action="store_true", help="predicted factors with the issue-16 layouts not in csrc yet")
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
                     help="also the factors with plain rows (the layouts before issue 16) -> the code's")
     args = ap.parse_args(argv)
     if args.validate:
-        return validate(args.md, args.tol)
+        return validate(args.md, args.tol, plain=not args.code)
     variants = sm70_variants()
     if args.fixes:
         from volta_train.kernels import bank_fixes

@@ -109,6 +109,7 @@ def test_traits_layouts_equal_the_mirror():
         lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
         lines += _key_tile_asserts(f"DT{n}", s, L["kt"], v.name)
         lines.append(_rows_assert(f"DT{n}::QRows", L["q"], s.block_m, f"{v.name}: Q / dO rows"))
+        lines.append(_rows_assert(f"DT{n}::OStageRows", L["o_stage"], s.block_m, f"{v.name}: dQ staging rows"))
     for n, (v, traits) in enumerate(_fwd_variants()):
         s = _dq_shape(v)
         L = bm.fwd_layouts(s, "fwd")
@@ -116,6 +117,7 @@ def test_traits_layouts_equal_the_mirror():
         lines.append(f"using FT{n} = {traits};")
         lines.append(f'static_assert(FT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
         lines += _key_tile_asserts(f"FT{n}", s, L["vt"], v.name)
+        lines.append(_rows_assert(f"FT{n}::OStageRows", L["o_stage"], s.block_m, f"{v.name}: O staging rows"))
         if s.q_in_smem:
             lines.append(f'static_assert(FT{n}::kTileBytes + FT{n}::kVtTileBytes == {lay.base}, "{v.name}: Q base");')
             lines.append(_rows_assert(f"FT{n}::QRows", lay, s.block_m, f"{v.name}: Q rows"))

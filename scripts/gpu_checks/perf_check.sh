@@ -23,7 +23,7 @@ PYTHONPATH=$PWD python3 scripts/bench_attention.py "${attention[@]}" --out "$out
 stamp "exit $?"
 if [ -n "${OLD_TREE:-}" ]; then
   stamp "attention, $OLD_TREE"
-  PYTHONPATH=$PWD/$OLD_TREE VOLTA_TRAIN_CACHE_DIR=/tmp/volta_train_cache_old \
+  PYTHONPATH=$PWD/$OLD_TREE VOLTA_TRAIN_CSRC=$PWD/$OLD_TREE/csrc VOLTA_TRAIN_CACHE_DIR=/tmp/volta_train_cache_old \
     python3 scripts/bench_attention.py "${attention[@]}" --out "$out/attention_old" > "$out/attention_old.log" 2>&1
   stamp "exit $?"
 fi

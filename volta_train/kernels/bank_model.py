@@ -335,13 +335,16 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     # tile_chunk_position (tile_io.cuh): the loaders' and epilogues' chunks in groups of eight rows of one column
     # where a row is not a multiple of 8 chunks ("fill_groups8", not a tile)
     groups8 = c % 8 != 0 and not plain
+    # the epilogue's staging tile (OStageRows): 2x2 quad-pairs of a quarter-warp store rows 8 apart
+    o_stage = RowLayout(0, c + 1, A_ROWS_8_APART if s.quad_pair_rows == 2 and not plain else ())
+    # the epilogues stage accumulator tiles as 16-byte row fragments ("row_fragments"; plain: the 32-bit stores before)
     if kernel == "fwd":
         return {"k": key_rows, "vt": replace(vt_rows, base=k_bytes), "q": replace(q_rows, base=k_bytes + vt_bytes),
-                "o_stage": RowLayout(0, c + 1), "fill_groups8": groups8}
+                "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain}
     off_v = k_bytes + vt_bytes
     return {"k": key_rows, "kt": replace(vt_rows, base=k_bytes), "v": replace(key_rows, base=off_v),
             "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
-            "o_stage": RowLayout(0, c + 1), "fill_groups8": groups8}
+            "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain}
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of the frozen shape; every launch asks (KernelVariant's smem)
@@ -388,14 +391,17 @@ def _rows_times_transposed_tile(p: Prediction, s: FwdShape, name: str, bt: RowLa
                 p.add(f"{name}.B", "ld", 16, _warps(s.threads, addr), times)
 
 
-def _stage_accumulators(p: Prediction, s: FwdShape, name: str, stage: RowLayout, f16_layout: bool, times: int) -> None:
-    """Epilogue: the lane's 8x8 accumulator tiles into a [row][head_dim] staging tile, as 32-bit stores (f32 layout)
-    or one 16-byte store per tile (f16 layout: the compiler merges the four words of a row)."""
+def _stage_accumulators(p: Prediction, s: FwdShape, name: str, stage: RowLayout, f16_layout: bool,
+                        row_fragments: bool, times: int) -> None:
+    """Epilogue: each 8x8 accumulator tile into a [row][head_dim] staging tile. The code: one 16-byte store per lane
+    at its operand row (acc_tile_to_row_fragment, mma_sm70.cuh: f32-layout tiles trade halves with lane t ^ 2 first).
+    Before (row_fragments False, the plain layouts' code): f32-layout tiles as four 32-bit stores at the scattered
+    (row, column) pairs of the accumulator layout."""
     for a in range(s.m_tiles):
         for ot in range(s.o_tiles):
             def col0(lane):
                 return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
-            if f16_layout:
+            if f16_layout or row_fragments:
                 p.add(name, "st", 16, _warps(s.threads, lambda tid: stage.addr(
                     s.mtile_row0(tid, a) + operand_row(tid & 31), col0(tid & 31))), times)
             else:
@@ -422,7 +428,7 @@ def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
     _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
     _vt_store(p, s, L["vt"], blocks)
     _rows_times_transposed_tile(p, s, "O+=PV", L["vt"], blocks)
-    _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, 1)
+    _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, L["row_fragments"], 1)
     _row_major_drain(p, "o_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
@@ -455,7 +461,7 @@ def predict_dq(s: FwdShape, layouts: dict | None = None) -> Prediction:
     _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
     _rows_times_tile_rows(p, s, "dP=dOV^T", L["v"], L["do"] if s.q_in_smem else None, blocks)
     _rows_times_transposed_tile(p, s, "dQ+=dSK", L["kt"], blocks)
-    _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, 1)
+    _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, L["row_fragments"], 1)
     _row_major_drain(p, "dq_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
@@ -604,7 +610,7 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
         L["ds"] = replace(L["ds"], pitch=cn + 2)
     if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
         L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
-    return restack(BWD_TILE_ORDER, L, bwd_tile_rows(s))
+    return {**restack(BWD_TILE_ORDER, L, bwd_tile_rows(s)), "row_fragments": not plain}
 
 
 @functools.lru_cache(maxsize=None)
@@ -694,10 +700,10 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
         for ot in range(s.o_tiles):
             def col0(lane, ot=ot):
                 return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
-            if s.dkdv_f16_products:
+            if s.dkdv_f16_products or L["row_fragments"]:  # one 16-byte row fragment per lane and tile
                 p.add("kv_stage.st", "st", 16, _warps(T, lambda tid: L["o_stage"].addr(
                     s.key_in_block(tid) + operand_row(tid & 31), col0(tid & 31))), 1)
-            else:
+            else:  # before: four 32-bit stores per tile at the f32 layout's (row, column) pairs
                 for i in range(0, 8, 2):
                     p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
                         s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
