@@ -50,6 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_profile.py needs a CUDA GPU")
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     os.environ["VOLTA_TRAIN_BACKEND"] = "kernel"
@@ -67,7 +68,8 @@ def main() -> int:
                     call(c)
                 torch.cuda.synchronize()
             events = prof.key_averages()
-            gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / 20
+            # kernels only: an operator's row repeats its kernels' time (summing every row counted it twice)
+            gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / 20
             line = (f"batch {batch}, {seqlen_k} keys, checks {checks}: host {host_ms:.3f} ms/call, wall {wall_ms:.3f} "
                     f"ms/call, GPU (kernels) {gpu_ms:.3f} ms/call")
             print(line, flush=True)
