@@ -115,7 +115,11 @@ def test_decode_tiles_cover_every_head_dim(arch):
     shipped = {v.name for v in tiles.shipped_variants(arch)}
     assert names <= shipped and len(names) == 2 * len(tiles.SUPPORTED_HEAD_DIMS)
     calls = tiles.decode_calls("sm70", arch) + tiles.decode_calls("default", arch)
-    assert {v.name for c in calls for v in c.launches} == names | {v.name for v in tiles.shipped_decode_variants(70)}
+    combines = {v.name for v in tiles.shipped_combine_variants()}  # each call's kernel, then its split combine
+    assert combines <= shipped and len(combines) == len(tiles.SUPPORTED_HEAD_DIMS)
+    assert all(c.launches[1] == tiles.combine_variant(c.head_dim) for c in calls)
+    assert {v.name for c in calls for v in c.launches} == \
+        names | {v.name for v in tiles.shipped_decode_variants(70)} | combines
     assert all(c.overrides == ({"tile": c.tile} if c.table == "sm70" else {}) for c in calls)
 
 
@@ -398,6 +402,32 @@ class _EmulatedKernel:
                         _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse
 
 
+class _EmulatedCombine:
+    """The split combine (csrc/split_kv_combine.cu) on the same parameters: decode.combine_splits over the partials
+    the emulated kernel wrote, written through the params' o / lse strides; checks the launch covers every row."""
+
+    def __init__(self, variant):
+        assert variant.meta["pass"] == "combine"
+        self.d = variant.meta["head_dim"]
+
+    def launch(self, grid, threads, smem, args):
+        (p,) = args
+        d, (num_bh, row_blocks, z) = self.d, grid
+        rows, splits, heads = p.seqlen_q, p.num_splits, p.nheads
+        assert z == 1 and smem == 0 and threads == 32 * tiles.COMBINE_ROWS_PER_CTA
+        assert row_blocks * tiles.COMBINE_ROWS_PER_CTA >= rows > (row_blocks - 1) * tiles.COMBINE_ROWS_PER_CTA
+        o_part = _flat(p.o_partial, torch.float32, splits * num_bh * rows * d).view(splits, num_bh, rows, d)
+        lse_part = _flat(p.lse_partial, torch.float32, splits * num_bh * rows).view(splits, num_bh, rows)
+        out, lse = decode.combine_splits(o_part, lse_part)
+        for bh in range(num_bh):
+            b, h = divmod(bh, heads)
+            oi = b * p.o_batch_stride + h * p.o_head_stride + torch.arange(rows).view(-1, 1) * p.o_row_stride \
+                + torch.arange(d)
+            _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = out[bh].half()
+            li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
+            _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse[bh].float()
+
+
 def decode_log2e() -> float:
     return 1.0 / math.log(2.0)
 
@@ -408,7 +438,8 @@ def emulated_kernel(monkeypatch):
         multi_processor_count = 80
 
     monkeypatch.setattr(decode, "_arch", lambda device: 70)
-    monkeypatch.setattr(decode, "_kernel", lambda variant, device: _EmulatedKernel(variant))
+    monkeypatch.setattr(decode, "_kernel", lambda variant, device: (
+        _EmulatedCombine(variant) if variant.meta["pass"] == "combine" else _EmulatedKernel(variant)))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
 
 

@@ -8,8 +8,9 @@ backend (``volta_train._reference.kvcache_append``). Attention runs the forward 
   of a KV group sees the same keys, so the group's heads become the rows (M) of one CTA: a zero-copy strided view of
   q ``[B, 1, H, D] -> [B, H / H_kv, H_kv, D]`` (and of out / lse), one KV head per kernel head, no mask.
 * **Key split** (:func:`split_plan`): grid z cuts each CTA's key blocks into ``num_splits`` ranges so that short
-  batches still fill the GPU; each split writes its normalised fp32 partial output and log-sum-exp, combined here
-  (:func:`combine_splits`). With one split the kernel writes out / lse itself.
+  batches still fill the GPU; each split writes its normalised fp32 partial output and log-sum-exp, which the split
+  combine kernel (csrc/split_kv_combine.cu, launched right after with the same parameters) turns into out / lse
+  (:func:`combine_splits` is its specification in PyTorch). With one split the kernel writes out / lse itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .support import tensors_aligned
 DECODE_CTAS_PER_SM = 4
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
+COMBINE_MAX_SPLITS = 64  # csrc/split_kv_combine.cu: two splits per lane of a warp
 
 
 def pack_gqa(seqlen_q: int, nheads: int, nheads_kv: int, alibi: bool, window_left: int) -> bool:
@@ -64,7 +66,8 @@ def split_plan(ctas: int, key_blocks: int, sm_count: int, ctas_per_sm: int = DEC
 
 
 def combine_splits(o_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output and log-sum-exp of the whole key range from the splits' normalised partials.
+    """The output and log-sum-exp of the whole key range from the splits' normalised partials: what the split combine
+    kernel computes (csrc/split_kv_combine.cu), in PyTorch (its specification and the CPU tests' emulation).
 
     o_partial: fp32 [S, ..., D], lse_partial: fp32 [S, ...] (natural log, -inf where a split saw no key). lse =
     logsumexp over the splits, out = sum_s exp(lse_s - lse) O_s; a row no split saw a key of gets out 0 and lse +inf
@@ -158,6 +161,8 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         splits, per_split = split_plan(grid[0] * grid[1], key_blocks, sm_count)
     else:
+        if not 1 <= num_splits <= COMBINE_MAX_SPLITS:
+            raise ValueError(f"num_splits={num_splits}; accepted: 1..{COMBINE_MAX_SPLITS} (the split combine's limit)")
         per_split = -(-max(key_blocks, 1) // max(1, num_splits))
         splits = -(-max(key_blocks, 1) // per_split)
     seqused, batch_index = _int32(ends), _int32(rows) if cache_batch_idx is not None else None
@@ -175,10 +180,10 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
 
     variant = tiles.decode_variant(d, tile, params.softcap > 0)
     _kernel(variant, device).launch(grid + (splits,), tile.threads, variant.dynamic_smem_bytes, [prm])
-    if splits > 1:
-        o_comb, lse_comb = combine_splits(o_partial, lse_partial)  # [B, heads_k, rows_k(, D)]
-        out_k.copy_(o_comb.permute(0, 2, 1, 3))
-        lse_k.copy_(lse_comb)
+    if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
+        combine = tiles.combine_variant(d)
+        row_blocks = -(-rows_k // tiles.COMBINE_ROWS_PER_CTA)
+        _kernel(combine, device).launch((grid[0] * grid[1], row_blocks, 1), combine.threads_per_block, 0, [prm])
     if d != head_dim:
         out.copy_(out_full[..., :head_dim])
     return out, lse

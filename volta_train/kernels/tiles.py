@@ -397,6 +397,26 @@ def decode_variant(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f1
     )
 
 
+COMBINE_ROWS_PER_CTA = 4  # csrc/split_kv_combine.cu kCombineRowsPerCta: one warp per row
+
+
+def combine_variant(head_dim: int) -> KernelVariant:
+    """The split combine of the decoding kernel (csrc/split_kv_combine.cu), launched after it when it splits the
+    keys: one per kernel head_dim, no tile (a warp per row)."""
+    return KernelVariant(
+        name=f"combine_d{head_dim}",
+        sources=("split_kv_combine.cu",),
+        name_expressions=(f"flash_split_kv_combine_kernel<{head_dim}>",),
+        threads_per_block=32 * COMBINE_ROWS_PER_CTA,
+        meta={"head_dim": head_dim, "pass": "combine"},
+    )
+
+
+def shipped_combine_variants() -> list[KernelVariant]:
+    """The split combines of every supported head_dim (the same on every arch)."""
+    return [combine_variant(head_dim) for head_dim in SUPPORTED_HEAD_DIMS]
+
+
 def shipped_decode_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHOICES) -> list[KernelVariant]:
     """Every split-KV decoding variant the dispatcher can launch on arch (flash_attn_with_kvcache)."""
     return [decode_variant(head_dim, decode_tile(head_dim, arch), cap)
@@ -407,7 +427,7 @@ def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
     """The variants to compile for arch: the attention kernels the dispatcher launches there, and the probe."""
     target = normalize_arch(arch)
     return (shipped_fwd_variants(target) + shipped_bwd_variants(target) + shipped_decode_variants(target)
-            + [PROBE_VARIANT])
+            + shipped_combine_variants() + [PROBE_VARIANT])
 
 
 # --- calls that reach every shipped variant of a tile table ------------------------------------------------------
@@ -503,7 +523,8 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
 def decode_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, softcap=SOFTCAP_CHOICES) -> list[TableCall]:
     """The flash_attn_with_kvcache calls (volta_train/kernels/decode.py forward_with_kvcache) that launch every
     shipped decoding variant of table on a GPU of arch: one per head_dim and soft-capping setting (fp32 accumulation,
-    no dropout; ``causal`` False, for the caller to set)."""
+    no dropout; ``causal`` False, for the caller to set), each with the split combine that follows the kernel when
+    the call splits the keys."""
     if table not in TILE_TABLES:
         raise ValueError(f"table {table!r}; accepted: {', '.join(TILE_TABLES)}")
     table_arch = 70 if table == "sm70" else normalize_arch(arch)
@@ -512,7 +533,7 @@ def decode_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, softcap=S
         for head_dim in head_dims:
             tile = decode_tile(head_dim, table_arch)
             calls.append(TableCall(table, "decode", head_dim, False, "fp32", False, False, tile, None,
-                                   (decode_variant(head_dim, tile, cap),), cap))
+                                   (decode_variant(head_dim, tile, cap), combine_variant(head_dim)), cap))
     return calls
 
 
