@@ -194,6 +194,8 @@ def fake_kernel(monkeypatch):
     monkeypatch.setattr(_dispatch, "_logged_reasons", set())
     monkeypatch.setattr(kernels.support.CallDescription, "arch", property(lambda self: 70))
     monkeypatch.setattr(kernels.support.CallDescription, "device_name", property(lambda self: "FakeV100"))
+    # the fake V100 would send head_dim 256 backwards to PyTorch's kernel (tests/test_efficient_backward.py)
+    monkeypatch.setenv("VOLTA_TRAIN_D256_BACKWARD", "volta")
     monkeypatch.setattr(kernels, "unsupported_reason",
                         lambda call: None if call.head_dim in tiles.SUPPORTED_HEAD_DIMS else "head_dim")
 

@@ -317,6 +317,30 @@ def test_public_api_pads_head_dim_to_256_and_meets_the_standard(head_dim, monkey
                     what=f"flash_attn_func head_dim {head_dim}")
 
 
+@pytest.mark.parametrize("head_dim, sq, sk, h, hk, causal", [
+    (256, 157, 211, 4, 2, True),   # GQA, causal bottom-right with more keys than queries
+    (200, 211, 157, 4, 4, True),   # padded to 256; more queries than keys: rows that see no key
+    (256, 131, 131, 8, 1, False),  # MQA, full
+])
+def test_head_dim_256_backward_through_cutlass_meets_the_standard(head_dim, sq, sk, h, hk, causal, monkeypatch):
+    """The route a V100 takes for head_dim 129-256 (volta_train/_efficient_backward.py: PyTorch's memory-efficient
+    backward on volta_train's forward output and lse), forced here on any GPU, against the float64 truth."""
+    from volta_train import _efficient_backward
+
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    monkeypatch.setenv(_efficient_backward.D256_BACKWARD_ENV, "cutlass")
+    ran = []
+    real = _efficient_backward.backward
+    monkeypatch.setattr(_efficient_backward, "backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    q, k, v, dout = _inputs(2, sq, sk, h, hk, head_dim, _seed())
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = volta_train.flash_attn_func(qg, kg, vg, causal=causal)
+    out.backward(dout)
+    assert ran == [1], "the backward did not take PyTorch's memory-efficient kernel"
+    assert_standard((out.detach(), qg.grad, kg.grad, vg.grad), Oracle(q, k, v, dout, causal=causal),
+                    what=f"head_dim {head_dim} backward through CUTLASS, {sq}x{sk}, {h}/{hk} heads, causal={causal}")
+
+
 # --- accum="fp16" (FP16-ACC forward): meant for inference; with gradients it keeps a documented, looser bound --------
 
 FP16_FORWARD_OUT_LIMIT = 5.0  # measured worst 3.4x the standard's bound (docs/accuracy.md)

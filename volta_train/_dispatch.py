@@ -18,7 +18,10 @@ declares a feature by listing it in ``volta_train.kernels.support.KERNEL_FEATURE
 A head_dim the kernel is not built for is zero-padded to the next one it is
 (scale unchanged: the caller's), and the output and gradients sliced back;
 aligned head_dims are passed through without a copy. Empty calls (no query,
-key or head) are answered here, on no backend.
+key or head) are answered here, on no backend. On a V100 the backward of a
+head_dim 129-256 call that PyTorch's memory-efficient backward computes alike
+runs that (CUTLASS Sm70) kernel instead of the Volta one, estimated 2.3x faster
+there (``volta_train._efficient_backward``; ``VOLTA_TRAIN_D256_BACKWARD``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import _efficient_backward as efficient_backward
 from . import _reference as reference
 from ._options import AttentionOptions
 from . import kernels
@@ -83,7 +87,7 @@ class BackendUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # "kernel" or "reference"
+    backend: str  # "kernel", "reference", or (backward, head_dim 256 on sm_70) "cutlass-sm70": _efficient_backward
     reason: str
 
 
@@ -266,16 +270,24 @@ def attention_backward(
     )
     call = replace(call, backward=True, deterministic=deterministic)
     choice = choose_backend(call, _features(softcap), q.shape[-1])
+    if choice.backend == "kernel" and efficient_backward.why_not(
+        call.head_dim, call.arch, call.varlen, dropout_p, softcap, call.alibi, window, deterministic
+    ) is None:
+        choice = Choice("cutlass-sm70", f"head_dim {q.shape[-1]} (kernel head_dim 256) on sm_{call.arch}: PyTorch's "
+                        "memory-efficient backward, estimated 2.3x the Volta one there (docs/performance.md)")
     _log_choice(choice, "backward", q.is_cuda)
     params = _params(softmax_scale, causal, window_left, window_right, dropout_p, seed, offset, softcap)
-    if choice.backend == "kernel":
+    if choice.backend in ("kernel", "cutlass-sm70"):
         d = q.shape[-1]
         # out's padded columns are exactly zero (v's are), so padding it again restores the kernel's output
         dp, qp, kp, vp, op = (pad_head_dim(t, call.head_dim) for t in (dout, q, k, v, out))
-        grads = kernels.backward(
-            dp, qp, kp, vp, op, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
-            alibi_slopes, bwd_accum, deterministic,
-        )
+        if choice.backend == "cutlass-sm70":
+            grads = efficient_backward.backward(dp, qp, kp, vp, op, lse, softmax_scale, causal)
+        else:
+            grads = kernels.backward(
+                dp, qp, kp, vp, op, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+                alibi_slopes, bwd_accum, deterministic,
+            )
         grads = tuple(g[..., :d] for g in grads)
     elif cu_seqlens_q is not None:
         grads = reference.reference_varlen_backward(
