@@ -325,7 +325,9 @@ def flash_attn_with_kvcache(
                 "flash-attn): its output carries no gradient; train with flash_attn_func"
             )
         q, k, v = (t.detach() if t is not None else None for t in (q, k, v))
-    out, lse = _dispatch.attention_with_kvcache(
+    # the custom op where torch.compile traces the call, else its body directly (_dispatch: the op's own overhead)
+    op = _dispatch.attention_with_kvcache if torch.compiler.is_compiling() else _dispatch.attention_with_kvcache_eager
+    out, lse = op(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, extent.cache_seqlens, cache_batch_idx, cache_leftpad,
         alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved), extent.key_end,
         extent.longest,
