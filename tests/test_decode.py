@@ -300,6 +300,7 @@ CASES = [
     (2, 3, 8, 2, 128, 5, True, (-1, -1), 0.0, False, "neox", True, False),  # 3 queries: not packed
     (3, 16, 8, 2, 96, 5, True, (-1, -1), 0.0, False, "interleaved", False, True),
     (2, 16, 8, 1, 64, 1, True, (7, -1), 0.0, False, None, True, False),  # causal + left window
+    (2, 40, 4, 2, 64, 3, True, (-1, -1), 0.0, False, None, False, False),  # 40 queries: 3 query blocks per head
     (2, 3, 4, 4, 80, 5, False, (-1, 1), 0.0, False, None, False, False),  # right window
     (3, 1, 16, 2, 128, 1, False, (40, -1), 0.0, False, None, False, False),  # left window: not packed
     (2, 1, 8, 2, 112, 1, True, (-1, -1), 0.0, True, None, False, True),  # ALiBi: not packed
@@ -334,6 +335,7 @@ def _flat(ptr: int, dtype: torch.dtype, count: int) -> torch.Tensor:
 
 
 class _EmulatedKernel:
+    last_num_bh = None
     def __init__(self, variant):
         meta = variant.meta
         self.d, self.block_n, self.softcap = meta["head_dim"], meta["tile"].block_n, meta["softcap"]
@@ -343,6 +345,7 @@ class _EmulatedKernel:
         d, bn = self.d, self.block_n
         x, y, splits = grid
         num_bh = y if p.m_blocks_fastest else x
+        _EmulatedKernel.last_num_bh = num_bh  # what the combine's grid must cover
         heads, rows = p.nheads, p.seqlen_q
         batch = num_bh // heads
         ints = lambda ptr: _flat(ptr, torch.int32, batch).tolist() if ptr else None  # noqa: E731
@@ -414,6 +417,7 @@ class _EmulatedCombine:
         (p,) = args
         d, (num_bh, row_blocks, z) = self.d, grid
         rows, splits, heads = p.seqlen_q, p.num_splits, p.nheads
+        assert num_bh == _EmulatedKernel.last_num_bh, "grid x must be the split kernel's batch x heads"
         assert z == 1 and smem == 0 and threads == 32 * tiles.COMBINE_ROWS_PER_CTA
         assert row_blocks * tiles.COMBINE_ROWS_PER_CTA >= rows > (row_blocks - 1) * tiles.COMBINE_ROWS_PER_CTA
         o_part = _flat(p.o_partial, torch.float32, splits * num_bh * rows * d).view(splits, num_bh, rows, d)

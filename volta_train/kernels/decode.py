@@ -183,7 +183,8 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
         combine = tiles.combine_variant(d)
         row_blocks = -(-rows_k // tiles.COMBINE_ROWS_PER_CTA)
-        _kernel(combine, device).launch((grid[0] * grid[1], row_blocks, 1), combine.threads_per_block, 0, [prm])
+        # grid x: one per (batch, kernel head), the partials' second axis (not the kernel's CTAs: query blocks too)
+        _kernel(combine, device).launch((batch * heads_k, row_blocks, 1), combine.threads_per_block, 0, [prm])
     if d != head_dim:
         out.copy_(out_full[..., :head_dim])
     return out, lse
