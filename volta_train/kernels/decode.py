@@ -29,8 +29,8 @@ from .support import tensors_aligned
 # The split rule's constants (split_plan): CTAs to aim for per SM, key blocks a split keeps at least, most splits.
 DECODE_CTAS_PER_SM = 4
 MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 64
 COMBINE_MAX_SPLITS = 64  # csrc/split_kv_combine.cu: two splits per lane of a warp
+MAX_SPLITS = COMBINE_MAX_SPLITS  # the rule's cap is the combine's limit
 
 
 def pack_gqa(seqlen_q: int, nheads: int, nheads_kv: int, alibi: bool, window_left: int) -> bool:
