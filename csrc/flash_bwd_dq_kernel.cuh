@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     __syncthreads();
     half_bits* stage = reinterpret_cast<half_bits*>(smem);
     half_bits* dq_base = bp.dq + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
+    const FwdWarpGeometry<KT> gs((tid & ~31) | staging_lane(g.lane), m0);  // whose fragments this lane stores
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a)
 #pragma unroll
@@ -177,10 +178,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
             float scaled[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) scaled[i] = dq[a][ot][i] * bp.softmax_scale;
-            u32 frag[4];
-            acc_tile_to_row_fragment<!KT::kAccumF16>(scaled, g.lq.t, frag);
-            const int row = g.mtile_row0(a) - m0 + g.lq.operand_row();
-            store_shared_16B(stage + KT::OStageRows::offset(row) + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+            const int row = gs.mtile_row0(a) - m0 + gs.lq.operand_row();
+            stage_acc_tile_row<!KT::kAccumF16>(scaled, g.lane, stage + KT::OStageRows::offset(row) + gs.o_col(ot, 0));
         }
     __syncthreads();
     for (int chunk = tid; chunk < KT::kBlockM * KT::kChunksPerRow; chunk += KT::kThreads) {

@@ -70,7 +70,8 @@ __device__ __forceinline__ void load_kv_operand(const half_bits* base, long long
                                                 KvOperand<KT>& op) {
     if (KT::kKvInSmem) {
         for (int chunk = tid; chunk < KT::kBlockN * KT::kChunksPerRow; chunk += KT::kThreads) {
-            const int row = chunk / KT::kChunksPerRow, col = (chunk % KT::kChunksPerRow) * 8;
+            int row, col;
+            chunk_position<KT::kChunksPerRow>(chunk, row, col);  // 8 rows of one column where rows are short
             u32x4 v = n0 + row < seqlen_k ? load_global_16B(base + (long long)(n0 + row) * row_stride + col) : zero_u32x4();
             store_shared_16B(tile + KT::KvRows::offset(row) + col, scale != 1.f ? scale_halves(v, scale) : v);
         }
@@ -398,20 +399,20 @@ __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTile
                                                    int out_col0) {
     half_bits* stage = reinterpret_cast<half_bits*>(smem);
     __syncthreads();  // shared memory is free (the last query block, or the previous output)
-    const int row = g.mtile_key0 - n0 + g.lq.operand_row();
+    const BwdWarpGeometry<KT> gs((tid & ~31) | staging_lane(g.lane), n0);  // whose fragments this lane stores
+    const int row = gs.mtile_key0 - n0 + gs.lq.operand_row();
 #pragma unroll
     for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
         float scaled[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) scaled[i] = src[ot][i] * scale;
-        u32 frag[4];
-        acc_tile_to_row_fragment<!KT::kDkDvF16Products>(scaled, g.lq.t, frag);
-        store_shared_16B(stage + row * KT::kRowStride + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+        stage_acc_tile_row<!KT::kDkDvF16Products>(scaled, g.lane, stage + row * KT::kRowStride + gs.o_col(ot, 0));
     }
     __syncthreads();
     if (KT::kOutSplit > 1) out += out_col0;
     for (int chunk = tid; chunk < KT::kBlockN * KT::kOutChunksPerRow; chunk += KT::kThreads) {
-        const int row = chunk / KT::kOutChunksPerRow, col = (chunk % KT::kOutChunksPerRow) * 8;
+        int row, col;
+        chunk_position<KT::kOutChunksPerRow>(chunk, row, col);  // 8 rows of one column where rows are short
         if (n0 + row < seqlen_k)
             store_global_16B(out + (long long)(n0 + row) * out_stride + col, load_shared_16B(stage + row * KT::kRowStride + col));
     }

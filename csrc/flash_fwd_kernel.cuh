@@ -118,15 +118,14 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
             const int row = g.mtile_row0(a) + Layout::slot_row(lq, r);
             if (writer && row < seqlen_q) lse_base[row] = lse;
         }
-        const int row = g.mtile_row0(a) - m0 + lq.operand_row();
+        const FwdWarpGeometry<KT> gs((tid & ~31) | staging_lane(g.lane), m0);  // whose fragments this lane stores
+        const int row = gs.mtile_row0(a) - m0 + gs.lq.operand_row();
 #pragma unroll
         for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
             float scaled[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) scaled[i] = acc.o[a][ot][i] * inv_sum[Layout::row_slot(i)];
-            u32 frag[4];
-            acc_tile_to_row_fragment<!KT::kAccumF16>(scaled, lq.t, frag);
-            store_shared_16B(o_stage + KT::OStageRows::offset(row) + g.o_col(ot, 0), u32x4{frag[0], frag[1], frag[2], frag[3]});
+            stage_acc_tile_row<!KT::kAccumF16>(scaled, g.lane, o_stage + KT::OStageRows::offset(row) + gs.o_col(ot, 0));
         }
     }
     __syncthreads();

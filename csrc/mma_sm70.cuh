@@ -109,3 +109,25 @@ __device__ __forceinline__ void acc_tile_to_row_fragment(const float (&x)[8], in
         for (int k = 0; k < 4; ++k) frag[k] = pack_half2(x[2 * k], x[2 * k + 1]);
     }
 }
+
+// The lane whose row fragment this lane stores when a warp stages its accumulator tiles. A 16-byte shared store
+// runs in quarter-warps (lanes 8j .. 8j + 7); as the fragments lie, a quarter-warp holds rows 0-3 of two quad-pairs
+// (lanes 0-3 quad-pair 0, lanes 4-7 quad-pair 1; the high lanes 16-31 rows 4-7), which in 1x4 tiles meet on a bank
+// whenever the quad-pairs' column offset is not a multiple of 64 bytes (d96: 2-way) and in 2x2 tiles are rows 8
+// apart. Lanes 4-7 trade with 16-19 and 12-15 with 24-27 (quad-pair bit 0 != hi: lane ^ 20), so that each
+// quarter-warp stores all 8 rows of one quad-pair's tile at one column: conflict-free in every arrangement wherever
+// 8 consecutive rows start on 8 different 16-byte bank groups (an odd pitch in chunks). An involution.
+__device__ __forceinline__ int staging_lane(int lane) { return ((lane >> 2) & 1) != (lane >> 4) ? lane ^ 20 : lane; }
+
+// Stages one (already scaled) 8x8 accumulator tile with one 16-byte shared store per lane: the row fragment of
+// staging_lane(lane) (this lane's own when that is itself) at `row_start`, the address of that lane's row
+// operand_row() at the tile's first column, i.e. computed with the staging lane's geometry. Every lane of the warp
+// must call it (shuffles).
+template <bool kF32Layout>
+__device__ __forceinline__ void stage_acc_tile_row(const float (&x)[8], int lane, void* row_start) {
+    u32 frag[4];
+    acc_tile_to_row_fragment<kF32Layout>(x, lane & 3, frag);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) frag[k] = __shfl_sync(0xffffffffu, frag[k], staging_lane(lane));
+    store_shared_16B(row_start, u32x4{frag[0], frag[1], frag[2], frag[3]});
+}

@@ -8,16 +8,6 @@
 #pragma once
 #include "warp_tile.cuh"
 
-__device__ __forceinline__ float safe_row_max(float m) { return m == neg_inf() ? 0.f : m; }
-
-__device__ __forceinline__ float max_over_lanes(float x, int lane_mask) {
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
-}
-
-__device__ __forceinline__ float sum_over_lanes(float x, int lane_mask) {
-    return x + __shfl_xor_sync(0xffffffffu, x, lane_mask);
-}
-
 // Row statistics of one lane's rows (kMTiles m-tiles x kRowSlots row slots, FwdFragmentLayout). Each lane
 // keeps the max over the whole row but only its own part of the sum (reduced across lanes at the end).
 template <class KT>

@@ -16,15 +16,15 @@ constexpr int kCombineRowsPerCta = 4;  // warps per CTA, one row each (decode.py
 
 struct __align__(8) f32x2 { float x, y; };
 
-__device__ __forceinline__ float warp_max(float x) {
+__device__ __forceinline__ float max_over_warp(float x) {
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, mask));
+    for (int mask = 16; mask > 0; mask >>= 1) x = max_over_lanes(x, mask);
     return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+__device__ __forceinline__ float sum_over_warp(float x) {
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, mask);
+    for (int mask = 16; mask > 0; mask >>= 1) x = sum_over_lanes(x, mask);
     return x;
 }
 
@@ -42,11 +42,11 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combin
     // The splits' weights exp(lse_s - max), in the log2 domain like the kernels' softmax: exp2(-inf) = 0.
     const float lse_lo = lane < p.num_splits ? p.lse_partial[lane * split_rows + first] * kLog2e : neg_inf();
     const float lse_hi = lane + 32 < p.num_splits ? p.lse_partial[(lane + 32) * split_rows + first] * kLog2e : neg_inf();
-    const float max2 = warp_max(fmaxf(lse_lo, lse_hi));
+    const float max2 = max_over_warp(fmaxf(lse_lo, lse_hi));
     const bool seen = max2 != neg_inf();
-    const float offset = seen ? max2 : 0.f;
+    const float offset = safe_row_max(max2);
     const float w_lo = fast_exp2(lse_lo - offset), w_hi = fast_exp2(lse_hi - offset);
-    const float total = warp_sum(w_lo + w_hi);
+    const float total = sum_over_warp(w_lo + w_hi);
     const float inv_total = seen ? 1.f / total : 0.f;
 
     f32x2 acc[kPairsPerLane];

@@ -1,4 +1,5 @@
-// Numeric basics for the Volta kernels: fixed-width types, half <-> float conversions and fast exp2/log2.
+// Numeric basics for the Volta kernels: fixed-width types, half <-> float conversions, fast exp2/log2 and the
+// lane-butterfly reductions of row statistics.
 //
 // The kernel sources are self-contained (no CUDA headers): NVRTC compiles them without a toolkit
 // include path, so half precision values are carried as raw 16-bit patterns (`half_bits`) and
@@ -18,6 +19,19 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+// The exponent offset of a row whose running max may still be -inf (no key seen): 0 then, so that
+// exp2(-inf - 0) = 0 and nothing becomes NaN.
+__device__ __forceinline__ float safe_row_max(float m) { return m == neg_inf() ? 0.f : m; }
+
+// One butterfly step of a reduction across the lanes that differ in `lane_mask` (the whole warp must call it).
+__device__ __forceinline__ float max_over_lanes(float x, int lane_mask) {
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
+}
+
+__device__ __forceinline__ float sum_over_lanes(float x, int lane_mask) {
+    return x + __shfl_xor_sync(0xffffffffu, x, lane_mask);
+}
 
 __device__ __forceinline__ float half_to_float(half_bits h) {
     float f;

@@ -23,7 +23,11 @@ the plan by launch order (checked against each row's kernel function and NVTX ra
   per warp, 128 bytes per wavefront), so it is no conflict measure for kernels that load 16-byte fragments;
 * wavefronts per ideal wavefront, ``wavefronts / (wavefronts - bank conflicts)``: the goal, <= 1.05 for ld and st.
   ``--sass-ideal`` also collects the instrumented ``smsp__sass_l1tex_pipe_lsu_wavefronts_mem_shared{,_ideal}``
-  (ld and st together; SASS patching makes the run slower) as a cross-check.
+  (ld and st together; SASS patching makes the run slower) as a cross-check: the wavefronts the instructions'
+  addresses need. Where this ncu lacks the ``_ideal`` one, the counters' ideal (wavefronts - conflicts) stands in. A
+  launch whose bank-conflict counter is above the goal while the instrumented count is within it is ``ok (sass;
+  counter over)``: on an H100 the counter reads 0-4% above the instrumented count on conflict-free code, varying
+  run to run (docs/performance.md).
 
 Does the emulated m8n8k4 (on sm_80+ a CALL of an emulation subroutine) touch shared memory? Statically: every
 variant's sm_<arch> SASS (``cuobjdump -sass``) is split into the kernel body and the subroutines its CALLs reach,
@@ -282,7 +286,13 @@ def table_rows(plan: list[PlannedLaunch], rows: list[dict], metrics: dict[str, s
                           f"{op}_wavefronts_per_request": _ratio(wavefronts, requests),
                           f"{op}_wavefronts_per_ideal": excess})
             verdicts.append(None if excess is None else excess <= goal)
-        sass = _ratio(values.get("sass_wavefronts"), values.get("sass_wavefronts_ideal"))
+        sass_ideal = values.get("sass_wavefronts_ideal")
+        if sass_ideal is None and None not in (entry["ld_wavefronts"], entry["st_wavefronts"], entry["ld_conflicts"],
+                                               entry["st_conflicts"]):
+            # this ncu has no instrumented ideal: the counters' (wavefronts - bank conflicts, ld + st) stands in
+            sass_ideal = (entry["ld_wavefronts"] + entry["st_wavefronts"] - entry["ld_conflicts"]
+                          - entry["st_conflicts"])
+        sass = _ratio(values.get("sass_wavefronts"), sass_ideal)
         entry["sass_wavefronts_per_ideal"] = sass
         if p.call == PROBE_CALL:
             entry["verdict"] = "baseline"  # its store pattern is no tile's: instruction counts only (probe_check)
@@ -290,6 +300,10 @@ def table_rows(plan: list[PlannedLaunch], rows: list[dict], metrics: dict[str, s
             entry["verdict"] = "ok (sass)" if sass <= goal else f"over {goal} (sass)"
         elif None in verdicts:
             entry["verdict"] = "n/a"
+        elif not all(verdicts) and sass is not None and sass <= goal:
+            # the counter's excess without a conflicted address: the instrumented count (what the instructions'
+            # addresses need) is within the goal; the counter varies run to run by up to 3% on the same code
+            entry["verdict"] = "ok (sass; counter over)"
         else:
             entry["verdict"] = "ok" if all(verdicts) else f"over {goal}"
         result.append(entry)
@@ -440,9 +454,15 @@ def markdown(rows: list[dict], static: dict[str, dict], probe: dict, meta: dict,
               "conflict-free 128-bit access); `wf/ideal`: wavefronts / (wavefronts - bank conflicts), the goal "
               f"<= {goal}.", ""]
     sass = any(r.get("sass_wavefronts_per_ideal") is not None for r in rows)
+    if sass:
+        lines += ["`instrumented wf/ideal`: the wavefronts the instructions' addresses need, counted by SASS "
+                  "instrumentation (`smsp__sass_l1tex_pipe_lsu_wavefronts_mem_shared`, ld + st), over the ideal "
+                  "(the instrumented ideal where this ncu has it, else the counters' wavefronts - bank conflicts). "
+                  "`ok (sass; counter over)`: the bank-conflict counter is above the goal but no address conflicts "
+                  "(the counter varies run to run by up to 3% on the same code).", ""]
     head = ["#", "call (NVTX)", "variant", "ld inst", "ld req", "ld wf", "ld wf/req", "ld conflicts", "ld wf/ideal",
             "st inst", "st req", "st wf", "st wf/req", "st conflicts", "st wf/ideal"]
-    head += ["sass wf/ideal (ld+st)"] if sass else []
+    head += ["instrumented wf/ideal (ld+st)"] if sass else []
     head += ["verdict"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:

@@ -87,16 +87,46 @@ def _variants():
 
 
 @pytest.mark.parametrize("name,dq_atomic,ld,st", [
-    ("bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8", False, 1.000, 1.030),      # the 1x4 layout of kernel_traits.cuh
-    ("bwd_dq_d96_f32acc_qp1x4_m64_n32_w8", False, 1.001, 1.020),        # 1x4 KRows / VtRows (the H100 had 2.05)
+    ("bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8", False, 1.000, 1.000),      # the 1x4 layout of kernel_traits.cuh
+    ("bwd_dq_d96_f32acc_qp1x4_m64_n32_w8", False, 1.001, 1.000),        # 1x4 KRows / VtRows (the H100 had 2.05)
     ("fwd_d64_f32acc_qp2x2_m64_n32_w4_occ1.1", False, 1.000, 1.000),    # B broadcast in 2x2; row-fragment epilogue
     ("bwd_dq_d80_f32acc_qp2x2_m64_n16_w4_qsmem", False, 1.000, 1.000),  # A rows 8 apart: QRows' / OStageRows' gaps
-    ("fwd_d16_f32acc_qp4x1_m128_n32_w4_occ1.1", False, 1.000, 1.059),  # fills in groups of 8 rows (H100: 1.65)
+    ("fwd_d16_f32acc_qp4x1_m128_n32_w4_occ1.1", False, 1.000, 1.000),  # fills in groups of 8 rows (H100: 1.65)
 ])
 def test_kernel_factors(name, dq_atomic, ld, st):
     p = bm.predict_variant(_variants()[name].meta, dq_atomic=dq_atomic)
     assert p.totals("ld").factor == pytest.approx(ld, abs=0.002)
     assert p.totals("st").factor == pytest.approx(st, abs=0.002)
+
+
+def test_staging_lanes_remove_the_epilogue_conflicts():
+    # each lane storing its own row fragment (the code of 2026-11-27 morning, row_fragments "own"): in 1x4 tiles a
+    # quarter-warp's two quad-pairs meet on a bank (d96 dQ: 2-way, the H100 measured 1.07-1.08 for the kernel); the
+    # dK/dV staging of short rows read back row-major was 2-way too
+    variants = _variants()
+    own = {"row_fragments": "own"}
+    site = bm.predict_variant(variants["bwd_dq_d96_f32acc_qp1x4_m64_n32_w8"].meta, layouts=own).sites["dq_stage.st"]
+    assert site.wf == 2 * site.ideal
+    p = bm.predict_variant(variants["bwd_dkdv_d32_f32acc_qp1x4_n64_m64_w8"].meta, dq_atomic=False, layouts=own)
+    assert p.sites["kv_stage.st"].wf == 2 * p.sites["kv_stage.st"].ideal
+    assert p.sites["kv_stage.ld"].wf == 2 * p.sites["kv_stage.ld"].ideal
+    # staging_lane (mma_sm70.cuh) and the drain in groups of 8 rows: every shipped sm_70 kernel conflict-free
+    tool = _tool()
+    worst = {}
+    for name, v in tool.sm70_variants().items():
+        p = tool.predict(v)
+        worst[name] = max(p.totals("ld").factor, p.totals("st").factor)
+    assert len(worst) >= 100
+    assert max(worst.values()) <= 1.001, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+
+
+def _tool():
+    """scripts/smem_bank_model.py as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("smem_bank_model", ROOT / "scripts" / "smem_bank_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
 
 
 def test_f32_epilogue_stores_were_conflicted():

@@ -233,9 +233,18 @@ def test_table_rows_compute_wavefronts_per_request_and_per_ideal_wavefront_and_t
                                                                  sorted(metrics.values()))), metrics)
     assert rows_sass[1]["sass_wavefronts_per_ideal"] == pytest.approx(1.1)
     assert rows_sass[1]["verdict"] == "over 1.05 (sass)"
+    # the counter over the goal, the instrumented count (this ncu without its ideal: the counters' ideal stands in)
+    # conflict-free: the counter's excess, not an address conflict; instrumented over it too: over
+    only_sass = {**sc.HW_METRICS, "sass_wavefronts": sc.SASS_METRICS["sass_wavefronts"]}
+    for instrumented, verdict in (("4,500", "ok (sass; counter over)"), ("4,700", "over 1.05")):
+        values = {**_values((1000, 4100, 100), (100, 500, 100)), only_sass["sass_wavefronts"]: instrumented}
+        row = sc.table_rows(_plan(), sc.parse_raw_csv(_raw_csv([(PROBE_NAME, None, _values()), (FWD, None, values)],
+                                                               sorted(only_sass.values()))), only_sass)[1]
+        assert row["sass_wavefronts_per_ideal"] == pytest.approx(int(instrumented.replace(",", "")) / 4400)
+        assert row["verdict"] == verdict
     text = sc.markdown(rows, {}, {"verdict": "ok", "warps": 1056, "measured": {}, "expected": {}}, {"device": "H100"})
     assert "| 2 | sm70_bwd_d64_full_fp32_det | bwd_dkdv_d64 | 1,000 | 1,000 | 4,100 | 4.10 | 100 | 1.025 |" in text
-    assert "over 1.05" in text and "sass wf/ideal" not in text
+    assert "over 1.05" in text and "instrumented wf/ideal" not in text
     assert rows[0]["verdict"] == "baseline"  # the probe: counted instructions only
     ok, line = sc.summary(rows, {}, {"verdict": "ok"}, [])
     assert not ok and "1/3 launches within the goal" in line

@@ -92,6 +92,12 @@ def operand_row(lane: int) -> int:
     return (lane & 3) + 4 * (lane >> 4)
 
 
+def staging_lane(lane: int) -> int:
+    """The lane whose row fragment a lane stores in the epilogues (mma_sm70.cuh staging_lane): lanes 4-7 trade with
+    16-19 and 12-15 with 24-27, so that each quarter-warp stores the 8 rows of one quad-pair's tile."""
+    return lane ^ 20 if ((lane >> 2) & 1) != (lane >> 4) else lane
+
+
 def acc_row(lane: int, i: int) -> int:
     return (lane & 1) + (i & 2) + 4 * (lane >> 4)
 
@@ -248,8 +254,10 @@ def _row_major_fill(p: Prediction, name: str, rows_n: int, head_dim: int, thread
 
 def _row_major_drain(p: Prediction, name: str, rows_n: int, head_dim: int, threads: int, tile: RowLayout,
                      times: int, groups8: bool = False) -> None:
-    """The epilogues' `for (chunk = tid; ...)` reads of a staged tile, 16 bytes per chunk (order: _chunk_rc)."""
+    """The epilogues' `for (chunk = tid; ...)` reads of a staged tile, 16 bytes per chunk (order: _chunk_rc;
+    groups8 only where a row is not a multiple of 8 chunks, as chunk_position in tile_io.cuh)."""
     cpr = head_dim // 8
+    groups8 = groups8 and cpr % 8 != 0
     n = rows_n * cpr
     for c in range((n + threads - 1) // threads):
         warp_addrs = _warps(threads, lambda tid: tile.addr(*_chunk_rc(tid + c * threads, cpr, groups8))
@@ -394,16 +402,19 @@ def _rows_times_transposed_tile(p: Prediction, s: FwdShape, name: str, bt: RowLa
 def _stage_accumulators(p: Prediction, s: FwdShape, name: str, stage: RowLayout, f16_layout: bool,
                         row_fragments: bool, times: int) -> None:
     """Epilogue: each 8x8 accumulator tile into a [row][head_dim] staging tile. The code: one 16-byte store per lane
-    at its operand row (acc_tile_to_row_fragment, mma_sm70.cuh: f32-layout tiles trade halves with lane t ^ 2 first).
-    Before (row_fragments False, the plain layouts' code): f32-layout tiles as four 32-bit stores at the scattered
-    (row, column) pairs of the accumulator layout."""
+    of staging_lane(lane)'s row fragment at that lane's operand row (stage_acc_tile_row, mma_sm70.cuh: f32-layout
+    tiles trade halves with lane t ^ 2 first). Before (row_fragments False, the plain layouts' code): f32-layout
+    tiles as four 32-bit stores at the scattered (row, column) pairs of the accumulator layout; row_fragments "own"
+    (the code of 2026-11-27 morning): each lane its own fragment."""
+    src = staging_lane if row_fragments is True else (lambda lane: lane)
     for a in range(s.m_tiles):
         for ot in range(s.o_tiles):
             def col0(lane):
                 return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
             if f16_layout or row_fragments:
                 p.add(name, "st", 16, _warps(s.threads, lambda tid: stage.addr(
-                    s.mtile_row0(tid, a) + operand_row(tid & 31), col0(tid & 31))), times)
+                    s.mtile_row0((tid & ~31) | src(tid & 31), a) + operand_row(src(tid & 31)), col0(src(tid & 31)))),
+                      times)
             else:
                 for i in range(0, 8, 2):
                     p.add(name, "st", 4, _warps(s.threads, lambda tid: stage.addr(
@@ -640,8 +651,10 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
     T = s.threads
     # prologue
     if s.kv_in_smem:
-        _row_major_fill(p, "k.fill", s.block_n, s.head_dim, T, L["k"], 1, loop=True)
-        _row_major_fill(p, "v.fill", s.block_n, s.head_dim, T, L["v"], 1, loop=True)
+        # chunk_position (tile_io.cuh): groups of eight rows of one column where a row is not a multiple of 8 chunks
+        g8 = L["row_fragments"] is True and (s.head_dim // 8) % 8 != 0
+        _row_major_fill(p, "k.fill", s.block_n, s.head_dim, T, L["k"], 1, loop=True, groups8=g8)
+        _row_major_fill(p, "v.fill", s.block_n, s.head_dim, T, L["v"], 1, loop=True, groups8=g8)
     if s.dq_atomic:
         _load_rows_and_transpose(p, "kt.fill", s.block_n, s.head_dim, T, None, L["kt"], 1)
     # per query block: loads of Q, dO (+ transposes), lse, dsum
@@ -701,13 +714,14 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
             def col0(lane, ot=ot):
                 return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
             if s.dkdv_f16_products or L["row_fragments"]:  # one 16-byte row fragment per lane and tile
+                src = staging_lane if L["row_fragments"] is True else (lambda lane: lane)  # (see _stage_accumulators)
                 p.add("kv_stage.st", "st", 16, _warps(T, lambda tid: L["o_stage"].addr(
-                    s.key_in_block(tid) + operand_row(tid & 31), col0(tid & 31))), 1)
+                    s.key_in_block((tid & ~31) | src(tid & 31)) + operand_row(src(tid & 31)), col0(src(tid & 31)))), 1)
             else:  # before: four 32-bit stores per tile at the f32 layout's (row, column) pairs
                 for i in range(0, 8, 2):
                     p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
                         s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
-        _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1)
+        _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1, groups8=L["row_fragments"] is True)
     return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH * s.out_split)
 
 
