@@ -653,34 +653,41 @@ def kernel_table(kernels: list[Kernel]) -> list[str]:
 
 def pass_rows(kernels: list[Kernel]) -> list[dict]:
     """Per head_dim and accumulation (no dropout): forward, backward with dQ by atomics where the shipped tile has
-    them, deterministic backward (dK/dV + dQ kernel); body and must estimates."""
+    them, deterministic backward (dK/dV + dQ kernel); body and must estimates. A head_dim whose backward runs the
+    kernels of a larger one on zero-padded inputs (tiles.bwd_kernel_head_dim: d112 on d128) gets their rates times
+    head_dim / kernel head_dim (the same time for the smaller head_dim's FLOPs)."""
     from volta_train.kernels import tiles
 
     shipped = {k.name: k for k in kernels if k.role == "shipped"}
     rows = []
     for head_dim in tiles.SUPPORTED_HEAD_DIMS:
+        kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
+        useful = head_dim / kernel_d  # of the padded kernels' FLOPs
         for accum_f16 in (False, True):
             fwd = shipped.get(tiles.fwd_variant(head_dim, tiles.fwd_tile(head_dim, False, 70), accum_f16, False).name)
-            tile = tiles.bwd_tile(head_dim, 70, accum_f16)
-            atomic = (shipped.get(tiles.bwd_variant(head_dim, tile, accum_f16, False, True).name)
+            tile = tiles.bwd_tile(kernel_d, 70, accum_f16)
+            atomic = (shipped.get(tiles.bwd_variant(kernel_d, tile, accum_f16, False, True).name)
                       if tile.dq_atomic else None)
-            det = shipped.get(tiles.bwd_variant(head_dim, tile, accum_f16, False, False).name)
-            dq = shipped.get(tiles.dq_variant(head_dim, tiles.dq_tile(head_dim, 70), False, False).name)
+            det = shipped.get(tiles.bwd_variant(kernel_d, tile, accum_f16, False, False).name)
+            dq = shipped.get(tiles.dq_variant(kernel_d, tiles.dq_tile(kernel_d, 70), False, False).name)
             if not (fwd and det and dq):
                 continue
             row = {"head_dim": head_dim, "accum": "fp16" if accum_f16 else "fp32",
-                   "fwd_warps_per_sm": fwd.report["warps_per_sm"], "bwd_warps_per_sm": det.report["warps_per_sm"]}
+                   "fwd_warps_per_sm": fwd.report["warps_per_sm"], "bwd_warps_per_sm": det.report["warps_per_sm"],
+                   "bwd_kernel_head_dim": kernel_d}
             for view in ("body", "must"):
                 row[f"fwd_{view}"] = fwd.views[view]["tflops_estimate"]
                 row[f"fwd_bound_{view}"] = fwd.views[view]["tflops_bound"]
-                row[f"bwd_det_{view}"] = deterministic_pass_rate(det.views[view]["tflops_estimate"],
-                                                                 dq.views[view]["tflops_estimate"], tile.out_split)
-                row[f"bwd_det_bound_{view}"] = deterministic_pass_rate(det.views[view]["tflops_bound"],
-                                                                       dq.views[view]["tflops_bound"], tile.out_split)
+                row[f"bwd_det_{view}"] = useful * deterministic_pass_rate(
+                    det.views[view]["tflops_estimate"], dq.views[view]["tflops_estimate"], tile.out_split)
+                row[f"bwd_det_bound_{view}"] = useful * deterministic_pass_rate(
+                    det.views[view]["tflops_bound"], dq.views[view]["tflops_bound"], tile.out_split)
                 src = atomic or None
-                row[f"bwd_{view}"] = src.views[view]["tflops_estimate"] if src else row[f"bwd_det_{view}"]
-                row[f"bwd_bound_{view}"] = src.views[view]["tflops_bound"] if src else row[f"bwd_det_bound_{view}"]
-            row["bwd_path"] = "dK/dV + dQ atomics" if atomic else "dK/dV + dQ kernel"
+                row[f"bwd_{view}"] = useful * src.views[view]["tflops_estimate"] if src else row[f"bwd_det_{view}"]
+                row[f"bwd_bound_{view}"] = (useful * src.views[view]["tflops_bound"] if src
+                                            else row[f"bwd_det_bound_{view}"])
+            row["bwd_path"] = ("dK/dV + dQ atomics" if atomic else "dK/dV + dQ kernel") + (
+                f", d{kernel_d} kernels on zero-padded inputs" if kernel_d != head_dim else "")
             rows.append(row)
     return rows
 

@@ -24,5 +24,6 @@ def measured_sm70_variants(head_dims=(16, 32, 48, 64, 80, 96, 112, 128)):
     with mock.patch.object(tiles, "FWD_TILES_SM70", MEASURED_FWD_SM70), \
          mock.patch.object(tiles, "BWD_TILES_SM70", MEASURED_BWD_SM70), \
          mock.patch.object(tiles, "DQ_TILES_SM70", MEASURED_DQ_SM70), \
+         mock.patch.object(tiles, "BWD_KERNEL_HEAD_DIMS_SM70", {}), \
          mock.patch.object(tiles, "SUPPORTED_HEAD_DIMS", tuple(head_dims)):
         return tiles.shipped_fwd_variants(70, softcap=(False,)) + tiles.shipped_bwd_variants(70, softcap=(False,))

@@ -56,12 +56,12 @@ def _reference_grads(q, k, v, dout, causal, window=(-1, -1)):
 
 
 def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
-                  offset=0, tile=None, dq_tile=None):
+                  offset=0, tile=None, dq_tile=None, kernel_head_dim=None):
     params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
                              window_right=window[1], dropout_p=dropout_p, seed=seed, offset=offset)
     out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, "fp32")
     return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, bwd_accum,
-                           deterministic, tile=tile, dq_tile=dq_tile)
+                           deterministic, tile=tile, dq_tile=dq_tile, kernel_head_dim=kernel_head_dim)
 
 
 CASES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
@@ -245,30 +245,39 @@ def test_alibi_gradients(deterministic, causal):
         assert _rel(g, r) < 3e-3, f"d{name} {_rel(g, r):.2e}"
 
 
+# the V100 backward's head dims: every tile's own, and those run on a larger head_dim's kernels (zero-padded)
+SM70_BWD_HEAD_DIMS = sorted(set(tiles.BWD_TILES_SM70) | set(tiles.BWD_KERNEL_HEAD_DIMS_SM70))
+
+
 def _sm70_tile_id(head_dim):
-    tile = tiles.BWD_TILES_SM70[head_dim]
-    return "d{}_qp{}x{}_n{}_m{}{}{}{}{}".format(head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n,
-                                             tile.block_m, "_kvsmem" if tile.kv_in_smem else "",
-                                             "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel",
-                                             f"_split{tile.out_split}" if tile.out_split > 1 else "")
+    kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
+    tile = tiles.BWD_TILES_SM70[kernel_d]
+    return "d{}_qp{}x{}_n{}_m{}{}{}{}{}{}".format(
+        head_dim, tile.quad_pair_rows, 4 // tile.quad_pair_rows, tile.block_n, tile.block_m,
+        "_kvsmem" if tile.kv_in_smem else "", "_lean" if tile.lean else "", "" if tile.dq_atomic else "_dqkernel",
+        f"_split{tile.out_split}" if tile.out_split > 1 else "", f"_padded{kernel_d}" if kernel_d != head_dim else "")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dropout", [False, True], ids=["nodrop", "dropout"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
-@pytest.mark.parametrize("head_dim", sorted(tiles.BWD_TILES_SM70), ids=_sm70_tile_id)
+@pytest.mark.parametrize("head_dim", SM70_BWD_HEAD_DIMS, ids=_sm70_tile_id)
 def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, dropout, deterministic):
     """Every tile of the V100 tables (BWD_TILES_SM70 and DQ_TILES_SM70), run at its own head_dim on whatever GPU is
-    present (the tables are what a V100 runs; elsewhere they are reached only through tile=): GQA, odd lengths
-    (a partial key block and a partial query block), both accumulation modes, causal and not, dropout, and the
-    deterministic path (dK/dV kernel without atomics + the sm_70 dQ kernel)."""
-    tile, dq_tile = tiles.BWD_TILES_SM70[head_dim], tiles.dq_tile(head_dim, 70)
+    present (the tables are what a V100 runs; elsewhere they are reached only through tile=), and d112 on the d128
+    kernels with zero-padded inputs (BWD_KERNEL_HEAD_DIMS_SM70): GQA, odd lengths (a partial key block and a
+    partial query block), both accumulation modes, causal and not, dropout, and the deterministic path (dK/dV
+    kernel without atomics + the sm_70 dQ kernel)."""
+    kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
+    tile, dq_tile = tiles.BWD_TILES_SM70[kernel_d], tiles.dq_tile(kernel_d, 70)
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 203, 237, 4, 2, head_dim, gen)
     dout = torch.randn(2, 203, 4, head_dim, generator=gen, device="cuda").half()
     if not dropout:
-        grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, tile=tile, dq_tile=dq_tile)
+        grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, tile=tile, dq_tile=dq_tile,
+                              kernel_head_dim=kernel_d)
+        assert all(g.shape == t.shape and g.is_contiguous() for g, t in zip(grads, (q, k, v)))
         ref = _reference_grads(q, k, v, dout, causal)
         eager = _eager_fp16_grads(q, k, v, dout, causal)
         for name, g, r, e in zip("qkv", grads, ref, eager):
@@ -278,7 +287,7 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
         return
     seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
     grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, dropout_p=p, seed=seed,
-                          offset=offset, tile=tile, dq_tile=dq_tile)
+                          offset=offset, tile=tile, dq_tile=dq_tile, kernel_head_dim=kernel_d)
     params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     qd, kd, vd = q.double(), k.double(), v.double()
     out, lse = _reference.reference_forward(qd, kd, vd, params)

@@ -101,9 +101,10 @@ def test_plan_launches_every_sm70_variant_and_tile_once_plus_a_causal_forward_pe
                                                                   if c.pass_name == "bwd"}
     for head_dim in tiles.SUPPORTED_HEAD_DIMS:
         assert ("fwd", head_dim, tiles.fwd_tile(head_dim, False, 70)) in used
-        assert ("dq", head_dim, tiles.dq_tile(head_dim, 70)) in used
+        kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)  # d112's backward runs the d128 kernels (padded)
+        assert ("dq", kernel_d, tiles.dq_tile(kernel_d, 70)) in used
         for accum_f16 in (False, True):
-            assert ("bwd", head_dim, tiles.bwd_tile(head_dim, 70, accum_f16)) in used
+            assert ("bwd", kernel_d, tiles.bwd_tile(kernel_d, 70, accum_f16)) in used
     assert set(tiles.FWD_TILES_SM70.values()) <= {t for p, _, t in used if p == "fwd"}
     assert set(tiles.BWD_TILES_SM70.values()) <= {t for p, _, t in used if p == "bwd"}
     assert set(tiles.DQ_TILES_SM70.values()) <= {t for p, _, t in used if p == "dq"}
@@ -428,3 +429,22 @@ def test_workload_makes_the_planned_launches(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"[workload] {len(plan)} kernel launches" in proc.stdout
     assert f"[launch {len(plan) - 1}] {plan[-1].call} {plan[-1].function}" in proc.stdout
+
+
+def test_sm70_d112_backward_runs_the_d128_kernels_on_padded_inputs():
+    # no d112 tile reaches 8 warps per SM on a V100: its backward runs the d128 kernels (tiles.BWD_KERNEL_HEAD_DIMS_SM70)
+    calls = tiles.table_calls("sm70", 90, head_dims=(112,), causal=(False,), dropout=(False,), softcap=(False,),
+                              passes=("bwd",))
+    assert calls
+    for call in calls:
+        assert call.head_dim == 112 and call.kernel_head_dim == 128
+        assert call.overrides["kernel_head_dim"] == 128 and call.tile == tiles.bwd_tile(128, 70, call.accum == "fp16")
+        assert all(v.meta["head_dim"] == 128 for v in call.launches)
+    assert not [v for v in tiles.shipped_bwd_variants(70) if v.meta["head_dim"] == 112]
+    # the sm_80+ tables keep their own d112 kernels; forwards are not padded anywhere
+    assert tiles.bwd_kernel_head_dim(112, 90) == 112 and tiles.bwd_kernel_head_dim(96, 70) == 96
+    for call in tiles.table_calls("default", 90, head_dims=(112,), causal=(False,), dropout=(False,),
+                                  softcap=(False,)):
+        assert call.kernel_head_dim is None and "kernel_head_dim" not in call.overrides
+        assert all(v.meta["head_dim"] == 112 for v in call.launches)
+    assert all(v.meta["head_dim"] == 112 for v in tiles.shipped_fwd_variants(70) if "_d112_" in v.name)

@@ -238,9 +238,10 @@ def test_bwd_tile_ok_mirrors_the_kernel_asserts():
     assert not ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 32), True)  # 4 dQ rows per warp: no quad-pair layout
     assert ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 32), False)
     assert not ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 64, kv_in_smem=True), False)  # 107008 B > 96 KB
-    for head_dim in tiles.SUPPORTED_HEAD_DIMS:  # every shipped tile passes
-        tile = tiles.bwd_tile(head_dim, 70)
-        assert ve.bwd_tile_ok(head_dim, tile, tile.dq_atomic)
+    for head_dim in tiles.SUPPORTED_HEAD_DIMS:  # every shipped tile passes (at the head_dim its kernels are built for)
+        kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
+        tile = tiles.bwd_tile(kernel_d, 70)
+        assert ve.bwd_tile_ok(kernel_d, tile, tile.dq_atomic)
 
 
 def test_head_dim_256_searches_the_split_tile_space():

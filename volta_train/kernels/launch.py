@@ -117,13 +117,25 @@ def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionOptions,
              alibi_slopes, bwd_accum: str, deterministic: bool, tile: tiles.BwdTile | None = None,
-             dq_tile: tiles.FwdTile | None = None):
+             dq_tile: tiles.FwdTile | None = None, kernel_head_dim: int | None = None):
     """Volta backward: (dq, dk, dv). dK/dV kernel over key blocks; dQ by its fp32 atomics, or (deterministic,
-    or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible."""
+    or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible.
+
+    Where the tile table runs a head_dim on the kernels of a larger one (tiles.bwd_kernel_head_dim; or
+    ``kernel_head_dim``, with the tile overrides of another table), the inputs are zero-padded to it and the
+    gradients' padded columns dropped: zero columns of q, k, v, out and dout change no score and no row sum."""
     alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     arch = _arch(q.device)
+    kernel_d = kernel_head_dim or tiles.bwd_kernel_head_dim(head_dim, arch)
+    if kernel_d != head_dim:
+        if kernel_d < head_dim:
+            raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}")
+        padded = [torch.nn.functional.pad(t, (0, kernel_d - head_dim)) for t in (dout, q, k, v, out)]
+        grads = backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes,
+                         bwd_accum, deterministic, tile, dq_tile, kernel_d)
+        return tuple(g[..., :head_dim].contiguous() for g in grads)
     bwd_accum = resolve_bwd_accum(bwd_accum, head_dim, arch)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

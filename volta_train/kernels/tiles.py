@@ -187,7 +187,8 @@ class BwdTile:
 BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
     64: BwdTile(1, 8, 64), 80: BwdTile(2, 4, 32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(1, 8, 64, kv_in_smem=True, dq_atomic=False), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(1, 8, 64, kv_in_smem=True, dq_atomic=False),
+    # d 97-128 (d112 zero-padded to 128, BWD_KERNEL_HEAD_DIMS_SM70)
     128: BwdTile(1, 8, 32, kv_in_smem=True, dq_atomic=False),
     # d 129-256: 2x2, 64 keys x 16 queries, 4 warps, K/V in smem, lean, dK/dV split over 2 CTAs (each recomputes S
     # and dP; dQ from the dQ kernel): 218-230 registers, spill-free, 97,408 B, 1 CTA (4 warps) per SM (no d256 tile
@@ -203,7 +204,8 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
     **BWD_TILES_SM70, 32: BwdTile(1, 4, 32, kv_in_smem=True),
     64: BwdTile(1, 4, 32, kv_in_smem=True, min_blocks_emulated=4),
     80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(1, 4, 32, kv_in_smem=True), 128: BwdTile(2, 4, 32, kv_in_smem=True),
+    96: BwdTile(1, 4, 32, kv_in_smem=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(2, 4, 32, kv_in_smem=True),
 }
 # bwd_accum="fp16", d 64/128: the register-lean 2x2 tile (the V100's d96/d128 tile), whose dK/dV products
 # accumulate in fp32 (dQ's block sums stay fp16): the emulated f32-accumulating m8n8k4 is the faster one (17.0 vs
@@ -215,7 +217,7 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
 }
 DQ_TILES_SM70: dict[int, FwdTile] = {  # 1x4 (model 87%, spill-free) where head_dim % 32 == 0, else 2x2
     64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
-    112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32),
+    128: FwdTile(1, 1, 8, 32),
     256: FwdTile(2, 1, 4, 16, q_in_smem=True),  # 237-244 registers, spill-free, 97,280 B: 4 warps per SM
 }
 DQ_TILES_EMULATED: dict[int, FwdTile] = {
@@ -229,6 +231,20 @@ def _pick(table: dict, head_dim: int):
         if head_dim <= listed:
             return table[listed]
     raise ValueError(f"head_dim {head_dim}: the Volta kernels support {SUPPORTED_HEAD_DIMS}")
+
+
+# sm_70: head dims whose backward runs the kernels of a larger head_dim on zero-padded inputs. No d112 tile has 8 warps
+# per SM without spills (the 1x4 tiles need head_dim % 32 == 0, the 2x2 ones do not fit 8 warps in 96 KB); the d128
+# kernels (8 warps) on inputs padded to 128 are estimated 1.48x the d112 4-warp tile at the calibrated latency (33.0
+# against 22.3 TFLOP/s of d112 work), faster for L > 2.3 cycles, at most 3% slower below, the 14% more MMA work
+# included; the padding copies cost ~1.3 ms per GB-scale step (docs/performance.md, "d112 backward").
+BWD_KERNEL_HEAD_DIMS_SM70: dict[int, int] = {112: 128}
+
+
+def bwd_kernel_head_dim(head_dim: int, arch: int = 70) -> int:
+    """The head_dim of the backward kernels that run a (kernel) head_dim on arch: itself, or the larger one its
+    inputs are zero-padded to (launch.backward pads; the padded columns' gradients are dropped)."""
+    return BWD_KERNEL_HEAD_DIMS_SM70.get(head_dim, head_dim) if arch < EMULATED_MMA_ARCH else head_dim
 
 
 def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
@@ -321,7 +337,7 @@ def shipped_bwd_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_CHO
     """Every backward variant (dK/dV and dQ kernels) the dispatcher can launch on arch."""
     variants = []
     for cap in softcap:
-        for head_dim in SUPPORTED_HEAD_DIMS:
+        for head_dim in sorted({bwd_kernel_head_dim(d, arch) for d in SUPPORTED_HEAD_DIMS}):
             for dropout in (False, True):
                 for accum_f16 in (False, True):
                     tile = bwd_tile(head_dim, arch, accum_f16)
@@ -455,6 +471,7 @@ class TableCall:
     dq_tile: FwdTile | None  # backward only: the dQ kernel's tile
     launches: tuple[KernelVariant, ...]
     softcap: bool = False  # the variants built with logit soft-capping (run them with softcap > 0)
+    kernel_head_dim: int | None = None  # backward: the kernels' head_dim where it is larger (inputs zero-padded)
 
     @property
     def name(self) -> str:
@@ -470,7 +487,8 @@ class TableCall:
             return {}
         if self.pass_name in ("fwd", "decode"):  # launch.forward, decode.forward_with_kvcache
             return {"tile": self.tile}
-        return {"tile": self.tile, "dq_tile": self.dq_tile}
+        padded = {"kernel_head_dim": self.kernel_head_dim} if self.kernel_head_dim else {}
+        return {"tile": self.tile, "dq_tile": self.dq_tile, **padded}
 
 
 def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(False, True), dropout=(False, True),
@@ -482,7 +500,8 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
     With every argument at its default the calls launch every variant of ``shipped_fwd_variants`` and
     ``shipped_bwd_variants`` of the table's arch (70 for "sm70", else arch). ``unique`` drops the calls that
     launch no variant an earlier call did not (the causal calls of a table whose causal tile is the full one, the
-    "non-deterministic" backward of a tile without atomics).
+    "non-deterministic" backward of a tile without atomics), and the backward calls of a head_dim that runs the
+    kernels of a larger one (``kernel_head_dim``: sm_70 d112) when that one is among ``head_dims``.
     """
     if table not in TILE_TABLES:
         raise ValueError(f"table {table!r}; accepted: {', '.join(TILE_TABLES)}")
@@ -499,19 +518,23 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
                             calls.append(TableCall(table, "fwd", head_dim, is_causal, accum, has_dropout, False, tile,
                                                    None, (variant,), cap))
                     if "bwd" in passes:
-                        q_tile = dq_tile(head_dim, table_arch)
+                        kernel_d = bwd_kernel_head_dim(head_dim, table_arch)
+                        q_tile = dq_tile(kernel_d, table_arch)
                         for accum in accums:
-                            tile = bwd_tile(head_dim, table_arch, accum == "fp16")
+                            tile = bwd_tile(kernel_d, table_arch, accum == "fp16")
                             for deterministic in (False, True):
                                 atomics = dq_by_atomics(tile, deterministic)
-                                launches = (bwd_variant(head_dim, tile, accum == "fp16", has_dropout, atomics, cap),)
+                                launches = (bwd_variant(kernel_d, tile, accum == "fp16", has_dropout, atomics, cap),)
                                 if not atomics:
-                                    launches += (dq_variant(head_dim, q_tile, False, has_dropout, cap),)
+                                    launches += (dq_variant(kernel_d, q_tile, False, has_dropout, cap),)
                                 calls.append(TableCall(table, "bwd", head_dim, is_causal, accum, has_dropout,
-                                                       deterministic, tile, q_tile, launches, cap))
+                                                       deterministic, tile, q_tile, launches, cap,
+                                                       kernel_d if kernel_d != head_dim else None))
     if unique:
         kept = []
         for call in calls:
+            if call.kernel_head_dim in head_dims:
+                continue  # its kernels are launched by the calls of their own head_dim
             keys = {_variant_key(v) for v in call.launches}
             if keys - seen:
                 kept.append(call)
