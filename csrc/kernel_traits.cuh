@@ -131,10 +131,10 @@ struct FwdKernelTraits {
     static constexpr int kQGap = kQInSmem && kQuadPairRows == 2 && !kSplitMaskedLoop ? 32 : 0;
     using QRows = TileRows<kSmemStride, 3, kQGap, 4, -kQGap>;
     static constexpr int kQTileBytes = kQInSmem ? QRows::bytes(kBlockM) : 0;  // after K and V^T
-    // The epilogue's staging tile of O (the dQ kernel's dQ), reusing the start: in 2x2 tiles the two quad-pairs of a
-    // quarter-warp store rows 8 apart at the same column (16-byte row fragments), so these rows take QRows' gaps.
-    static constexpr int kOStageGap = kQuadPairRows == 2 ? 32 : 0;
-    using OStageRows = TileRows<kSmemStride, 3, kOStageGap, 4, -kOStageGap>;
+    // The epilogue's staging tile of O (the dQ kernel's dQ), reusing the start: plain padded rows. Each quarter-warp
+    // stores 8 consecutive rows of one column (stage_acc_tile_row's staging lanes, mma_sm70.cuh) and the drain reads
+    // 8 chunks of one row or one chunk of 8 rows (tile_chunk_position): with an odd pitch in chunks, conflict-free.
+    using OStageRows = TileRows<kSmemStride>;
     static constexpr int kOStageBytes = OStageRows::bytes(kBlockM);
     static constexpr int kSmemBytes = const_max(kTileBytes + kVtTileBytes + kQTileBytes, kOStageBytes);
     static constexpr int kChunksPerRow = kHeadDim / 8;               // 16-byte chunks per row

@@ -90,7 +90,7 @@ def _variants():
     ("bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8", False, 1.000, 1.000),      # the 1x4 layout of kernel_traits.cuh
     ("bwd_dq_d96_f32acc_qp1x4_m64_n32_w8", False, 1.001, 1.000),        # 1x4 KRows / VtRows (the H100 had 2.05)
     ("fwd_d64_f32acc_qp2x2_m64_n32_w4_occ1.1", False, 1.000, 1.000),    # B broadcast in 2x2; row-fragment epilogue
-    ("bwd_dq_d80_f32acc_qp2x2_m64_n16_w4_qsmem", False, 1.000, 1.000),  # A rows 8 apart: QRows' / OStageRows' gaps
+    ("bwd_dq_d80_f32acc_qp2x2_m64_n16_w4_qsmem", False, 1.000, 1.000),  # A rows 8 apart: QRows' gaps
     ("fwd_d16_f32acc_qp4x1_m128_n32_w4_occ1.1", False, 1.000, 1.000),  # fills in groups of 8 rows (H100: 1.65)
 ])
 def test_kernel_factors(name, dq_atomic, ld, st):

@@ -343,8 +343,10 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     # tile_chunk_position (tile_io.cuh): the loaders' and epilogues' chunks in groups of eight rows of one column
     # where a row is not a multiple of 8 chunks ("fill_groups8", not a tile)
     groups8 = c % 8 != 0 and not plain
-    # the epilogue's staging tile (OStageRows): 2x2 quad-pairs of a quarter-warp store rows 8 apart
-    o_stage = RowLayout(0, c + 1, A_ROWS_8_APART if s.quad_pair_rows == 2 and not plain else ())
+    # the epilogue's staging tile (OStageRows): plain rows; a quarter-warp stores 8 consecutive rows of one column
+    # (staging_lane). (From the row fragments until the staging lanes, 2x2 tiles had QRows' gaps here: a quarter-warp
+    # stored two quad-pairs' rows 8 apart.)
+    o_stage = RowLayout(0, c + 1)
     # the epilogues stage accumulator tiles as 16-byte row fragments ("row_fragments"; plain: the 32-bit stores before)
     if kernel == "fwd":
         return {"k": key_rows, "vt": replace(vt_rows, base=k_bytes), "q": replace(q_rows, base=k_bytes + vt_bytes),
