@@ -41,10 +41,11 @@ __device__ __forceinline__ void load_rows_and_transpose(const half_bits* base, l
 }
 
 // Row and column (halves) of chunk `chunk` of a [rows][kChunksPerRow chunks] tile moved in 16-byte chunks by the
-// loaders and epilogues (tile_chunk_position: the forward-shaped kernels' [rows][head_dim] tiles). Rows of a multiple of 8 chunks: row-major (eight consecutive lanes, one quarter-warp
-// store, move eight chunks of one row). Otherwise eight consecutive lanes move one chunk column of eight consecutive
-// rows (load_v_block's order), which the odd row pitches keep on eight different bank groups; row-major, their eight
-// chunks would straddle two rows and meet on a bank (the rows count is a multiple of 8).
+// loaders and epilogues (tile_chunk_position: the forward-shaped kernels' [rows][head_dim] tiles). Rows of a multiple
+// of 8 chunks: row-major (eight consecutive lanes, one quarter-warp store, move eight chunks of one row). Otherwise
+// eight consecutive lanes move one chunk column of eight consecutive rows (load_v_block's order), which the odd row
+// pitches keep on eight different bank groups; row-major, their eight chunks would straddle two rows and meet on a
+// bank (the rows count is a multiple of 8).
 template <int kChunksPerRow>
 __device__ __forceinline__ void chunk_position(int chunk, int& row, int& col) {
     if (kChunksPerRow % 8 == 0) {

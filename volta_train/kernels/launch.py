@@ -131,7 +131,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     kernel_d = kernel_head_dim or tiles.bwd_kernel_head_dim(head_dim, arch)
     if kernel_d != head_dim:
         if kernel_d < head_dim:
-            raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}")
+            raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}; accepted: "
+                             f"None (the tile table's choice) or a kernel head_dim >= {head_dim}")
         padded = [torch.nn.functional.pad(t, (0, kernel_d - head_dim)) for t in (dout, q, k, v, out)]
         grads = backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes,
                          bwd_accum, deterministic, tile, dq_tile, kernel_d)
