@@ -28,6 +28,7 @@ def test_inputs_are_zero_padded_and_gradients_sliced_back(monkeypatch):
         return tuple(torch.randn(t.shape).half() for t in (q, k, v))
 
     monkeypatch.setattr(launch, "backward", inner)
+    monkeypatch.setattr(launch, "_arch", lambda device: 90)  # CPU tensors: no device to ask
     gen = torch.Generator().manual_seed(1234)
     grads, inputs = _call(original, 112, 128, gen)
     for name, t in inputs.items():
@@ -41,7 +42,8 @@ def test_inputs_are_zero_padded_and_gradients_sliced_back(monkeypatch):
         assert g.shape == t.shape and g.is_contiguous() and torch.isfinite(g.float()).all()
 
 
-def test_a_smaller_kernel_head_dim_is_refused():
+def test_a_smaller_kernel_head_dim_is_refused(monkeypatch):
+    monkeypatch.setattr(launch, "_arch", lambda device: 90)
     gen = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match=r"kernel_head_dim=96: smaller than the inputs' head_dim 112; accepted: "
                                          r"None \(the tile table's choice\) or a kernel head_dim >= 112"):

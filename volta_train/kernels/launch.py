@@ -127,7 +127,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
-    kernel_d = kernel_head_dim or tiles.bwd_kernel_head_dim(head_dim, _arch(q.device))
+    arch = _arch(q.device)
+    kernel_d = kernel_head_dim or tiles.bwd_kernel_head_dim(head_dim, arch)
     if kernel_d != head_dim:
         if kernel_d < head_dim:
             raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}; accepted: "
@@ -136,7 +137,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         grads = backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes,
                          bwd_accum, deterministic, tile, dq_tile, kernel_d)
         return tuple(g[..., :head_dim].contiguous() for g in grads)
-    arch = _arch(q.device)
     bwd_accum = resolve_bwd_accum(bwd_accum, head_dim, arch)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
