@@ -55,12 +55,12 @@ def run_case(c: dict, table: str, accum: str, bwd_accum: str, seed: int):
                           dropout_p=c["dropout"], seed=seed, offset=4 * (seed % 1000))
     chosen = {}
     if table == "sm70":
-        kernel_d = tiles.bwd_kernel_head_dim(c["d"], 70)  # d112: the d128 backward kernels on zero-padded inputs
-        chosen = dict(fwd=tiles.fwd_tile(c["d"], c["causal"], 70), bwd=tiles.bwd_tile(kernel_d, 70, bwd_accum == "fp16"),
-                      dq=tiles.dq_tile(kernel_d, 70), kernel_head_dim=kernel_d)
+        # (d112's backward: the d128 kernels on zero-padded inputs, kernel_head_dim)
+        chosen = dict(fwd=tiles.fwd_tile(c["d"], c["causal"], 70),
+                      bwd=tiles.backward_overrides(c["d"], 70, bwd_accum == "fp16"))
     out, lse = launch.forward(q, k, v, None, None, c["sq"], c["sk"], prm, None, accum, tile=chosen.get("fwd"))
     grads = launch.backward(dout, q, k, v, out, lse, None, None, c["sq"], c["sk"], prm, None, bwd_accum, False,
-                            tile=chosen.get("bwd"), dq_tile=chosen.get("dq"), kernel_head_dim=chosen.get("kernel_head_dim"))
+                            **chosen.get("bwd", {}))
     keep = None
     if c["dropout"] > 0:
         keep = dense_keep_mask(prm.seed, prm.offset, c["dropout"], c["batch"], c["h"], c["sq"], c["sk"], "cuda")

@@ -47,10 +47,9 @@ def _seed() -> int:
 def _tiles(table: str, head_dim: int, causal: bool, bwd_accum: str) -> dict:
     if table == "default":
         return {}
-    accum_f16 = bwd_accum == "fp16"
-    kernel_d = configs.bwd_kernel_head_dim(head_dim, 70)  # d112: the d128 backward kernels on zero-padded inputs
-    return dict(fwd=configs.fwd_tile(head_dim, causal, 70), bwd=configs.bwd_tile(kernel_d, 70, accum_f16),
-                dq=configs.dq_tile(kernel_d, 70), kernel_head_dim=kernel_d)
+    # d112's backward: the d128 kernels on zero-padded inputs (kernel_head_dim)
+    return dict(fwd=configs.fwd_tile(head_dim, causal, 70),
+                bwd=configs.backward_overrides(head_dim, 70, bwd_accum == "fp16"))
 
 
 def _params(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
@@ -74,8 +73,7 @@ def kernel_call(q, k, v, dout=None, *, table="default", causal=False, window=(-1
     if dout is None:
         return out, lse
     dq, dk, dv = launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], prm, None, bwd_accum,
-                                 deterministic, tile=tiles.get("bwd"), dq_tile=tiles.get("dq"),
-                                 kernel_head_dim=tiles.get("kernel_head_dim"))
+                                 deterministic, **tiles.get("bwd", {}))
     return out, lse, dq, dk, dv
 
 

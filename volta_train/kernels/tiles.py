@@ -273,6 +273,14 @@ def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
     return _pick(DQ_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DQ_TILES_SM70, head_dim)
 
 
+def backward_overrides(head_dim: int, arch: int, accum_f16: bool) -> dict:
+    """Keyword arguments for launch.backward that run a (kernel) head_dim on arch's backward tiles from any GPU (the
+    tile overrides): the dK/dV and dQ tiles of the kernels' head_dim, and ``kernel_head_dim`` where that is larger."""
+    kernel_d = bwd_kernel_head_dim(head_dim, arch)
+    padded = {"kernel_head_dim": kernel_d} if kernel_d != head_dim else {}
+    return {"tile": bwd_tile(kernel_d, arch, accum_f16), "dq_tile": dq_tile(kernel_d, arch), **padded}
+
+
 def _flag(b: bool) -> str:
     return "true" if b else "false"
 
