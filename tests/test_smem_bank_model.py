@@ -100,11 +100,11 @@ def test_kernel_factors(name, dq_atomic, ld, st):
 
 
 def test_staging_lanes_remove_the_epilogue_conflicts():
-    # each lane storing its own row fragment (the code of 2026-11-27 morning, row_fragments "own"): in 1x4 tiles a
+    # each lane storing its own row fragment (the code of 2026-11-27 morning, staging_lanes False): in 1x4 tiles a
     # quarter-warp's two quad-pairs meet on a bank (d96 dQ: 2-way, the H100 measured 1.07-1.08 for the kernel); the
     # dK/dV staging of short rows read back row-major was 2-way too
     variants = _variants()
-    own = {"row_fragments": "own"}
+    own = {"staging_lanes": False}
     site = bm.predict_variant(variants["bwd_dq_d96_f32acc_qp1x4_m64_n32_w8"].meta, layouts=own).sites["dq_stage.st"]
     assert site.wf == 2 * site.ideal
     p = bm.predict_variant(variants["bwd_dkdv_d32_f32acc_qp1x4_n64_m64_w8"].meta, dq_atomic=False, layouts=own)

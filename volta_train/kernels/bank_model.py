@@ -348,13 +348,14 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
     # stored two quad-pairs' rows 8 apart.)
     o_stage = RowLayout(0, c + 1)
     # the epilogues stage accumulator tiles as 16-byte row fragments ("row_fragments"; plain: the 32-bit stores before)
+    # of the staging lanes ("staging_lanes"; False: each lane its own fragment, the code of 2026-11-27 morning)
     if kernel == "fwd":
         return {"k": key_rows, "vt": replace(vt_rows, base=k_bytes), "q": replace(q_rows, base=k_bytes + vt_bytes),
-                "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain}
+                "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain, "staging_lanes": not plain}
     off_v = k_bytes + vt_bytes
     return {"k": key_rows, "kt": replace(vt_rows, base=k_bytes), "v": replace(key_rows, base=off_v),
             "q": replace(q_rows, base=off_v + k_bytes), "do": replace(q_rows, base=off_v + k_bytes + q_bytes),
-            "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain}
+            "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain, "staging_lanes": not plain}
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of the frozen shape; every launch asks (KernelVariant's smem)
@@ -402,13 +403,13 @@ def _rows_times_transposed_tile(p: Prediction, s: FwdShape, name: str, bt: RowLa
 
 
 def _stage_accumulators(p: Prediction, s: FwdShape, name: str, stage: RowLayout, f16_layout: bool,
-                        row_fragments: bool, times: int) -> None:
+                        row_fragments: bool, staging_lanes: bool, times: int) -> None:
     """Epilogue: each 8x8 accumulator tile into a [row][head_dim] staging tile. The code: one 16-byte store per lane
     of staging_lane(lane)'s row fragment at that lane's operand row (stage_acc_tile_row, mma_sm70.cuh: f32-layout
     tiles trade halves with lane t ^ 2 first). Before (row_fragments False, the plain layouts' code): f32-layout
-    tiles as four 32-bit stores at the scattered (row, column) pairs of the accumulator layout; row_fragments "own"
+    tiles as four 32-bit stores at the scattered (row, column) pairs of the accumulator layout; staging_lanes False
     (the code of 2026-11-27 morning): each lane its own fragment."""
-    src = staging_lane if row_fragments is True else (lambda lane: lane)
+    src = staging_lane if staging_lanes else (lambda lane: lane)
     for a in range(s.m_tiles):
         for ot in range(s.o_tiles):
             def col0(lane):
@@ -441,7 +442,7 @@ def predict_fwd(s: FwdShape, layouts: dict | None = None) -> Prediction:
     _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
     _vt_store(p, s, L["vt"], blocks)
     _rows_times_transposed_tile(p, s, "O+=PV", L["vt"], blocks)
-    _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, L["row_fragments"], 1)
+    _stage_accumulators(p, s, "o_stage.st", L["o_stage"], s.accum_f16, L["row_fragments"], L["staging_lanes"], 1)
     _row_major_drain(p, "o_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
@@ -474,7 +475,7 @@ def predict_dq(s: FwdShape, layouts: dict | None = None) -> Prediction:
     _rows_times_tile_rows(p, s, "S=QK^T", L["k"], L["q"] if s.q_in_smem else None, blocks)
     _rows_times_tile_rows(p, s, "dP=dOV^T", L["v"], L["do"] if s.q_in_smem else None, blocks)
     _rows_times_transposed_tile(p, s, "dQ+=dSK", L["kt"], blocks)
-    _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, L["row_fragments"], 1)
+    _stage_accumulators(p, s, "dq_stage.st", L["o_stage"], False, L["row_fragments"], L["staging_lanes"], 1)
     _row_major_drain(p, "dq_stage.ld", s.block_m, s.head_dim, s.threads, L["o_stage"], 1, groups8=g8)
     return p.scaled(ctas=(SEQLEN // s.block_m) * HEADS * BATCH)
 
@@ -623,7 +624,7 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
         L["ds"] = replace(L["ds"], pitch=cn + 2)
     if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
         L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
-    return {**restack(BWD_TILE_ORDER, L, bwd_tile_rows(s)), "row_fragments": not plain}
+    return {**restack(BWD_TILE_ORDER, L, bwd_tile_rows(s)), "row_fragments": not plain, "staging_lanes": not plain}
 
 
 @functools.lru_cache(maxsize=None)
@@ -654,7 +655,7 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
     # prologue
     if s.kv_in_smem:
         # chunk_position (tile_io.cuh): groups of eight rows of one column where a row is not a multiple of 8 chunks
-        g8 = L["row_fragments"] is True and (s.head_dim // 8) % 8 != 0
+        g8 = L["staging_lanes"] and (s.head_dim // 8) % 8 != 0
         _row_major_fill(p, "k.fill", s.block_n, s.head_dim, T, L["k"], 1, loop=True, groups8=g8)
         _row_major_fill(p, "v.fill", s.block_n, s.head_dim, T, L["v"], 1, loop=True, groups8=g8)
     if s.dq_atomic:
@@ -716,14 +717,14 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
             def col0(lane, ot=ot):
                 return s.qp_mn(lane)[1] * s.o_cols + 8 * ot
             if s.dkdv_f16_products or L["row_fragments"]:  # one 16-byte row fragment per lane and tile
-                src = staging_lane if L["row_fragments"] is True else (lambda lane: lane)  # (see _stage_accumulators)
+                src = staging_lane if L["staging_lanes"] else (lambda lane: lane)  # (see _stage_accumulators)
                 p.add("kv_stage.st", "st", 16, _warps(T, lambda tid: L["o_stage"].addr(
                     s.key_in_block((tid & ~31) | src(tid & 31)) + operand_row(src(tid & 31)), col0(src(tid & 31)))), 1)
             else:  # before: four 32-bit stores per tile at the f32 layout's (row, column) pairs
                 for i in range(0, 8, 2):
                     p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
                         s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
-        _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1, groups8=L["row_fragments"] is True)
+        _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1, groups8=L["staging_lanes"])
     return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH * s.out_split)
 
 
