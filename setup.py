@@ -1,7 +1,7 @@
 """setuptools entry point. The package is pure Python: the CUDA sources are compiled at run time by NVRTC.
 
 Building a wheel copies the files that have their one home at the repository root into the package, so that an
-installed volta_train finds them beside its modules (volta_train/_resources.py looks them up):
+installed volta_train finds them beside its modules (volta_train/resources.py looks them up):
 
     csrc/*.cu, csrc/*.cuh   -> volta_train/_csrc/      the CUDA sources
     configs/**              -> volta_train/_configs/   accelerate, DeepSpeed, gpt_long and finetune configs

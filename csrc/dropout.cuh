@@ -1,4 +1,4 @@
-// Dropout keep bits, identical to volta_train/_philox.py:
+// Dropout keep bits, identical to volta_train/philox.py:
 //
 //   key     = (lo32(seed), hi32(seed) ^ hi32(offset))
 //   counter = (col >> 3, row, batch * nheads + head, lo32(offset))

@@ -1,5 +1,5 @@
 // Philox 4x32-10, the counter-based generator of the dropout keep bits (dropout.cuh), identical to
-// volta_train/_philox.py.
+// volta_train/philox.py.
 #pragma once
 #include "vt_numeric.cuh"
 

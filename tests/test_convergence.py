@@ -45,7 +45,7 @@ from transformers import (  # noqa: E402
 )
 
 import volta_train  # noqa: E402
-from volta_train import _dispatch  # noqa: E402
+from volta_train import dispatch  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, LAYERS = 64, 32, 8, 64, 4, 2
@@ -338,7 +338,7 @@ def test_convergence_cuda_fp16_kernel(name):
     _skip_unless_supported(case)
     data = batches(case, GPU_STEPS)
     stock = train(case, data, patched=False, device="cuda", fp16=True)
-    with mock.patch.object(_dispatch, "_log_choice", wraps=_dispatch._log_choice) as choices:
+    with mock.patch.object(dispatch, "_log_choice", wraps=dispatch._log_choice) as choices:
         patched = train(case, data, patched=True, device="cuda", fp16=True)
     print(_report(name, stock, patched))
     forward = {(c.args[0].backend, c.args[0].reason) for c in choices.call_args_list if c.args[1] == "forward"}

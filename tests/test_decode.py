@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _reference
-from volta_train._options import AttentionOptions
+from volta_train import reference
+from volta_train.options import AttentionOptions
 from volta_train.kernels import decode, tiles
 from volta_train.kernels.params import KernelParams, SplitKvKernelParams
 from volta_train.kernels.variants import csrc_dir
-from volta_train.testing import error_vs_yardstick, naive_attention, torch_fp16_attention
+from oracles import error_vs_yardstick, naive_attention, torch_fp16_attention
 
 # --- the split rule (CPU) ---------------------------------------------------------------------------------------------
 
@@ -247,10 +247,10 @@ def _kernel_d(q) -> int:
 def _reference_copy(c, prm):
     """The reference backend on copies of the caches: (out, lse, k_cache, v_cache) and the rotated q."""
     k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
-    q_rot, rows, ends = _reference.kvcache_append(c["q"], k_cache.clone(), v_cache.clone(), c["k"], c["v"],
+    q_rot, rows, ends = reference.kvcache_append(c["q"], k_cache.clone(), v_cache.clone(), c["k"], c["v"],
                                                   c["rotary_cos"], c["rotary_sin"], c["cache_seqlens"],
                                                   c["cache_batch_idx"], prm, c["rotary_interleaved"])
-    out, lse = _reference.reference_kvcache_forward(c["q"], k_cache, v_cache, *(c[a] for a in _ARGS), prm,
+    out, lse = reference.reference_kvcache_forward(c["q"], k_cache, v_cache, *(c[a] for a in _ARGS), prm,
                                                     c["alibi_slopes"], c["rotary_interleaved"])
     return out, lse, k_cache, v_cache, q_rot, rows, ends
 
@@ -536,7 +536,7 @@ def test_decode_through_the_api_matches_the_reference_backend(monkeypatch, check
 def _bench_decode():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _dispatch, _philox
-from volta_train._options import AttentionOptions
-from volta_train._reference import reference_backward, reference_forward
-from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
+from volta_train import dispatch, philox
+from volta_train.options import AttentionOptions
+from volta_train.reference import reference_backward, reference_forward
+from oracles import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
 
 @pytest.mark.parametrize(
@@ -27,13 +27,13 @@ from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
     ],
 )
 def test_philox_known_answers(counter, key, expected):
-    words = _philox.philox4x32_10(tuple(torch.tensor([c], dtype=torch.int64) for c in counter), key)
+    words = philox.philox4x32_10(tuple(torch.tensor([c], dtype=torch.int64) for c in counter), key)
     assert tuple(int(w) for w in words) == expected
 
 
 def _full_mask(seed, offset, p, batch, heads, sq, sk):
     bh = torch.arange(batch * heads)
-    keep = _philox.dropout_keep_mask(seed, offset, p, bh, torch.arange(sq), torch.arange(sk))
+    keep = philox.dropout_keep_mask(seed, offset, p, bh, torch.arange(sq), torch.arange(sk))
     return keep.view(batch, heads, sq, sk)
 
 
@@ -41,15 +41,15 @@ def test_mask_is_pure_function_of_coordinates():
     seed, offset, p = 0x1234_5678_9ABC_DEF1, 8, 0.3
     full = _full_mask(seed, offset, p, 2, 3, 19, 45)
     # any sub-rectangle, computed on its own, equals the same slice of the full mask
-    part = _philox.dropout_keep_mask(seed, offset, p, torch.tensor([4]), torch.arange(5, 12), torch.arange(13, 40))
+    part = philox.dropout_keep_mask(seed, offset, p, torch.tensor([4]), torch.arange(5, 12), torch.arange(13, 40))
     assert torch.equal(part[0], full[1, 1, 5:12, 13:40])
     # spot-check one element against the written specification
     b, h, row, col = 1, 2, 7, 29
     k0, k1 = seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF
     ctr = tuple(torch.tensor([x]) for x in (col >> 3, row, b * 3 + h, offset & 0xFFFFFFFF))
-    words = [int(w) for w in _philox.philox4x32_10(ctr, (k0, k1))]
+    words = [int(w) for w in philox.philox4x32_10(ctr, (k0, k1))]
     u16 = (words[(col & 7) >> 1] >> (16 * (col & 1))) & 0xFFFF
-    assert bool(full[b, h, row, col]) == (u16 >= _philox.dropout_threshold(p))
+    assert bool(full[b, h, row, col]) == (u16 >= philox.dropout_threshold(p))
 
 
 def test_keep_rate_within_five_sigma():
@@ -105,12 +105,12 @@ def test_manual_seed_reproduces_and_dropout_changes_output(rng):
 
 def test_op_seed_roundtrip_through_int64():
     for value in (0, 1, 2**63 - 1, 2**63, 2**64 - 1):
-        assert _dispatch.to_op_int(value) % (1 << 64) == value
+        assert dispatch.to_op_int(value) % (1 << 64) == value
 
 
 def test_threshold_resolution():
-    assert _philox.dropout_threshold(0.0) == 0
-    assert _philox.dropout_threshold(0.5) == 32768
-    assert _philox.dropout_threshold(0.9999999) == 65535
+    assert philox.dropout_threshold(0.0) == 0
+    assert philox.dropout_threshold(0.5) == 32768
+    assert philox.dropout_threshold(0.9999999) == 65535
     for p in (0.1, 0.17, 0.3):
-        assert abs(_philox.dropout_threshold(p) / 65536 - p) <= 2**-17
+        assert abs(philox.dropout_threshold(p) / 65536 - p) <= 2**-17

@@ -1,4 +1,4 @@
-"""Which backward calls go to PyTorch's memory-efficient (CUTLASS Sm70) kernel (volta_train/_efficient_backward.py),
+"""Which backward calls go to PyTorch's memory-efficient (CUTLASS Sm70) kernel (volta_train/cutlass_backward.py),
 and the dispatcher's wiring of that route (padding, slicing), on the CPU with the GPU parts replaced by spies. The
 route's numbers are checked on a GPU by tests/test_kernel_standard.py::test_head_dim_256_backward_through_cutlass_*."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from volta_train import _dispatch
-from volta_train import _efficient_backward as eb
+from volta_train import dispatch
+from volta_train import cutlass_backward as eb
 
 QUALIFIES = dict(kernel_head_dim=256, arch=70, varlen=False, dropout_p=0.0, softcap=0.0, alibi=False,
                  window=(-1, -1), deterministic=False)
@@ -47,8 +47,8 @@ def test_dispatcher_routes_and_slices(dropout_p, expect, monkeypatch):
     """head_dim 200 on a (pretended) V100: the kernel-sized (256) padded tensors go to the route the rule picks, and
     the gradients come back sliced to 200."""
     monkeypatch.setenv(eb.D256_BACKWARD_ENV, "auto")
-    monkeypatch.setattr(_dispatch, "choose_backend", lambda *a, **kw: _dispatch.Choice("kernel", "test"))
-    monkeypatch.setattr(type(_dispatch.kernels.CallDescription(
+    monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **kw: dispatch.Choice("kernel", "test"))
+    monkeypatch.setattr(type(dispatch.kernels.CallDescription(
         device=torch.device("cpu"), dtype=torch.float16, head_dim=256, varlen=False, causal=True, window=(-1, -1),
         alibi=False, dropout=False, accum="fp32")), "arch", property(lambda self: 70))
     calls = []
@@ -60,10 +60,10 @@ def test_dispatcher_routes_and_slices(dropout_p, expect, monkeypatch):
         return grads
 
     monkeypatch.setattr(eb, "backward", spy("cutlass"))
-    monkeypatch.setattr(_dispatch.kernels, "backward", spy("kernel"))
+    monkeypatch.setattr(dispatch.kernels, "backward", spy("kernel"))
     q, k, v = torch.randn(1, 5, 4, 200).half(), torch.randn(1, 7, 2, 200).half(), torch.randn(1, 7, 2, 200).half()
     out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(1, 4, 5)
-    dq, dk, dv = _dispatch.attention_backward(dout, q, k, v, out, lse, None, None, 5, 7, 0.07, True, -1, -1, None,
+    dq, dk, dv = dispatch.attention_backward(dout, q, k, v, out, lse, None, None, 5, 7, 0.07, True, -1, -1, None,
                                               dropout_p, 1, 2, "auto", False, 0.0)
     assert calls == [(expect, 256, 256)]
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -69,11 +69,11 @@ def test_forced_kernel_backend_is_reported_not_raised(monkeypatch):
 def test_report_names_the_kernel_sources_transformers_and_families():
     import transformers
 
-    from volta_train import _resources
+    from volta_train import resources
     from volta_train.integrations import hf
 
     text = env.report()
-    directory = _resources.csrc_dir()
+    directory = resources.csrc_dir()
     assert f"kernel sources: {directory} (" in text and any(directory.glob("*.cuh"))
     assert f"transformers {transformers.__version__}; volta_train.patch takes any model" in text
     assert ", ".join(hf.supported_model_types()) in text
@@ -81,9 +81,9 @@ def test_report_names_the_kernel_sources_transformers_and_families():
 
 
 def test_missing_sources_exit_1_saying_why(monkeypatch, tmp_path, capsys):
-    from volta_train import _resources
+    from volta_train import resources
 
-    monkeypatch.setenv(_resources.CSRC_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(resources.CSRC_ENV, str(tmp_path / "empty"))
     assert env.main([]) == 1
     out = capsys.readouterr().out
     assert f"kernel sources: MISSING: no CUDA source directory: looked for *.cuh in {tmp_path / 'empty'}" in out
@@ -106,44 +106,44 @@ def test_gpu_without_an_nvrtc_for_it_is_not_ready(monkeypatch):
 
 
 def test_sources_are_found_in_a_checkout_and_in_an_installed_layout(monkeypatch, tmp_path):
-    from volta_train import _resources
+    from volta_train import resources
 
-    assert _resources.csrc_dir() == _resources.CHECKOUT_ROOT / "csrc"  # this checkout
+    assert resources.csrc_dir() == resources.CHECKOUT_ROOT / "csrc"  # this checkout
     site = tmp_path / "site-packages"  # an installed wheel: no pyproject.toml beside the package
     (site / "volta_train" / "_csrc").mkdir(parents=True)
     (site / "volta_train" / "_csrc" / "a.cuh").write_text("// x\n")
     (site / "csrc").mkdir()  # some other distribution's top-level csrc/ is never taken
     (site / "csrc" / "b.cuh").write_text("// y\n")
-    monkeypatch.setattr(_resources, "PACKAGE_DIR", site / "volta_train")
-    monkeypatch.setattr(_resources, "CHECKOUT_ROOT", site)
-    assert _resources.csrc_dir() == site / "volta_train" / "_csrc"
+    monkeypatch.setattr(resources, "PACKAGE_DIR", site / "volta_train")
+    monkeypatch.setattr(resources, "CHECKOUT_ROOT", site)
+    assert resources.csrc_dir() == site / "volta_train" / "_csrc"
     (site / "volta_train" / "_csrc" / "a.cuh").unlink()
     with pytest.raises(FileNotFoundError, match="no CUDA source directory.*reinstall volta_train"):
-        _resources.csrc_dir()
+        resources.csrc_dir()
 
 
 def test_deepspeed_shorthand_and_unknown_names(tmp_path):
-    from volta_train import _resources
+    from volta_train import resources
     from volta_train.training import config, distributed
 
-    assert distributed.resolve_deepspeed_spec("zero2") == _resources.configs_dir() / "deepspeed" / "zero2.json"
+    assert distributed.resolve_deepspeed_spec("zero2") == resources.configs_dir() / "deepspeed" / "zero2.json"
     with pytest.raises(config.ConfigError, match=r"'zero9' is neither a file nor one of zero1, zero2, zero3, "
                                                  r"zero3_offload \("):
         distributed.resolve_deepspeed_spec("zero9")
 
 
 def test_config_names_resolve_to_shipped_files_and_unknown_names_list_them(tmp_path):
-    from volta_train import _resources
+    from volta_train import resources
 
-    argv = _resources.resolve_config_option(["--config", "cpu_tiny", "--steps", "2"], "gpt_long")
-    assert argv == ["--config", str(_resources.configs_dir() / "gpt_long" / "cpu_tiny.yaml"), "--steps", "2"]
+    argv = resources.resolve_config_option(["--config", "cpu_tiny", "--steps", "2"], "gpt_long")
+    assert argv == ["--config", str(resources.configs_dir() / "gpt_long" / "cpu_tiny.yaml"), "--steps", "2"]
     mine = tmp_path / "cpu_tiny"  # an existing file wins over the shipped name
     mine.write_text("steps: 1\n")
-    assert _resources.resolve_config_option([f"--config={mine}"], "gpt_long") == [f"--config={mine}"]
+    assert resources.resolve_config_option([f"--config={mine}"], "gpt_long") == [f"--config={mine}"]
     with pytest.raises(FileNotFoundError, match="shipped finetune config; shipped: bert_sentiment, gpt2_instruct"):
-        _resources.resolve_config_option(["--config", "nope"], "finetune")
-    assert _resources.shipped_path("data/samples/stories.jsonl").is_file()
-    assert _resources.shipped_path("data/missing.jsonl") is None and _resources.shipped_path("/etc/passwd") is None
+        resources.resolve_config_option(["--config", "nope"], "finetune")
+    assert resources.shipped_path("data/samples/stories.jsonl").is_file()
+    assert resources.shipped_path("data/missing.jsonl") is None and resources.shipped_path("/etc/passwd") is None
 
 
 # --- the console script's other commands on CPU -----------------------------------------------------------------

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _dispatch, _options, _philox, _validation, kernels
+from volta_train import dispatch, options, philox, validation, kernels
 from volta_train.kernels import tiles
-from naive import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
+from oracles import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
 
 def _rel(a, b):
@@ -127,8 +127,8 @@ def test_softcap_with_dropout_matches_float64_with_the_same_mask(rng):
     torch.manual_seed(1234)
     out = volta_train.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, softcap=3.0)
     torch.manual_seed(1234)
-    seed, offset = _dispatch.draw_dropout_seed_offset(q.device)
-    keep = _philox.dropout_keep_mask(seed, offset, 0.25, torch.arange(2 * 3), torch.arange(19), torch.arange(45))
+    seed, offset = dispatch.draw_dropout_seed_offset(q.device)
+    keep = philox.dropout_keep_mask(seed, offset, 0.25, torch.arange(2 * 3), torch.arange(19), torch.arange(45))
     ref, _ = naive_attention(q, k, v, causal=True, keep_mask=keep.view(2, 3, 19, 45), dropout_p=0.25, softcap=3.0)
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
     _check_grads(out, ref, (q, k, v), rng)
@@ -172,14 +172,14 @@ def test_odd_head_dims_match_float64(head_dim, rng):
 def test_kernel_head_dim_is_the_next_one_built():
     built = tiles.SUPPORTED_HEAD_DIMS
     for d in range(1, 257):
-        padded = _dispatch.kernel_head_dim(d)
+        padded = dispatch.kernel_head_dim(d)
         if d <= max(built):
             assert padded in built and padded >= d and all(not d <= b < padded for b in built)
         else:
             assert padded is None
     t = torch.randn(2, 3, 4, 64)
-    assert _dispatch.pad_head_dim(t, 64) is t  # aligned: no copy
-    padded = _dispatch.pad_head_dim(t[..., :59], 64)
+    assert dispatch.pad_head_dim(t, 64) is t  # aligned: no copy
+    padded = dispatch.pad_head_dim(t[..., :59], 64)
     assert padded.shape[-1] == 64 and torch.equal(padded[..., :59], t[..., :59])
     assert torch.equal(padded[..., 59:], torch.zeros(2, 3, 4, 5))
 
@@ -188,10 +188,10 @@ def test_kernel_head_dim_is_the_next_one_built():
 def fake_kernel(monkeypatch):
     """The dispatcher believes a kernel is present; kernels.forward/backward run the reference backend but
     assert they only see head_dims the kernel is built for. Records the calls."""
-    from volta_train import _reference
+    from volta_train import reference
 
     calls = []
-    monkeypatch.setattr(_dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
     monkeypatch.setattr(kernels.support.CallDescription, "arch", property(lambda self: 70))
     monkeypatch.setattr(kernels.support.CallDescription, "device_name", property(lambda self: "FakeV100"))
     # the fake V100 would send head_dim 256 backwards to PyTorch's kernel (tests/test_efficient_backward.py)
@@ -202,20 +202,20 @@ def fake_kernel(monkeypatch):
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, params, alibi, accum):
         assert q.shape[-1] in tiles.SUPPORTED_HEAD_DIMS and k.shape[-1] == v.shape[-1] == q.shape[-1]
         calls.append(("forward", q.shape[-1], params))
-        return _reference.reference_forward(q, k, v, params, alibi)
+        return reference.reference_forward(q, k, v, params, alibi)
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, params, alibi, bwd_accum, deterministic):
         assert all(t.shape[-1] in tiles.SUPPORTED_HEAD_DIMS for t in (dout, q, k, v, out))
         padded_columns = (v == 0).flatten(0, -2).all(0)  # zero-padded features: out and dout must be 0 there
         assert not out[..., padded_columns].any() and not dout[..., padded_columns].any()
         calls.append(("backward", q.shape[-1], params))
-        return _reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
+        return reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
 
     def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, params, alibi, rotary_interleaved, *, key_end=-1,
                              longest=-1):  # kernels.decode's signature
         calls.append(("forward_with_kvcache", q.shape[-1], params, key_end, longest))
-        return _reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+        return reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                     cache_batch_idx, cache_leftpad, params, alibi, rotary_interleaved)
 
     monkeypatch.setattr(kernels, "forward", forward)
@@ -239,7 +239,7 @@ def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded
 
 
 def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel, monkeypatch, rng, caplog):
-    assert _dispatch.kernel_supports("softcap")  # the kernels have it (csrc/softcap.cuh)
+    assert dispatch.kernel_supports("softcap")  # the kernels have it (csrc/softcap.cuh)
     monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset(), raising=False)  # a kernel package without it
     q, k, v = _qkv(rng, 1, 9, 9, 2, 2, 16)
     with caplog.at_level(logging.INFO, logger="volta_train"):
@@ -248,11 +248,11 @@ def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel,
     assert any("reference backend (softcap > 0: the Volta kernel has no logit soft-capping yet)" in r.getMessage()
                for r in caplog.records)
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
-    with pytest.raises(_dispatch.BackendUnavailableError, match="softcap"):
+    with pytest.raises(dispatch.BackendUnavailableError, match="softcap"):
         volta_train.flash_attn_func(q, k, v, softcap=4.0)
     # the lead's switch: the kernel package lists the feature
     monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}), raising=False)
-    assert _dispatch.kernel_supports("softcap") and not _dispatch.kernel_supports("kvcache")
+    assert dispatch.kernel_supports("softcap") and not dispatch.kernel_supports("kvcache")
     out_kernel = volta_train.flash_attn_func(q, k, v, softcap=4.0)
     assert fake_kernel[-1][0] == "forward" and fake_kernel[-1][2].softcap == 4.0
     assert torch.allclose(out_kernel, out, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
@@ -267,7 +267,7 @@ def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, monkeypatc
     assert fake_kernel == []
     assert any("reference backend (head_dim" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="feature 'paged'"):
-        _dispatch.kernel_supports("paged")
+        dispatch.kernel_supports("paged")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def test_kvcache_has_no_backward_and_says_so(monkeypatch, caplog):
 def test_kvcache_runs_on_the_kernel_and_logs_why_not_without_it(fake_kernel, monkeypatch, rng, caplog):
     q = _randn(1, 1, 2, 16, rng=rng)
     cache = _randn(1, 8, 2, 16, rng=rng)
-    assert _dispatch.kernel_supports("kvcache")  # the split-KV decoding kernel (volta_train/kernels/decode.py)
+    assert dispatch.kernel_supports("kvcache")  # the split-KV decoding kernel (volta_train/kernels/decode.py)
     with caplog.at_level(logging.INFO, logger="volta_train"):
         out = volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, softcap=3.0, causal=True)
     assert [c[0] for c in fake_kernel] == ["forward_with_kvcache"] and fake_kernel[0][2].softcap == 3.0
@@ -500,7 +500,7 @@ def test_kvcache_runs_on_the_kernel_and_logs_why_not_without_it(fake_kernel, mon
     ref, _ = naive_attention(q, cache[:, :4], cache[:, :4], causal=True, softcap=3.0)
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
     monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}))  # a kernel package without it
-    monkeypatch.setattr(_dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
     with caplog.at_level(logging.INFO, logger="volta_train"):
         volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4)
     assert len(fake_kernel) == 1
@@ -700,14 +700,14 @@ def test_fp64_gradients_at_large_scores_reach_1e6(causal, rng):
 
 def test_fp32_log_sum_exp_would_fail_the_large_score_bound(rng):
     """The bound above can fail: the same backward fed an fp32-rounded log-sum-exp misses 1e-6."""
-    from volta_train import _reference
+    from volta_train import reference
 
     q, k, v = (t.detach() for t in _large_score_inputs(rng))
-    params = _options.AttentionOptions(softmax_scale=1.0)
-    out, lse = _reference.reference_forward(q, k, v, params)
+    params = options.AttentionOptions(softmax_scale=1.0)
+    out, lse = reference.reference_forward(q, k, v, params)
     dout = torch.randn(out.shape, generator=rng, dtype=torch.float64)
-    exact = _reference.reference_backward(dout, q, k, v, out, lse, params)
-    rounded = _reference.reference_backward(dout, q, k, v, out, lse.float(), params)
+    exact = reference.reference_backward(dout, q, k, v, out, lse, params)
+    rounded = reference.reference_backward(dout, q, k, v, out, lse.float(), params)
     assert max(_rel(r, e) for r, e in zip(rounded, exact)) > 1e-6
 
 
@@ -811,7 +811,7 @@ def _kvcache_call(seqlens, leftpad=None, batch_idx=None, new=0, cache_len=12, ba
     k_cache, v_cache = torch.randn(batch_cache, cache_len, 2, 8), torch.randn(batch_cache, cache_len, 2, 8)
     k = v = torch.randn(len(seqlens), new, 2, 8) if new else None
     as_t = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return _validation.check_kvcache(q, k_cache, v_cache, k, v, None, None, as_t(seqlens), as_t(batch_idx),
+    return validation.check_kvcache(q, k_cache, v_cache, k, v, None, None, as_t(seqlens), as_t(batch_idx),
                                      as_t(leftpad), True, (-1, -1))
 
 
@@ -819,13 +819,13 @@ def test_kvcache_extent_is_read_once_on_the_host(monkeypatch):
     """The lengths, rows and left pads are read in one device-to-host copy; the extent the kernel path plans with
     (one past the last key read, the most keys one entry sees) comes from those values."""
     reads = []
-    real = _validation._read_int_vectors
-    monkeypatch.setattr(_validation, "_read_int_vectors", lambda v: reads.append(sorted(v)) or real(v))
+    real = validation._read_int_vectors
+    monkeypatch.setattr(validation, "_read_int_vectors", lambda v: reads.append(sorted(v)) or real(v))
     extent = _kvcache_call([5, 9], leftpad=[0, 6], batch_idx=[2, 0], new=2)
     assert reads == [["cache_batch_idx", "cache_leftpad", "cache_seqlens"]]
     assert (extent.key_end, extent.longest) == (11, 7)  # ends 7 and 11; 11 - 6 = 5 < 7 - 0
     assert extent.cache_seqlens.dtype == torch.int32 and extent.cache_seqlens.tolist() == [5, 9]
-    extent = _validation.check_kvcache(torch.randn(2, 1, 2, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8),
+    extent = validation.check_kvcache(torch.randn(2, 1, 2, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8),
                                        None, None, None, None, 3, None, None, False, (-1, -1))
     assert (extent.key_end, extent.longest, extent.cache_seqlens.tolist()) == (3, 3, [3, 3])
 
@@ -849,8 +849,8 @@ def test_kvcache_device_checks_read_nothing_and_still_refuse(bad, monkeypatch):
     """VOLTA_TRAIN_KVCACHE_CHECK=device (and compiling / CUDA-graph capture): no host read, the extent is unknown
     (-1: the kernel path plans for the whole cache), and the same bounds are asserted on the device (on the CPU a
     failed torch._assert_async raises at once)."""
-    monkeypatch.setenv(_validation.KVCACHE_CHECK_ENV, "device")
-    monkeypatch.setattr(_validation, "_read_int_vectors", lambda v: pytest.fail(f"read {sorted(v)} on the host"))
+    monkeypatch.setenv(validation.KVCACHE_CHECK_ENV, "device")
+    monkeypatch.setattr(validation, "_read_int_vectors", lambda v: pytest.fail(f"read {sorted(v)} on the host"))
     good = _kvcache_call([5, 9], leftpad=[1, 0], batch_idx=[2, 0], new=2)
     assert (good.key_end, good.longest) == (-1, -1) and good.cache_seqlens.tolist() == [5, 9]
     with pytest.raises(RuntimeError):
@@ -858,7 +858,7 @@ def test_kvcache_device_checks_read_nothing_and_still_refuse(bad, monkeypatch):
 
 
 def test_kvcache_check_mode_is_validated(monkeypatch):
-    monkeypatch.setenv(_validation.KVCACHE_CHECK_ENV, "fast")
+    monkeypatch.setenv(validation.KVCACHE_CHECK_ENV, "fast")
     with pytest.raises(ValueError, match="VOLTA_TRAIN_KVCACHE_CHECK='fast'; accepted: 'host'"):
         _kvcache_call([1, 2])
 

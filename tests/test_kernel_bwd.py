@@ -10,10 +10,10 @@ import torch
 import torch.utils.checkpoint
 
 import volta_train
-from volta_train import _reference
-from volta_train._options import AttentionOptions
+from volta_train import reference
+from volta_train.options import AttentionOptions
 from volta_train.kernels import tiles, launch
-from naive import naive_attention, visible_mask
+from oracles import naive_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -121,8 +121,8 @@ def test_dropout_gradients_equal_reference_backend(bwd_accum, causal, head_dim):
     grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, dropout_p=p, seed=seed, offset=offset)
     params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     qd, kd, vd = q.double(), k.double(), v.double()
-    out, lse = _reference.reference_forward(qd, kd, vd, params)
-    ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
+    out, lse = reference.reference_forward(qd, kd, vd, params)
+    ref = reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
     tolerance = 5e-3 if bwd_accum == "fp32" else 1e-2
     for name, g, r in zip("qkv", grads, ref):
         assert _rel(g, r) < tolerance, f"d{name} {_rel(g, r):.2e}"
@@ -290,8 +290,8 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
                           offset=offset, tile=tile, dq_tile=dq_tile, kernel_head_dim=kernel_d)
     params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal, dropout_p=p, seed=seed, offset=offset)
     qd, kd, vd = q.double(), k.double(), v.double()
-    out, lse = _reference.reference_forward(qd, kd, vd, params)
-    ref = _reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
+    out, lse = reference.reference_forward(qd, kd, vd, params)
+    ref = reference.reference_backward(dout.double(), qd, kd, vd, out, lse, params)
     tolerance = 5e-3 if bwd_accum == "fp32" else 1e-2
     for name, g, r in zip("qkv", grads, ref):
         assert torch.isfinite(g).all(), f"d{name} has NaN or inf"

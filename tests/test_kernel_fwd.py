@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import volta_train
-from volta_train import _philox, _reference, kernels
-from volta_train._options import AttentionOptions
+from volta_train import philox, reference, kernels
+from volta_train.options import AttentionOptions
 from volta_train.kernels import tiles, launch
-from naive import naive_attention, visible_mask
+from oracles import naive_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -148,7 +148,7 @@ def test_every_tile_arrangement(head_dim, tile, accum, dropout):
     seed, p = random.getrandbits(64), 0.25 if dropout else 0.0
     out, lse = _kernel_forward(q, k, v, causal=True, accum=accum, dropout_p=p, seed=seed, offset=8, tile=tile)
     params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=True, dropout_p=p, seed=seed, offset=8)
-    ref, ref_lse = _reference.reference_forward(q.double(), k.double(), v.double(), params)
+    ref, ref_lse = reference.reference_forward(q.double(), k.double(), v.double(), params)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)
     assert not torch.isnan(out).any()
     assert torch.equal(torch.isposinf(lse), torch.isinf(ref_lse))
@@ -210,7 +210,7 @@ def test_dropout_mask_is_the_reference_function_bit_for_bit(accum):
     seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.3
     batch, heads, sq, sk = 2, 3, 77, 300
     mask = _revealed_mask(seed, offset, p, batch, heads, sq, sk, accum=accum)
-    ref = _philox.dropout_keep_mask(seed, offset, p, torch.arange(batch * heads), torch.arange(sq), torch.arange(sk))
+    ref = philox.dropout_keep_mask(seed, offset, p, torch.arange(batch * heads), torch.arange(sq), torch.arange(sk))
     assert torch.equal(mask.cpu(), ref.view(batch, heads, sq, sk))
     n = ref.numel()
     assert abs(mask.sum().item() - n * (1 - p)) < 5 * math.sqrt(n * p * (1 - p))
@@ -226,7 +226,7 @@ def test_dropout_output_equals_reference_backend(accum, causal):
     seed, offset = random.getrandbits(64), 4 * random.getrandbits(20)
     out, lse = _kernel_forward(q, k, v, causal=causal, dropout_p=0.2, seed=seed, offset=offset, accum=accum)
     params = AttentionOptions(softmax_scale=64**-0.5, causal=causal, dropout_p=0.2, seed=seed, offset=offset)
-    ref, ref_lse = _reference.reference_forward(q.double(), k.double(), v.double(), params)
+    ref, ref_lse = reference.reference_forward(q.double(), k.double(), v.double(), params)
     assert _rel(out, ref) < (2e-3 if accum == "fp32" else 1e-2)
 
 

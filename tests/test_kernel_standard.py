@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import volta_train
-from volta_train._reference import AttentionParams
-from volta_train.kernels import configs, launch
-from volta_train.testing import (
+from volta_train.reference import AttentionParams
+from volta_train.kernels import launch, tiles as configs
+from oracles import (
     dense_keep_mask, error_vs_yardstick, naive_attention, saved_output_floors, torch_fp16_attention,
 )
 
@@ -323,15 +323,15 @@ def test_public_api_pads_head_dim_to_256_and_meets_the_standard(head_dim, monkey
     (256, 131, 131, 8, 1, False),  # MQA, full
 ])
 def test_head_dim_256_backward_through_cutlass_meets_the_standard(head_dim, sq, sk, h, hk, causal, monkeypatch):
-    """The route a V100 takes for head_dim 129-256 (volta_train/_efficient_backward.py: PyTorch's memory-efficient
+    """The route a V100 takes for head_dim 129-256 (volta_train/cutlass_backward.py: PyTorch's memory-efficient
     backward on volta_train's forward output and lse), forced here on any GPU, against the float64 truth."""
-    from volta_train import _efficient_backward
+    from volta_train import cutlass_backward
 
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
-    monkeypatch.setenv(_efficient_backward.D256_BACKWARD_ENV, "cutlass")
+    monkeypatch.setenv(cutlass_backward.D256_BACKWARD_ENV, "cutlass")
     ran = []
-    real = _efficient_backward.backward
-    monkeypatch.setattr(_efficient_backward, "backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    real = cutlass_backward.backward
+    monkeypatch.setattr(cutlass_backward, "backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     q, k, v, dout = _inputs(2, sq, sk, h, hk, head_dim, _seed())
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = volta_train.flash_attn_func(qg, kg, vg, causal=causal)

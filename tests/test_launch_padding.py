@@ -5,7 +5,7 @@ kernels' numbers on padded inputs are tested on a GPU (test_kernel_bwd.py, the `
 import pytest
 import torch
 
-from volta_train._options import AttentionOptions
+from volta_train.options import AttentionOptions
 from volta_train.kernels import launch, tiles
 
 

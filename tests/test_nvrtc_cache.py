@@ -494,7 +494,7 @@ def test_precompile_all_fills_the_cache(nvrtc70, cache_dir, capsys):
 
 
 def _load_kernel_report():
-    spec = importlib.util.spec_from_file_location("kernel_report", REPO / "scripts" / "kernel_report.py")
+    spec = importlib.util.spec_from_file_location("kernel_report", REPO / "lab" / "kernel_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -524,7 +524,7 @@ def test_kernel_report_prints_json_lines_and_exits_0(nvrtc70, tmp_path):
     environment = {**os.environ, cache.CACHE_DIR_ENV: str(tmp_path / "cache")}
     json_out, cubins = tmp_path / "report.jsonl", tmp_path / "cubins"
     finished = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "kernel_report.py"), "--arch", "sm_70",
+        [sys.executable, str(REPO / "lab" / "kernel_report.py"), "--arch", "sm_70",
          "--json-out", str(json_out), "--cubin-dir", str(cubins), "--jobs", "2"],
         capture_output=True, text=True, env=environment, timeout=900,  # ~190 kernels on 2 busy cores
     )

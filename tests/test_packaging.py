@@ -88,7 +88,7 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
     home.mkdir()
     env = _user_env(venv, home)
     _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], home, env)
-    where = _run([str(python), "-c", "import volta_train, volta_train._resources as r; "
+    where = _run([str(python), "-c", "import volta_train, volta_train.resources as r; "
                   "print(volta_train.__file__); print(r.csrc_dir()); print(r.configs_dir())"], home, env)
     package_file, csrc, configs = where.stdout.split()
     installed = Path(package_file).parent

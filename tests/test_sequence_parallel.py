@@ -381,7 +381,7 @@ def test_recipe_sp2_repeats_the_one_process_trajectory_and_resumes(tmp_path):
 def _report(out: Path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("sp_check_report", ROOT / "scripts" / "gpu_checks" / "sp_check_report.py")
+    spec = importlib.util.spec_from_file_location("sp_check_report", ROOT / "lab" / "gpu_checks" / "sp_check_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main(out)
@@ -416,7 +416,7 @@ def _fake_probe(out: Path, sp: int, max_length: int | None, window_gib: float, f
     ("good", True), ("diverged", False), ("short_memory", False), ("twin_differs", False), ("oom", False),
 ])
 def test_gpu_check_report_decides(tmp_path, capsys, case, passes):
-    """scripts/gpu_checks/sp_check_report.py on fabricated results: PASS only when every criterion holds."""
+    """lab/gpu_checks/sp_check_report.py on fabricated results: PASS only when every criterion holds."""
     settings = {"nproc": 4, "sp_list": "1 2 4", "steps": 200, "model": "mini", "seq_len": 2048, "global_batch": 4,
                 "tol_mean": 0.03, "tol_max": 0.15, "mem_gb": 32, "probe_sp": 4, "probe_arch": "llama",
                 "probe_model": "medium", "ratio_min": 3.5, "tol_twin": 0.05, "window": 256}
@@ -439,10 +439,10 @@ def test_gpu_check_report_decides(tmp_path, capsys, case, passes):
 
 @pytest.mark.slow
 def test_memory_probe_cpu_smoke(tmp_path):
-    """scripts/gpu_checks/sp_memory_probe.py's code path (window and full attention steps, verification) on 2 gloo processes."""
+    """lab/gpu_checks/sp_memory_probe.py's code path (window and full attention steps, verification) on 2 gloo processes."""
     out = tmp_path / "probe.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-          "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", ROOT / "scripts" / "gpu_checks" / "sp_memory_probe.py",
+          "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", ROOT / "lab" / "gpu_checks" / "sp_memory_probe.py",
           "--cpu", "--sp", "2", "--window", "8", "--shard-lengths", "32,64", "--twin-shard-length", "48",
           "--out", out], tmp_path)
     result = json.loads(out.read_text())

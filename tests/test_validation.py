@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import _dispatch, _validation
+from volta_train import dispatch, validation
 
 
 def qkv(b=2, sq=8, sk=8, h=4, hk=4, d=16, dtype=torch.float32):
@@ -42,7 +42,7 @@ def test_dense_shape_errors(make, error, words):
 
 
 def test_bfloat16_on_volta_points_to_fp16_with_loss_scaling(monkeypatch):
-    monkeypatch.setattr(_validation, "is_volta", lambda device: True)
+    monkeypatch.setattr(validation, "is_volta", lambda device: True)
     with pytest.raises(TypeError, match="no bfloat16 tensor cores.*float16 with dynamic loss scaling"):
         volta_train.flash_attn_func(*qkv(dtype=torch.bfloat16))
 
@@ -108,7 +108,7 @@ def test_varlen_errors(mutate, error, pattern):
 
 def test_backend_policy_errors(monkeypatch):
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
-    with pytest.raises(_dispatch.BackendUnavailableError, match="input is on cpu: the Volta kernel needs a CUDA GPU"):
+    with pytest.raises(dispatch.BackendUnavailableError, match="input is on cpu: the Volta kernel needs a CUDA GPU"):
         volta_train.flash_attn_func(*qkv())
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "fastest")
     with pytest.raises(ValueError, match="VOLTA_TRAIN_BACKEND='fastest'; accepted: auto, kernel, reference"):
@@ -117,7 +117,7 @@ def test_backend_policy_errors(monkeypatch):
 
 def test_backend_choice_logged_once(monkeypatch, caplog):
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "reference")
-    monkeypatch.setattr(_dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
     with caplog.at_level(logging.INFO, logger="volta_train"):
         for _ in range(3):
             volta_train.flash_attn_func(*qkv())

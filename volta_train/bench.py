@@ -21,7 +21,7 @@ and the relative error ||x - ref|| / ||ref||.
 
 Writes ``bench.md`` (environment and table), ``bench.json`` and ``bench.png`` to ``--out``. Needs a CUDA GPU:
 on a machine without one it stops with exit status 2 (CPU timings of the reference backend would measure
-nothing this benchmark is about). ``scripts/bench_attention.py`` adds the developer sweeps (tile shapes, varlen).
+nothing this benchmark is about). ``benchmarks/bench_attention.py`` adds the developer sweeps (tile shapes, varlen).
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def measure(fn, batch, seqlen, heads, d, pass_name, args):
 
 def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device="cuda") -> dict[str, float]:
     """Errors of ``forward`` (fp16 in) against volta_train's float64 reference on a [1, seqlen, heads, d] slice."""
-    from ._options import AttentionOptions
-    from ._reference import reference_backward, reference_forward
+    from .options import AttentionOptions
+    from .reference import reference_backward, reference_forward
 
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(1, seqlen, heads, d, device=device, generator=gen).half() for _ in range(4))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validation
+from . import validation
 
 __all__ = [
     "index_first_axis",
@@ -26,7 +26,7 @@ __all__ = [
 
 
 def _check_indices(indices: torch.Tensor, size: int, what: str) -> None:
-    _validation.require_tensor("indices", indices)
+    validation.require_tensor("indices", indices)
     if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indices must be a 1-D int64 (or int32) tensor, got {indices.dtype} {tuple(indices.shape)}")
     if indices.numel() and not torch.compiler.is_compiling():
@@ -37,7 +37,7 @@ def _check_indices(indices: torch.Tensor, size: int, what: str) -> None:
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """input[indices] along the first axis: [n, ...] -> [len(indices), ...]."""
-    _validation.require_tensor("input", input)
+    validation.require_tensor("input", input)
     if input.dim() < 1:
         raise ValueError("input must have at least one axis")
     _check_indices(indices, input.shape[0], "the rows of input")
@@ -46,8 +46,8 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
     """A zero tensor [first_axis_dim, ...] with rows ``indices`` set to ``values``; the inverse of index_first_axis."""
-    _validation.require_tensor("values", values)
-    first_axis_dim = _validation.as_int("first_axis_dim", first_axis_dim)
+    validation.require_tensor("values", values)
+    first_axis_dim = validation.as_int("first_axis_dim", first_axis_dim)
     _check_indices(indices, first_axis_dim, f"first_axis_dim is {first_axis_dim}")
     if values.shape[0] != indices.shape[0]:
         raise ValueError(f"values has {values.shape[0]} rows but indices {indices.shape[0]}: they must be equal")
@@ -56,7 +56,7 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
 
 
 def _mask(name: str, mask, hidden_states: torch.Tensor) -> torch.Tensor:
-    _validation.require_tensor(name, mask)
+    validation.require_tensor(name, mask)
     if mask.dim() != 2 or tuple(mask.shape) != tuple(hidden_states.shape[:2]):
         raise ValueError(
             f"{name} has shape {tuple(mask.shape)}; accepted: [batch, seqlen] = {tuple(hidden_states.shape[:2])}"
@@ -78,7 +78,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     Returns (hidden_states_unpad [total, ...], indices [total] int64 into the flattened batch*seqlen axis,
     cu_seqlens [batch + 1] int32, max_seqlen int, seqused [batch] int32: the tokens of attention_mask per row).
     """
-    _validation.require_tensor("hidden_states", hidden_states)
+    validation.require_tensor("hidden_states", hidden_states)
     if hidden_states.dim() < 2:
         raise ValueError(f"hidden_states must be [batch, seqlen, ...], got shape {tuple(hidden_states.shape)}")
     mask = _mask("attention_mask", attention_mask, hidden_states)
@@ -98,9 +98,9 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """Packed [total, ...] back to [batch, seqlen, ...] at ``indices`` (from unpad_input); other positions zero."""
-    batch = _validation.as_int("batch", batch)
-    seqlen = _validation.as_int("seqlen", seqlen)
-    _validation.require_tensor("hidden_states", hidden_states)
+    batch = validation.as_int("batch", batch)
+    seqlen = validation.as_int("seqlen", seqlen)
+    validation.require_tensor("hidden_states", hidden_states)
     out = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return out.view((batch, seqlen) + tuple(hidden_states.shape[1:]))
 
@@ -113,9 +113,9 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
     sum(lengths) positions of the row. Returns (hidden_states_unpad, indices, cu_seqlens [n_sequences + 1] int32,
     max_seqlen int): cu_seqlens has one entry per sequence, so no token attends across sequences.
     """
-    _validation.require_tensor("hidden_states", hidden_states)
+    validation.require_tensor("hidden_states", hidden_states)
     lengths = attention_mask_in_length
-    _validation.require_tensor("attention_mask_in_length", lengths)
+    validation.require_tensor("attention_mask_in_length", lengths)
     if lengths.dim() != 2 or tuple(lengths.shape) != tuple(hidden_states.shape[:2]):
         raise ValueError(
             f"attention_mask_in_length has shape {tuple(lengths.shape)}; accepted: [batch, seqlen] = "

@@ -73,7 +73,7 @@ def _configs(argv: list[str]) -> int:
     parser.add_argument("family", nargs="?", choices=["accelerate", "deepspeed", "gpt_long", "finetune"],
                         help="only this directory")
     args = parser.parse_args(argv)
-    from ._resources import configs_dir
+    from .resources import configs_dir
 
     root = configs_dir()
     for family in [args.family] if args.family else ["accelerate", "deepspeed", "gpt_long", "finetune"]:

@@ -16,15 +16,15 @@ import platform
 
 import torch
 
-from . import __version__, _resources
-from ._dispatch import BACKEND_ENV, choose_backend
+from . import __version__, resources
+from .dispatch import BACKEND_ENV, choose_backend
 from .kernels import CallDescription
 from .kernels import nvrtc
 from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_dir_path
 
 TYPICAL_SHAPE = (2, 4096, 16, 64)  # batch, seqlen, heads, head_dim
 VOLTA_ARCH = 70
-ENV_VARS = (BACKEND_ENV, _resources.CSRC_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+ENV_VARS = (BACKEND_ENV, resources.CSRC_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
 
 
 def gpu_lines() -> list[str]:
@@ -66,7 +66,7 @@ def nvrtc_problem(arch: int) -> str | None:
 
 def source_lines() -> list[str]:
     try:
-        directory = _resources.csrc_dir()
+        directory = resources.csrc_dir()
     except FileNotFoundError as error:
         return [f"kernel sources: MISSING: {error}"]
     files = sorted(p.name for p in directory.iterdir() if p.suffix in (".cu", ".cuh"))

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import _dispatch, _validation
+from . import dispatch, validation
 
 Window = tuple[int, int]
 logger = logging.getLogger("volta_train")
@@ -56,20 +56,20 @@ def _autocast_inputs(q, k, v):
 
 def _require_tensors(**tensors) -> None:
     for name, t in tensors.items():
-        _validation.require_tensor(name, t)
+        validation.require_tensor(name, t)
 
 
 def _prepare(q, dropout_p, softmax_scale, accum, bwd_accum):
-    if accum not in _dispatch.ACCUM_CHOICES:
-        raise ValueError(f"accum is {accum!r}; accepted: {', '.join(_dispatch.ACCUM_CHOICES)}")
-    if bwd_accum not in _dispatch.BWD_ACCUM_CHOICES:
-        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(_dispatch.BWD_ACCUM_CHOICES)}")
+    if accum not in dispatch.ACCUM_CHOICES:
+        raise ValueError(f"accum is {accum!r}; accepted: {', '.join(dispatch.ACCUM_CHOICES)}")
+    if bwd_accum not in dispatch.BWD_ACCUM_CHOICES:
+        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(dispatch.BWD_ACCUM_CHOICES)}")
     # from the caller's head_dim: padding for the kernel (in the dispatcher) never changes the scale
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     seed, offset = (0, 0)
     if dropout_p > 0.0:
-        seed, offset = _dispatch.draw_dropout_seed_offset(q.device)
-    return scale, _dispatch.to_op_int(seed), _dispatch.to_op_int(offset)
+        seed, offset = dispatch.draw_dropout_seed_offset(q.device)
+    return scale, dispatch.to_op_int(seed), dispatch.to_op_int(offset)
 
 
 def flash_attn_func(
@@ -103,12 +103,12 @@ def flash_attn_func(
     """
     _require_tensors(q=q, k=k, v=v)
     q, k, v = _autocast_inputs(q, k, v)
-    _validation.check_dense(q, k, v)
-    left, right, softcap = _validation.check_options(
+    validation.check_dense(q, k, v)
+    left, right, softcap = validation.check_options(
         q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
     )
     scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
-    out, lse = _dispatch.attention_forward(
+    out, lse = dispatch.attention_forward(
         q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal), left, right, alibi_slopes,
         float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
     )
@@ -147,17 +147,17 @@ def flash_attn_varlen_func(
     ``block_table`` (paged KV) must be None.
     """
     _require_tensors(q=q, k=k, v=v)
-    _validation.check_block_table(block_table)
+    validation.check_block_table(block_table)
     q, k, v = _autocast_inputs(q, k, v)
-    max_seqlen_q, max_seqlen_k = _validation.check_varlen(
+    max_seqlen_q, max_seqlen_k = validation.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
     batch = cu_seqlens_q.numel() - 1
-    left, right, softcap = _validation.check_options(
+    left, right, softcap = validation.check_options(
         q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, batch, q.shape[1]
     )
     scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
-    out, lse = _dispatch.attention_forward(
+    out, lse = dispatch.attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
         alibi_slopes, float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
     )
@@ -166,7 +166,7 @@ def flash_attn_varlen_func(
 
 def _unbind_packed(name: str, packed, axis: int, count: int, layout: str) -> tuple[torch.Tensor, ...]:
     """Strided views (no copies) of a packed tensor along ``axis``, which must hold ``count`` entries."""
-    _validation.require_tensor(name, packed)
+    validation.require_tensor(name, packed)
     if packed.dim() != len(layout.split(",")) or packed.shape[axis] != count:
         raise ValueError(f"{name} must be [{layout}], got shape {tuple(packed.shape)}")
     return packed.unbind(axis)
@@ -307,13 +307,13 @@ def flash_attn_with_kvcache(
     input requires one). Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
     """
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
-    _validation.check_block_table(block_table)
-    extent = _validation.check_kvcache(
+    validation.check_block_table(block_table)
+    extent = validation.check_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         causal, window_size,
     )
-    _validation.as_int("num_splits", num_splits)
-    left, right, softcap = _validation.check_options(
+    validation.as_int("num_splits", num_splits)
+    left, right, softcap = validation.check_options(
         q, 0.0, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
     )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -325,8 +325,8 @@ def flash_attn_with_kvcache(
                 "flash-attn): its output carries no gradient; train with flash_attn_func"
             )
         q, k, v = (t.detach() if t is not None else None for t in (q, k, v))
-    # the custom op where torch.compile traces the call, else its body directly (_dispatch: the op's own overhead)
-    op = _dispatch.attention_with_kvcache if torch.compiler.is_compiling() else _dispatch.attention_with_kvcache_eager
+    # the custom op where torch.compile traces the call, else its body directly (dispatch: the op's own overhead)
+    op = dispatch.attention_with_kvcache if torch.compiler.is_compiling() else dispatch.attention_with_kvcache_eager
     out, lse = op(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, extent.cache_seqlens, cache_batch_idx, cache_leftpad,
         alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved), extent.key_end,

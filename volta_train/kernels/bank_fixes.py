@@ -1,6 +1,6 @@
 """Issue 16: shared-memory layouts of the sm_70 tiles designed with the offline bank model (bank_model.py).
 
-The designs not in the kernels yet, costed per kernel by ``scripts/smem_bank_model.py --fixes`` against the
+The designs not in the kernels yet, costed per kernel by ``lab/smem_bank_model.py --fixes`` against the
 code's layouts (bank_model.bwd_layouts / fwd_layouts; in csrc already, see kernel_traits.cuh: the 1x4 dK/dV
 tiles' layout, the 2x2 A-from-shared-memory tiles' (K / V, the forward's Q and the dQ kernel's Q / dO: 4 chunks
 before rows 8, 24, 40, ..., which separates the same rows as a gap every 8 rows in less memory; dS pitch C + 2) and

@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache on the Volta kernel: the split-KV decoding path.
 
 The append of the new keys/values into the caches and the rotary embedding run in PyTorch, shared with the reference
-backend (``volta_train._reference.kvcache_append``). Attention runs the forward kernel built with ``SPLIT_KV``
+backend (``volta_train.reference.kvcache_append``). Attention runs the forward kernel built with ``SPLIT_KV``
 (csrc/flash_fwd_kernel.cuh, parameters csrc/params.cuh ``SplitKvParams``) on a decoding tile (``tiles.decode_tile``):
 
 * **GQA packing** (:func:`pack_gqa`): with one query per batch entry, no ALiBi and no left window, every query head
@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from .. import _reference as reference
-from .._options import AttentionOptions
+from .. import reference as reference
+from ..options import AttentionOptions
 from . import tiles
 from .launch import _arch, _kernel, fill_common
 from .params import SplitKvKernelParams
@@ -81,7 +81,7 @@ def combine_splits(o_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[
 
 
 def _kernel_head_dim(head_dim: int) -> int:
-    from .._dispatch import kernel_head_dim  # (the dispatcher imports this package)
+    from ..dispatch import kernel_head_dim  # (the dispatcher imports this package)
 
     d = kernel_head_dim(head_dim)
     if d is None:
@@ -91,8 +91,8 @@ def _kernel_head_dim(head_dim: int) -> int:
 
 def _for_kernel(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded
-    (_dispatch.pad_head_dim) or aligned contiguous copy."""
-    from .._dispatch import pad_head_dim
+    (dispatch.pad_head_dim) or aligned contiguous copy."""
+    from ..dispatch import pad_head_dim
 
     if t.shape[-1] != head_dim:
         return pad_head_dim(t, head_dim)
@@ -111,14 +111,14 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                          partial_fill: float | None = None, key_end: int = -1, longest: int = -1):
     """flash_attn_with_kvcache on the decoding kernel: returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] (fp32),
-    and appends k/v into the caches in place, like ``_reference.reference_kvcache_forward``.
+    and appends k/v into the caches in place, like ``reference.reference_kvcache_forward``.
 
     Test and sweep hooks: ``tile`` overrides the tile table, ``num_splits`` the split rule (its blocks are dealt as
     :func:`split_plan` deals them); ``out``/``lse`` take caller buffers (e.g. NaN-poisoned); ``partial_fill`` fills
     the partial buffers before the launch (NaN proves the kernel writes every element the combine reads).
 
     ``key_end`` (one past the last key any entry reads) and ``longest`` (the most keys one entry sees), when the
-    caller read the lengths on the host (``_validation.KvCacheExtent``), bound the keys the kernel is given and the
+    caller read the lengths on the host (``validation.KvCacheExtent``), bound the keys the kernel is given and the
     split rule's key range; -1 (unknown): the whole cache, so that nothing here reads a device value (no wait for the
     GPU). The kernel takes each entry's own range from ``seqused_k`` / ``leftpad_k`` either way; the bound only
     changes how the key blocks are dealt to splits.

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .. import _philox
-from .._options import AttentionOptions
+from .. import philox
+from ..options import AttentionOptions
 from . import driver, tiles
 from .params import BackwardKernelParams, KernelParams
 
@@ -62,7 +62,7 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     prm.window_right = params.right_limit
     prm.scale_log2 = params.softmax_scale * LOG2E
     prm.seed, prm.offset = params.seed, params.offset
-    prm.dropout_threshold = _philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
+    prm.dropout_threshold = philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
     prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
     prm.softcap_log2 = params.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)

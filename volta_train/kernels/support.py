@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 MIN_ARCH = 70  # sm_70 (Volta): mma.sync.m8n8k4 and nothing newer
-# flash-attn 2.8 features of volta_train._dispatch.KERNEL_FEATURE_GAPS the kernels have (the dispatcher sends such
+# flash-attn 2.8 features of volta_train.dispatch.KERNEL_FEATURE_GAPS the kernels have (the dispatcher sends such
 # calls to them): logit soft-capping in every forward, backward and dQ kernel (csrc/softcap.cuh);
 # flash_attn_with_kvcache on the split-KV decoding kernel (volta_train/kernels/decode.py)
 KERNEL_FEATURES: frozenset[str] = frozenset({"softcap", "kvcache"})

@@ -55,7 +55,7 @@ EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, 
 # Forward tiles per target, head_dim -> tile (on sm_70 causal and full attention share a tile: the V100 model has
 # no causal-specific winner; sm_80+ has a causal table below). Head dims not listed use the next larger one's tile.
 #
-# sm_70 (V100): from the V100 estimate per kernel (scripts/v100_estimate.py: the static pipe model of the sm_70
+# sm_70 (V100): from the V100 estimate per kernel (lab/v100_estimate.py: the static pipe model of the sm_70
 #   cubins, the shared-memory conflict factors measured on the H100, occupancy, and an issue latency calibrated on
 #   the one real-V100 profile, L = 5.4 cycles; docs/performance.md "Latency hiding"). Every tile runs 12 or more
 #   warps per SM (3 CTAs: the 168-register cap of min_blocks_per_sm=3 is spill-free for these): at the calibrated
@@ -255,7 +255,7 @@ def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
 
 # Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
 # float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others. From
-# scripts/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md): only the register-lean 2x2 tiles (dK/dV products in
+# lab/kernel_accuracy_sweep.py on an H100 (docs/accuracy.md): only the register-lean 2x2 tiles (dK/dV products in
 # fp32, dQ's block sums in fp16) meet it; the fp16-product tiles miss it by up to 1.6x in dV, dK and dQ. The sm_70
 # table has no lean tile since its 8-warp backward tiles (issue 16), so the V100 takes fp32 accumulation throughout:
 # there both modes run at the same HMMA rate; fp16 saves registers only.

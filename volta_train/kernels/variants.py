@@ -4,7 +4,7 @@ A :class:`KernelVariant` is one NVRTC program (one or more csrc/ files compiled 
 ``csrc/`` on the include path) and the kernels taken from it (name expressions such as
 ``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). The attention
 kernels' variants are built from the tile tables in :mod:`volta_train.kernels.tiles`, whose
-:func:`~volta_train.kernels.tiles.shipped_variants` is what ``precompile_all`` and ``scripts/kernel_report.py``
+:func:`~volta_train.kernels.tiles.shipped_variants` is what ``precompile_all`` and ``lab/kernel_report.py``
 compile; this module does not import that one.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _resources
+from .. import resources
 from .cache import get_or_compile, memoized
 from .nvrtc import CompiledProgram, normalize_arch
 
@@ -21,8 +21,8 @@ MAX_THREADS_PER_BLOCK = 1024
 
 
 def csrc_dir() -> Path:
-    """The CUDA sources: csrc/ of a checkout, or volta_train/_csrc of an installed package (volta_train/_resources.py)."""
-    return _resources.csrc_dir()
+    """The CUDA sources: csrc/ of a checkout, or volta_train/_csrc of an installed package (volta_train/resources.py)."""
+    return resources.csrc_dir()
 
 
 @dataclass(frozen=True)

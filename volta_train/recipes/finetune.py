@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
-from .. import _resources  # noqa: E402
+from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
     attention, chunked_loss, config, data, distributed, logs, metrics, models, optim, runlock,
 )
@@ -52,7 +52,7 @@ def shipped_paths(cfg: ft.FinetuneConfig) -> tuple[ft.FinetuneConfig, list[str]]
         for name in names:
             value = getattr(part, name, None)
             if isinstance(value, str) and value and not Path(value).exists():
-                shipped = _resources.shipped_path(value)
+                shipped = resources.shipped_path(value)
                 if shipped is not None:
                     changes[name] = str(shipped)
                     notes.append(f"{section}.{name}: {value} is not here; using the shipped {shipped}")
@@ -67,7 +67,7 @@ def parse(argv=None) -> ft.FinetuneConfig:
 
 def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
     try:
-        argv = _resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "finetune")
+        argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "finetune")
     except FileNotFoundError as e:
         _fail(str(e))
     cfg = config.parse_config(ft.FinetuneConfig, argv, description=__doc__)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
-from .. import _resources  # noqa: E402
+from .. import resources  # noqa: E402
 from ..integrations import ulysses  # noqa: E402
 from ..training import (  # noqa: E402
     attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
@@ -165,7 +165,7 @@ def _main(argv, held: list) -> dict:
 def _start(argv, held: list):
     """The resolved config and the process state; out_dir locked for this run, logging and seeds set up."""
     try:
-        argv = _resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
+        argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
         _fail(str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)

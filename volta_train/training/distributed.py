@@ -37,7 +37,7 @@ from .config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-from .._resources import configs_dir, shipped_config
+from ..resources import configs_dir, shipped_config
 
 
 def deepspeed_from_env() -> bool:

@@ -76,7 +76,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
 
 def plot_loss_curves(curves: dict[str, list[dict]], title: str, path: Path) -> bool:
     """Training-loss curves of several runs (rows of their ``train.csv``) in one PNG, one line per label (x: ``step``,
-    y: ``loss``); False when matplotlib is not installed. The GPU checks (scripts/gpu_checks/) compare runs with it."""
+    y: ``loss``); False when matplotlib is not installed. The GPU checks (lab/gpu_checks/) compare runs with it."""
     try:
         import matplotlib
     except ImportError:

@@ -1,7 +1,7 @@
 """The attention function volta_train registers with transformers' ``AttentionInterface``.
 
 :func:`hf_attention_forward` (not to be confused with the custom op
-``volta_train::attention_forward`` in ``_dispatch``) runs the public API,
+``volta_train::attention_forward`` in ``dispatch``) runs the public API,
 :func:`volta_train.interface.flash_attn_func`, when there is no mask and no packing.
 Padding: it unpads q/k/v, runs :func:`~volta_train.interface.flash_attn_varlen_func`
 and pads the output back (zeros at padded query positions). Packed rows
@@ -388,7 +388,7 @@ def hf_attention_forward(
         "deterministic": bool(kwargs.get("deterministic") or False),
     }
     if softcap is not None:
-        options["softcap"] = softcap  # the kernel has no soft-capping: _dispatch runs the reference backend
+        options["softcap"] = softcap  # the kernel has no soft-capping: dispatch runs the reference backend
     window = _window_size(kwargs.get("sliding_window"), causal, key.shape[2])
     if isinstance(attention_mask, Windowed):
         window = _mask_window(model_type, attention_mask.window_size, window, causal, key.shape[2])

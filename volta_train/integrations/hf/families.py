@@ -289,9 +289,9 @@ def supported_model_types() -> tuple[str, ...]:
 def softcap_supported() -> bool:
     """Whether volta_train's attention API takes ``softcap`` (it does: the options carry it, the Volta kernel and the
     reference backend compute it); soft-capped models are refused only where it does not."""
-    from ... import _options
+    from ... import options
 
-    return "softcap" in {f.name for f in dataclasses.fields(_options.AttentionOptions)}
+    return "softcap" in {f.name for f in dataclasses.fields(options.AttentionOptions)}
 
 
 def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
@@ -308,10 +308,10 @@ def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
 
 
 def check_head_dim(model_type: Any, head_dim: int, source: str) -> None:
-    """ValueError unless volta_train runs this head_dim at all; the kernel's range is _dispatch's business."""
-    from ... import _validation
+    """ValueError unless volta_train runs this head_dim at all; the kernel's range is dispatch's business."""
+    from ... import validation
 
-    multiple, largest = _validation.HEAD_DIM_MULTIPLE, _validation.MAX_HEAD_DIM
+    multiple, largest = validation.HEAD_DIM_MULTIPLE, validation.MAX_HEAD_DIM
     if head_dim % multiple != 0 or not 0 < head_dim <= largest:
         raise ValueError(
             f"{model_type}: head_dim is {head_dim} ({source}); volta_train accepts a multiple of {multiple} "
@@ -327,7 +327,7 @@ def kernel_head_dims() -> tuple[int, ...]:
 
 def _kernel_head_dim(head_dim: int) -> int | None:
     """The kernel head_dim the dispatcher pads head_dim to; None: the reference backend runs it."""
-    from ..._dispatch import kernel_head_dim
+    from ...dispatch import kernel_head_dim
 
     return kernel_head_dim(head_dim)
 
