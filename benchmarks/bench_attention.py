@@ -13,6 +13,7 @@ The benchmark itself (FLOP count, timing, accuracy, environment, table/JSON/PNG)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ def volta_fn(pass_name, causal, accum, tile=None):
     if pass_name == "fwd" and tile is not None:
         def run(q, k, v):
             params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
-            return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, tile=tile)
+            return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], dataclasses.replace(params, accum=accum), None, tile=tile)
         return run
     return bench.volta_fn(pass_name, causal, accum)
 
@@ -65,10 +66,11 @@ def run_bwd_sweep(args) -> list[dict]:
         def bwd(q, k, v, _cache={}):
             key = id(q)
             if key not in _cache:
-                out, lse = launch.forward(q, k, v, None, None, n, n, params, None, "fp32")
+                out, lse = launch.forward(q, k, v, None, None, n, n, dataclasses.replace(params, accum="fp32"), None)
                 _cache[key] = (out, lse, torch.randn_like(out))
             out, lse, dout = _cache[key]
-            return launch.backward(dout, q, k, v, out, lse, None, None, n, n, params, None, accum, False, tile=tile)
+            return launch.backward(dout, q, k, v, out, lse, None, None, n, n, dataclasses.replace(params, bwd_accum=accum), None,
+                                   tile=tile)
 
         ms, peak, note = measure(bwd, batch, n, heads, d, "fwd", args)
         rows.append(dict(backend=f"volta-bwd-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "

@@ -11,6 +11,7 @@ markdown table and writes accuracy_fwd.md to --out. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def main() -> None:
         params = AttentionOptions(softmax_scale=d**-0.5, causal=causal)
         errors = {}
         for accum in ("fp32", "fp16"):
-            out, lse = launch.forward(q, k, v, None, None, sq, sk, params, None, accum)
+            out, lse = launch.forward(q, k, v, None, None, sq, sk, dataclasses.replace(params, accum=accum), None)
             errors[accum] = rel(out, ref, rows)
             if accum == "fp32":
                 finite = ~torch.isinf(ref_lse)

@@ -14,6 +14,7 @@ many calls missed. Writes accuracy_sweep.md and accuracy_sweep.json to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -60,8 +61,8 @@ def run_case(c: dict, table: str, accum: str, bwd_accum: str, seed: int):
         # (d112's backward: the d128 kernels on zero-padded inputs, kernel_head_dim)
         chosen = dict(fwd=tiles.fwd_tile(c["d"], c["causal"], 70),
                       bwd=tiles.backward_overrides(c["d"], 70, bwd_accum == "fp16"))
-    out, lse = launch.forward(q, k, v, None, None, c["sq"], c["sk"], prm, None, accum, tile=chosen.get("fwd"))
-    grads = launch.backward(dout, q, k, v, out, lse, None, None, c["sq"], c["sk"], prm, None, bwd_accum, False,
+    out, lse = launch.forward(q, k, v, None, None, c["sq"], c["sk"], dataclasses.replace(prm, accum=accum), None, tile=chosen.get("fwd"))
+    grads = launch.backward(dout, q, k, v, out, lse, None, None, c["sq"], c["sk"], dataclasses.replace(prm, bwd_accum=bwd_accum), None,
                             **chosen.get("bwd", {}))
     keep = None
     if c["dropout"] > 0:

@@ -31,6 +31,7 @@ Each call's output is also checked: finite, key-less rows exactly 0, and within 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -121,8 +122,10 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                         label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum=fp32"
                         if call.pass_name == "bwd":
                             grads = launch.backward(dout, c["q"], c["k"], c["v"], fwd_out, fwd_lse, c["cu_q"],
-                                                    c["cu_k"], c["max_q"], c["max_k"], prm, c["alibi"], call.accum,
-                                                    call.deterministic, **call.overrides)
+                                                    c["cu_k"], c["max_q"], c["max_k"],
+                                                    dataclasses.replace(prm, bwd_accum=call.accum,
+                                                                        deterministic=call.deterministic),
+                                                    c["alibi"], **call.overrides)
                             calls += 1
                             for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
                                 compare(f"{label} bwd_accum={call.accum} det={call.deterministic} {name}", g, r)
@@ -131,7 +134,8 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                         lse_shape = (4, c["q"].shape[0]) if c["cu_q"] is not None else (2, 4, c["q"].shape[1])
                         lse = torch.full(lse_shape, float("nan"), device=dev)
                         out, lse = launch.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
-                                                  prm, c["alibi"], call.accum, out=out, lse=lse, **call.overrides)
+                                                  dataclasses.replace(prm, accum=call.accum), c["alibi"], out=out,
+                                                  lse=lse, **call.overrides)
                         calls += 1
                         fwd_label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum={call.accum}"
                         compare(fwd_label, out, ref_out)

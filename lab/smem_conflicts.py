@@ -40,6 +40,7 @@ Writes ``smem_conflicts.md`` and ``.json`` (and the ncu report, its CSV and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import io
 import json
@@ -159,10 +160,10 @@ def _workload(quick: bool, batch: int, heads: int, seqlen: int) -> int:
         q, k, v, out, lse, dout = inputs[call.head_dim]
         torch.cuda.nvtx.range_push(call.name)
         if call.pass_name == "fwd":
-            launch.forward(q, k, v, None, None, seqlen, seqlen, prm, None, call.accum, **call.overrides)
+            launch.forward(q, k, v, None, None, seqlen, seqlen, dataclasses.replace(prm, accum=call.accum), None, **call.overrides)
         else:
-            launch.backward(dout, q, k, v, out, lse, None, None, seqlen, seqlen, prm, None, call.accum,
-                            call.deterministic, **call.overrides)
+            launch.backward(dout, q, k, v, out, lse, None, None, seqlen, seqlen, dataclasses.replace(
+                prm, bwd_accum=call.accum, deterministic=call.deterministic), None, **call.overrides)
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     print(f"[workload] {len(plan)} kernel launches ({len(calls)} calls and the probe)", flush=True)

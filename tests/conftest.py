@@ -1,3 +1,5 @@
+"""The product's tests import the float64 oracles (oracles.py) and helpers beside them."""
+
 import os
 import sys
 
@@ -5,14 +7,6 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-
-
-def pytest_collection_modifyitems(config, items):
-    has_gpu = torch.cuda.is_available()
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(skip_gpu)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import reference
+from volta_train import kvcache, reference
 from volta_train.options import AttentionOptions
 from volta_train.kernels import decode, tiles
 from volta_train.kernels.params import KernelParams, SplitKvKernelParams
@@ -247,7 +247,7 @@ def _kernel_d(q) -> int:
 def _reference_copy(c, prm):
     """The reference backend on copies of the caches: (out, lse, k_cache, v_cache) and the rotated q."""
     k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
-    q_rot, rows, ends = reference.kvcache_append(c["q"], k_cache.clone(), v_cache.clone(), c["k"], c["v"],
+    q_rot, rows, ends = kvcache.append(c["q"], k_cache.clone(), v_cache.clone(), c["k"], c["v"],
                                                   c["rotary_cos"], c["rotary_sin"], c["cache_seqlens"],
                                                   c["cache_batch_idx"], prm, c["rotary_interleaved"])
     out, lse = reference.reference_kvcache_forward(c["q"], k_cache, v_cache, *(c[a] for a in _ARGS), prm,

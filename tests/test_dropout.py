@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import dispatch, philox
+from volta_train import philox
+from volta_train.options import to_int64
 from volta_train.options import AttentionOptions
 from volta_train.reference import reference_backward, reference_forward
 from oracles import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
@@ -105,7 +106,7 @@ def test_manual_seed_reproduces_and_dropout_changes_output(rng):
 
 def test_op_seed_roundtrip_through_int64():
     for value in (0, 1, 2**63 - 1, 2**63, 2**64 - 1):
-        assert dispatch.to_op_int(value) % (1 << 64) == value
+        assert to_int64(value) % (1 << 64) == value and -(2**63) <= to_int64(value) < 2**63
 
 
 def test_threshold_resolution():

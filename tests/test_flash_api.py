@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import volta_train
-from volta_train import dispatch, options, philox, validation, kernels
+from volta_train import dispatch, philox, validation, kernels
+from volta_train.kernels import head_dim as head_dims
+from volta_train.options import AttentionOptions
 from volta_train.kernels import tiles
 from oracles import FLOAT64_ATOL, FLOAT64_RTOL, naive_attention
 
@@ -127,7 +129,7 @@ def test_softcap_with_dropout_matches_float64_with_the_same_mask(rng):
     torch.manual_seed(1234)
     out = volta_train.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, softcap=3.0)
     torch.manual_seed(1234)
-    seed, offset = dispatch.draw_dropout_seed_offset(q.device)
+    seed, offset = philox.draw_seed_offset(q.device)
     keep = philox.dropout_keep_mask(seed, offset, 0.25, torch.arange(2 * 3), torch.arange(19), torch.arange(45))
     ref, _ = naive_attention(q, k, v, causal=True, keep_mask=keep.view(2, 3, 19, 45), dropout_p=0.25, softcap=3.0)
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
@@ -172,60 +174,64 @@ def test_odd_head_dims_match_float64(head_dim, rng):
 def test_kernel_head_dim_is_the_next_one_built():
     built = tiles.SUPPORTED_HEAD_DIMS
     for d in range(1, 257):
-        padded = dispatch.kernel_head_dim(d)
+        padded = head_dims.forward_head_dim(d)
         if d <= max(built):
             assert padded in built and padded >= d and all(not d <= b < padded for b in built)
         else:
             assert padded is None
     t = torch.randn(2, 3, 4, 64)
-    assert dispatch.pad_head_dim(t, 64) is t  # aligned: no copy
-    padded = dispatch.pad_head_dim(t[..., :59], 64)
+    assert head_dims.pad(t, 64) is t  # aligned: no copy
+    padded = head_dims.pad(t[..., :59], 64)
     assert padded.shape[-1] == 64 and torch.equal(padded[..., :59], t[..., :59])
     assert torch.equal(padded[..., 59:], torch.zeros(2, 3, 4, 5))
 
 
 @pytest.fixture
 def fake_kernel(monkeypatch):
-    """The dispatcher believes a kernel is present; kernels.forward/backward run the reference backend but
-    assert they only see head_dims the kernel is built for. Records the calls."""
+    """The dispatcher believes a kernel is present; the kernels' launches run the reference backend but assert they
+    only see head_dims the kernels are built for. Records the calls."""
     from volta_train import reference
+    from volta_train.kernels import launch
 
     calls = []
     monkeypatch.setattr(dispatch, "_logged_reasons", set())
     monkeypatch.setattr(kernels.support.CallDescription, "arch", property(lambda self: 70))
     monkeypatch.setattr(kernels.support.CallDescription, "device_name", property(lambda self: "FakeV100"))
-    # the fake V100 would send head_dim 256 backwards to PyTorch's kernel (tests/test_efficient_backward.py)
-    monkeypatch.setenv("VOLTA_TRAIN_D256_BACKWARD", "volta")
+    monkeypatch.setattr(launch, "_arch", lambda device: 70)
+    # the fake V100 would send head_dim 256 backwards to PyTorch's kernel (tests/test_cutlass_backward.py)
+    monkeypatch.setenv("VOLTA_TRAIN_CUTLASS_BACKWARD", "never")
     monkeypatch.setattr(kernels, "unsupported_reason",
-                        lambda call: None if call.head_dim in tiles.SUPPORTED_HEAD_DIMS else "head_dim")
+                        lambda call: None if call.kernel_head_dim is not None else "head_dim")
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, params, alibi, accum):
+    def run_forward(q, k, v, cu_q, cu_k, max_q, max_k, options, alibi, tile, out, lse):
         assert q.shape[-1] in tiles.SUPPORTED_HEAD_DIMS and k.shape[-1] == v.shape[-1] == q.shape[-1]
-        calls.append(("forward", q.shape[-1], params))
-        return reference.reference_forward(q, k, v, params, alibi)
+        calls.append(("forward", q.shape[-1], options))
+        return reference.reference_forward(q, k, v, options, alibi)
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, params, alibi, bwd_accum, deterministic):
+    def run_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, options, alibi, tile, dq_tile, arch):
         assert all(t.shape[-1] in tiles.SUPPORTED_HEAD_DIMS for t in (dout, q, k, v, out))
         padded_columns = (v == 0).flatten(0, -2).all(0)  # zero-padded features: out and dout must be 0 there
         assert not out[..., padded_columns].any() and not dout[..., padded_columns].any()
-        calls.append(("backward", q.shape[-1], params))
-        return reference.reference_backward(dout, q, k, v, out, lse, params, alibi)
+        calls.append(("backward", q.shape[-1], options))
+        return reference.reference_backward(dout, q, k, v, out, lse, options, alibi)
 
     def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, params, alibi, rotary_interleaved, *, key_end=-1,
+                             cache_leftpad, options, alibi, rotary_interleaved, *, key_end=-1,
                              longest=-1):  # kernels.decode's signature
-        calls.append(("forward_with_kvcache", q.shape[-1], params, key_end, longest))
+        calls.append(("forward_with_kvcache", q.shape[-1], options, key_end, longest))
         return reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                                    cache_batch_idx, cache_leftpad, params, alibi, rotary_interleaved)
+                                                    cache_batch_idx, cache_leftpad, options, alibi, rotary_interleaved)
 
-    monkeypatch.setattr(kernels, "forward", forward)
-    monkeypatch.setattr(kernels, "backward", backward)
+    monkeypatch.setattr(launch, "_run_forward", run_forward)
+    monkeypatch.setattr(launch, "_run_backward", run_backward)
     monkeypatch.setattr(kernels, "forward_with_kvcache", forward_with_kvcache)
     return calls
 
 
-@pytest.mark.parametrize("head_dim, padded", [(59, 64), (7, 16), (111, 112), (64, 64), (200, 256), (129, 256)])
-def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded, rng, caplog):
+@pytest.mark.parametrize("head_dim, padded, padded_bwd", [(59, 64, 64), (7, 16, 16), (111, 112, 128), (64, 64, 64),
+                                                         (200, 256, 256), (129, 256, 256)])
+def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded, padded_bwd, rng, caplog):
+    """On the (fake) V100 the d112 backward runs the d128 kernels (tiles.BWD_KERNEL_HEAD_DIMS_SM70): one padding."""
     q, k, v = _qkv(rng, 2, 19, 23, 4, 2, head_dim)
     with caplog.at_level(logging.INFO, logger="volta_train"):
         out = volta_train.flash_attn_func(q, k, v, causal=True)
@@ -233,29 +239,30 @@ def test_kernel_path_pads_head_dim_and_slices_back(fake_kernel, head_dim, padded
     assert out.shape == q.shape
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)  # scale from the original head_dim
     _check_grads(out, ref, (q, k, v), rng)
-    assert [c[:2] for c in fake_kernel] == [("forward", padded), ("backward", padded)]
+    assert [c[:2] for c in fake_kernel] == [("forward", padded), ("backward", padded_bwd)]
     if head_dim != padded:
         assert any(f"head_dim {head_dim} zero-padded to {padded}" in r.getMessage() for r in caplog.records)
 
 
-def test_softcap_goes_to_the_reference_until_the_kernel_declares_it(fake_kernel, monkeypatch, rng, caplog):
-    assert dispatch.kernel_supports("softcap")  # the kernels have it (csrc/softcap.cuh)
-    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset(), raising=False)  # a kernel package without it
+def test_options_reach_the_kernel_as_one_value(fake_kernel, rng):
     q, k, v = _qkv(rng, 1, 9, 9, 2, 2, 16)
-    with caplog.at_level(logging.INFO, logger="volta_train"):
-        out = volta_train.flash_attn_func(q, k, v, softcap=4.0)
-    assert fake_kernel == []
-    assert any("reference backend (softcap > 0: the Volta kernel has no logit soft-capping yet)" in r.getMessage()
-               for r in caplog.records)
-    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
-    with pytest.raises(dispatch.BackendUnavailableError, match="softcap"):
-        volta_train.flash_attn_func(q, k, v, softcap=4.0)
-    # the lead's switch: the kernel package lists the feature
-    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}), raising=False)
-    assert dispatch.kernel_supports("softcap") and not dispatch.kernel_supports("kvcache")
-    out_kernel = volta_train.flash_attn_func(q, k, v, softcap=4.0)
-    assert fake_kernel[-1][0] == "forward" and fake_kernel[-1][2].softcap == 4.0
-    assert torch.allclose(out_kernel, out, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    out = volta_train.flash_attn_func(q, k, v, softcap=4.0, causal=True, window_size=(3, -1), deterministic=True,
+                                      accum="fp16", bwd_accum="fp32")
+    out.sum().backward()
+    options = fake_kernel[0][2]
+    assert (options.softcap, options.causal, options.window, options.deterministic) == (4.0, True, (3, -1), True)
+    assert (options.accum, options.bwd_accum) == ("fp16", "fp32") and fake_kernel[1][2] == options
+    ref, _ = naive_attention(q, k, v, causal=True, window_size=(3, -1), softcap=4.0)
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+def test_options_pack_and_unpack_every_field():
+    options = AttentionOptions(softmax_scale=0.3, causal=True, window_left=5, window_right=0, dropout_p=0.2,
+                               seed=2**64 - 3, offset=2**63, softcap=2.5, accum="fp16", bwd_accum="fp32",
+                               deterministic=True)
+    floats, ints = options.pack()
+    assert all(-(2**63) <= i < 2**63 for i in ints)  # what a custom op's int[] carries
+    assert AttentionOptions.unpack(floats, ints) == options
 
 
 def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, monkeypatch, rng, caplog):
@@ -266,8 +273,6 @@ def test_head_dim_above_the_kernel_goes_to_the_reference(fake_kernel, monkeypatc
         volta_train.flash_attn_func(q, k, v)
     assert fake_kernel == []
     assert any("reference backend (head_dim" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="feature 'paged'"):
-        dispatch.kernel_supports("paged")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -488,24 +493,15 @@ def test_kvcache_has_no_backward_and_says_so(monkeypatch, caplog):
     assert any("has no backward" in r.getMessage() for r in caplog.records)
 
 
-def test_kvcache_runs_on_the_kernel_and_logs_why_not_without_it(fake_kernel, monkeypatch, rng, caplog):
+def test_kvcache_runs_on_the_kernel(fake_kernel, rng):
     q = _randn(1, 1, 2, 16, rng=rng)
     cache = _randn(1, 8, 2, 16, rng=rng)
-    assert dispatch.kernel_supports("kvcache")  # the split-KV decoding kernel (volta_train/kernels/decode.py)
-    with caplog.at_level(logging.INFO, logger="volta_train"):
-        out = volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, softcap=3.0, causal=True)
+    out = volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4, softcap=3.0, causal=True)
     assert [c[0] for c in fake_kernel] == ["forward_with_kvcache"] and fake_kernel[0][2].softcap == 3.0
     assert fake_kernel[0][2].causal
     assert fake_kernel[0][3:] == (4, 4)  # key_end, longest: read by the validation, not again by the kernel path
     ref, _ = naive_attention(q, cache[:, :4], cache[:, :4], causal=True, softcap=3.0)
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
-    monkeypatch.setattr(kernels.support, "KERNEL_FEATURES", frozenset({"softcap"}))  # a kernel package without it
-    monkeypatch.setattr(dispatch, "_logged_reasons", set())
-    with caplog.at_level(logging.INFO, logger="volta_train"):
-        volta_train.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4)
-    assert len(fake_kernel) == 1
-    assert any("with_kvcache: reference backend (flash_attn_with_kvcache: the Volta kernel has no KV-cache"
-               in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -703,7 +699,7 @@ def test_fp32_log_sum_exp_would_fail_the_large_score_bound(rng):
     from volta_train import reference
 
     q, k, v = (t.detach() for t in _large_score_inputs(rng))
-    params = options.AttentionOptions(softmax_scale=1.0)
+    params = AttentionOptions(softmax_scale=1.0)
     out, lse = reference.reference_forward(q, k, v, params)
     dout = torch.randn(out.shape, generator=rng, dtype=torch.float64)
     exact = reference.reference_backward(dout, q, k, v, out, lse, params)

@@ -3,6 +3,7 @@ attention backward on the same inputs; dropout against the reference backend; de
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -59,9 +60,10 @@ def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), determinist
                   offset=0, tile=None, dq_tile=None, kernel_head_dim=None):
     params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=window[0],
                              window_right=window[1], dropout_p=dropout_p, seed=seed, offset=offset)
-    out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, "fp32")
-    return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, bwd_accum,
-                           deterministic, tile=tile, dq_tile=dq_tile, kernel_head_dim=kernel_head_dim)
+    params = dataclasses.replace(params, bwd_accum=bwd_accum, deterministic=deterministic)
+    out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None)
+    return launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], params, None, tile=tile,
+                           dq_tile=dq_tile, kernel_head_dim=kernel_head_dim)
 
 
 CASES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
@@ -235,9 +237,9 @@ def test_alibi_gradients(deterministic, causal):
     q, k, v = _inputs(2, 257, 300, 4, 2, 64, gen)
     dout = torch.randn(2, 257, 4, 64, generator=gen, device="cuda").half()
     slopes = torch.rand(2, 4, generator=gen, device="cuda") * 0.5
-    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal)
-    out, lse = launch.forward(q, k, v, None, None, 257, 300, params, slopes, "fp32")
-    grads = launch.backward(dout, q, k, v, out, lse, None, None, 257, 300, params, slopes, "fp32", deterministic)
+    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal, bwd_accum="fp32", deterministic=deterministic)
+    out, lse = launch.forward(q, k, v, None, None, 257, 300, params, slopes)
+    grads = launch.backward(dout, q, k, v, out, lse, None, None, 257, 300, params, slopes)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, _ = naive_attention(qd, kd, vd, causal=causal, alibi_slopes=slopes)
     ref = torch.autograd.grad(ref_out, (qd, kd, vd), dout.double())

@@ -64,11 +64,10 @@ def _kernel_forward(q, k, v, causal=False, scale=None, accum="fp32", window=(-1,
                     offset=0, tile=None):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     params = AttentionOptions(softmax_scale=scale, causal=causal, window_left=window[0], window_right=window[1],
-                             dropout_p=dropout_p, seed=seed, offset=offset)
+                             dropout_p=dropout_p, seed=seed, offset=offset, accum=accum)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, accum, out=out, lse=lse,
-                          tile=tile)
+    return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, out=out, lse=lse, tile=tile)
 
 
 def _random_cases(n, seed):
@@ -290,8 +289,8 @@ def test_alibi_forward(accum, causal, per_batch):
     q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
     shape = (2, 4) if per_batch else (4,)
     slopes = torch.rand(shape, generator=gen, device="cuda") * 0.5
-    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal)
-    out, lse = launch.forward(q, k, v, None, None, 300, 357, params, slopes, accum)
+    params = AttentionOptions(softmax_scale=64**-0.5, causal=causal, accum=accum)
+    out, lse = launch.forward(q, k, v, None, None, 300, 357, params, slopes)
     ref, ref_lse = naive_attention(q, k, v, causal=causal, alibi_slopes=slopes)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)
     assert not torch.isnan(out).any()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import volta_train
-from volta_train.reference import AttentionParams
+from volta_train.options import AttentionOptions
 from volta_train.kernels import launch, tiles as configs
 from oracles import (
     dense_keep_mask, error_vs_yardstick, naive_attention, saved_output_floors, torch_fp16_attention,
@@ -52,28 +52,29 @@ def _tiles(table: str, head_dim: int, causal: bool, bwd_accum: str) -> dict:
                 bwd=configs.backward_overrides(head_dim, 70, bwd_accum == "fp16"))
 
 
-def _params(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
+def _options(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0, offset=0, softcap=0.0, **kw):
     right = 0 if causal else window[1]
-    return AttentionParams(softmax_scale=scale if scale is not None else q.shape[-1] ** -0.5, causal=causal,
-                           window_left=window[0], window_right=right, dropout_p=dropout_p, seed=seed, offset=offset,
-                           softcap=softcap)
+    return AttentionOptions(softmax_scale=scale if scale is not None else q.shape[-1] ** -0.5, causal=causal,
+                            window_left=window[0], window_right=right, dropout_p=dropout_p, seed=seed, offset=offset,
+                            softcap=softcap, **kw)
 
 
 def kernel_call(q, k, v, dout=None, *, table="default", causal=False, window=(-1, -1), scale=None, accum="fp32",
                 bwd_accum=DEFAULT_BWD_ACCUM, deterministic=False, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
     """(out, lse) or (out, lse, dq, dk, dv) from the kernels, outputs poisoned with NaN before the launch."""
-    prm = _params(q, causal, window, scale, dropout_p, seed, offset, softcap)
     arch = 70 if table == "sm70" else launch._arch(q.device)
     bwd_accum = launch.resolve_bwd_accum(bwd_accum, q.shape[-1], arch)
+    prm = _options(q, causal, window, scale, dropout_p, seed, offset, softcap, accum=accum, bwd_accum=bwd_accum,
+                   deterministic=deterministic)
     tiles = _tiles(table, q.shape[-1], causal, bwd_accum)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], prm, None, accum, tile=tiles.get("fwd"),
+    out, lse = launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], prm, None, tile=tiles.get("fwd"),
                               out=out, lse=lse)
     if dout is None:
         return out, lse
-    dq, dk, dv = launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], prm, None, bwd_accum,
-                                 deterministic, **tiles.get("bwd", {}))
+    dq, dk, dv = launch.backward(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], prm, None,
+                                 **tiles.get("bwd", {}))
     return out, lse, dq, dk, dv
 
 
@@ -328,7 +329,7 @@ def test_head_dim_256_backward_through_cutlass_meets_the_standard(head_dim, sq, 
     from volta_train import cutlass_backward
 
     monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
-    monkeypatch.setenv(cutlass_backward.D256_BACKWARD_ENV, "cutlass")
+    monkeypatch.setenv(cutlass_backward.POLICY_ENV, "always")
     ran = []
     real = cutlass_backward.backward
     monkeypatch.setattr(cutlass_backward, "backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))

@@ -13,30 +13,30 @@ def _call(backward, head_dim, kernel_head_dim, gen):
     q, out, dout = (torch.randn(2, 5, 4, head_dim, generator=gen).half() for _ in range(3))
     k, v = (torch.randn(2, 7, 2, head_dim, generator=gen).half() for _ in range(2))
     lse = torch.randn(2, 4, 5, generator=gen)
-    params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=True)
-    grads = backward(dout, q, k, v, out, lse, None, None, 5, 7, params, None, "fp32", False,
+    options = AttentionOptions(softmax_scale=head_dim**-0.5, causal=True)
+    grads = backward(dout, q, k, v, out, lse, None, None, 5, 7, options, None,
                      tile=tiles.bwd_tile(128, 70), dq_tile=tiles.dq_tile(128, 70), kernel_head_dim=kernel_head_dim)
     return grads, dict(dout=dout, q=q, k=k, v=v, out=out)
 
 
 def test_inputs_are_zero_padded_and_gradients_sliced_back(monkeypatch):
-    original, seen = launch.backward, {}
+    seen = {}
 
     def inner(dout, q, k, v, out, lse, *args, **kwargs):
         seen.update(dout=dout, q=q, k=k, v=v, out=out, lse=lse, args=args, kwargs=kwargs)
         # a different value in every column (the padded ones included), to see which columns come back
         return tuple(torch.randn(t.shape).half() for t in (q, k, v))
 
-    monkeypatch.setattr(launch, "backward", inner)
+    monkeypatch.setattr(launch, "_run_backward", inner)
     monkeypatch.setattr(launch, "_arch", lambda device: 90)  # CPU tensors: no device to ask
     gen = torch.Generator().manual_seed(1234)
-    grads, inputs = _call(original, 112, 128, gen)
+    grads, inputs = _call(launch.backward, 112, 128, gen)
     for name, t in inputs.items():
         padded = seen[name]
         assert padded.shape == t.shape[:-1] + (128,), name
         assert torch.equal(padded[..., :112], t), name
         assert not padded[..., 112:].any(), f"{name}: padded columns not zero"
-    assert seen["args"][-1] == 128  # the inner call runs the d128 kernels, with the tiles given
+    # the inner call runs the d128 kernels (the shapes above), with the tiles given
     assert seen["args"][-3] == tiles.bwd_tile(128, 70) and seen["args"][-2] == tiles.dq_tile(128, 70)
     for g, t in zip(grads, (inputs["q"], inputs["k"], inputs["v"])):
         assert g.shape == t.shape and g.is_contiguous() and torch.isfinite(g.float()).all()

@@ -19,6 +19,7 @@ import torch
 from . import __version__, resources
 from .dispatch import BACKEND_ENV, choose_backend
 from .kernels import CallDescription
+from .options import AttentionOptions
 from .kernels import nvrtc
 from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_dir_path
 
@@ -139,10 +140,8 @@ def cache_lines() -> list[str]:
 def backend_line() -> str:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     batch, seqlen, heads, head_dim = TYPICAL_SHAPE
-    call = CallDescription(
-        device=device, dtype=torch.float16, head_dim=head_dim, varlen=False, causal=True, window=(-1, -1),
-        alibi=False, dropout=False, accum="fp32",
-    )
+    call = CallDescription(device=device, dtype=torch.float16, head_dim=head_dim,
+                           options=AttentionOptions(softmax_scale=head_dim**-0.5, causal=True))
     what = f"typical call (fp16, [{batch}, {seqlen}, {heads}, {head_dim}], causal, on {device})"
     try:
         choice = choose_backend(call)

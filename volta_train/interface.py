@@ -21,15 +21,15 @@ Differences from flash-attn, all explicit:
   raises on fp32 inputs instead).
 
 The positional order is flash-attn's since 2.6 (``softcap`` before ``alibi_slopes``).
-Any head_dim from 1 to 256 is accepted: the dispatcher zero-pads it to the next
-head_dim the chosen backend runs (docs/flash_attn_api.md says which features run
-where).
+Any head_dim from 1 to 256 is accepted (the kernels zero-pad it to the next head_dim
+they are built for; docs/flash_attn_api.md says which features run where). Each
+function validates its arguments into one :class:`~volta_train.options.AttentionOptions`
+and hands it to the dispatcher (:mod:`volta_train.dispatch`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -57,19 +57,6 @@ def _autocast_inputs(q, k, v):
 def _require_tensors(**tensors) -> None:
     for name, t in tensors.items():
         validation.require_tensor(name, t)
-
-
-def _prepare(q, dropout_p, softmax_scale, accum, bwd_accum):
-    if accum not in dispatch.ACCUM_CHOICES:
-        raise ValueError(f"accum is {accum!r}; accepted: {', '.join(dispatch.ACCUM_CHOICES)}")
-    if bwd_accum not in dispatch.BWD_ACCUM_CHOICES:
-        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(dispatch.BWD_ACCUM_CHOICES)}")
-    # from the caller's head_dim: padding for the kernel (in the dispatcher) never changes the scale
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    seed, offset = (0, 0)
-    if dropout_p > 0.0:
-        seed, offset = dispatch.draw_dropout_seed_offset(q.device)
-    return scale, dispatch.to_op_int(seed), dispatch.to_op_int(offset)
 
 
 def flash_attn_func(
@@ -104,14 +91,12 @@ def flash_attn_func(
     _require_tensors(q=q, k=k, v=v)
     q, k, v = _autocast_inputs(q, k, v)
     validation.check_dense(q, k, v)
-    left, right, softcap = validation.check_options(
-        q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
+    options = validation.attention_options(
+        q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, accum=accum, bwd_accum=bwd_accum,
+        batch=q.shape[0], nheads=q.shape[2],
     )
-    scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
-    out, lse = dispatch.attention_forward(
-        q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal), left, right, alibi_slopes,
-        float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
-    )
+    out, lse = dispatch.attention(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -152,15 +137,13 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k = validation.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    batch = cu_seqlens_q.numel() - 1
-    left, right, softcap = validation.check_options(
-        q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, batch, q.shape[1]
+    options = validation.attention_options(
+        q, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, accum=accum, bwd_accum=bwd_accum,
+        batch=cu_seqlens_q.numel() - 1, nheads=q.shape[1],
     )
-    scale, seed, offset = _prepare(q, dropout_p, softmax_scale, accum, bwd_accum)
-    out, lse = dispatch.attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
-        alibi_slopes, float(dropout_p), seed, offset, accum, bwd_accum, bool(deterministic), softcap,
-    )
+    out, lse = dispatch.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                  options)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -313,10 +296,10 @@ def flash_attn_with_kvcache(
         causal, window_size,
     )
     validation.as_int("num_splits", num_splits)
-    left, right, softcap = validation.check_options(
-        q, 0.0, softmax_scale, window_size, alibi_slopes, softcap, q.shape[0], q.shape[2]
+    options = validation.attention_options(
+        q, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, batch=q.shape[0], nheads=q.shape[2],
     )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
         if not _logged_detach:
             _logged_detach.append(True)
@@ -329,7 +312,6 @@ def flash_attn_with_kvcache(
     op = dispatch.attention_with_kvcache if torch.compiler.is_compiling() else dispatch.attention_with_kvcache_eager
     out, lse = op(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, extent.cache_seqlens, cache_batch_idx, cache_leftpad,
-        alibi_slopes, scale, bool(causal), left, right, softcap, bool(rotary_interleaved), extent.key_end,
-        extent.longest,
+        alibi_slopes, *options.pack(), bool(rotary_interleaved), extent.key_end, extent.longest,
     )
     return (out, lse) if return_softmax_lse else out

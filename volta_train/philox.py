@@ -104,3 +104,24 @@ def dropout_keep_mask(
     group_index = torch.searchsorted(groups, cols >> 3)
     u16 = halves[:, :, group_index, (cols & 7)]
     return u16 >= dropout_threshold(p)
+
+
+def draw_seed_offset(device: torch.device) -> tuple[int, int]:
+    """(seed, offset) for one dropout call, taken from PyTorch's generator of that device.
+
+    CUDA: the device generator's seed and Philox offset, which is then advanced, as PyTorch's own fused kernels do, so
+    ``torch.manual_seed`` reproduces a run. Other devices: a 63-bit seed drawn from the default CPU generator, offset 0.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                "dropout_p > 0 inside CUDA graph capture: the Philox offset would be frozen into the graph and every "
+                "replay would reuse one dropout mask; capture with dropout_p=0.0"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        return generator.initial_seed(), offset
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    return seed, 0

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import philox
+from .options import ACCUM_CHOICES, BWD_ACCUM_CHOICES, AttentionOptions
+
 MIN_HEAD_DIM = 1
 MAX_HEAD_DIM = 256  # flash-attn's limit: any head_dim from 1 to 256 (the dispatcher pads for the kernel)
 # integrations/hf.py still checks model head_dims against a multiple of this; the attention API itself takes any
@@ -29,7 +32,6 @@ def require_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-_require_tensor = require_tensor
 
 
 def as_int(name: str, value, accepted: str = INT_LIKE) -> int:
@@ -116,7 +118,7 @@ def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_axis
 
 def check_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
+        require_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {t.dim()}-D ({_describe(t)})"
@@ -144,7 +146,7 @@ def _assert_cu_seqlens_on_device(name: str, cu: torch.Tensor, total: int, max_se
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
     """Checks the packed call; returns (max_seqlen_q, max_seqlen_k) as ints."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
+        require_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(
                 f"{name} must be 3-D [total_tokens, heads, head_dim] for the varlen API, got {t.dim()}-D "
@@ -154,8 +156,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}: they must be equal")
     check_head_dims(q, k, v, head_axis=1)
-    _require_tensor("cu_seqlens_q", cu_seqlens_q)
-    _require_tensor("cu_seqlens_k", cu_seqlens_k)
+    require_tensor("cu_seqlens_q", cu_seqlens_q)
+    require_tensor("cu_seqlens_k", cu_seqlens_k)
     if not torch.compiler.is_compiling():
         max_seqlen_q = as_int("max_seqlen_q", max_seqlen_q)
         max_seqlen_k = as_int("max_seqlen_k", max_seqlen_k)
@@ -204,17 +206,45 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return max_seqlen_q, max_seqlen_k
 
 
-def check_options(
-    q, dropout_p, softmax_scale, window_size, alibi_slopes, softcap, batch, nheads
-) -> tuple[int, int, float]:
-    """Validates the scalar options; returns the window as (left, right) ints and softcap as a float."""
+def attention_options(
+    q: torch.Tensor, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic=False,
+    accum: str = "fp32", bwd_accum: str = "auto", batch: int, nheads: int,
+) -> AttentionOptions:
+    """The call's options, validated: every error names the argument and what is accepted. Dropout's Philox seed and
+    offset are drawn here, from PyTorch's generator of q's device."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p is {dropout_p!r}; accepted: a float in [0, 1)")
     if softmax_scale is not None:
-        as_finite_float("softmax_scale", softmax_scale, "None (1/sqrt(head_dim)) or a finite float")
+        softmax_scale = as_finite_float("softmax_scale", softmax_scale, "None (1/sqrt(head_dim)) or a finite float")
     softcap = as_finite_float("softcap", softcap, "0.0 (off) or a finite float > 0")
     if softcap < 0.0:
         raise ValueError(f"softcap is {softcap!r}; accepted: 0.0 (off) or a finite float > 0")
+    left, right = check_window(window_size)
+    if alibi_slopes is not None:
+        require_tensor("alibi_slopes", alibi_slopes)
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(
+                f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; accepted: ({nheads},) or ({batch}, {nheads})"
+            )
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+    if accum not in ACCUM_CHOICES:
+        raise ValueError(f"accum is {accum!r}; accepted: {', '.join(ACCUM_CHOICES)}")
+    if bwd_accum not in BWD_ACCUM_CHOICES:
+        raise ValueError(f"bwd_accum is {bwd_accum!r}; accepted: {', '.join(BWD_ACCUM_CHOICES)}")
+    seed, offset = philox.draw_seed_offset(q.device) if dropout_p > 0.0 else (0, 0)
+    return AttentionOptions(
+        # the scale comes from the caller's head_dim: the kernels' zero padding never changes it
+        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        causal=bool(causal), window_left=left, window_right=right, dropout_p=float(dropout_p), seed=seed,
+        offset=offset, softcap=softcap, accum=accum, bwd_accum=bwd_accum, deterministic=bool(deterministic),
+    )
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
     window_words = "a pair (left, right) of ints, each -1 (unbounded) or >= 0"
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise ValueError(f"window_size is {window_size!r}; accepted: {window_words}")
@@ -224,17 +254,7 @@ def check_options(
         raise TypeError(f"window_size is {tuple(window_size)!r}; accepted: {window_words} (no truncation)") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size is {window_size!r}; each side must be -1 (unbounded) or >= 0")
-    if alibi_slopes is not None:
-        _require_tensor("alibi_slopes", alibi_slopes)
-        if alibi_slopes.dtype != torch.float32:
-            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-            raise ValueError(
-                f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; accepted: ({nheads},) or ({batch}, {nheads})"
-            )
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
-    return left, right, softcap
+    return left, right
 
 
 def check_block_table(block_table) -> None:
@@ -359,7 +379,7 @@ def check_kvcache(
                 )
             if not t.dtype.is_floating_point or t.device != q.device:
                 raise ValueError(f"{name} must be a floating-point tensor on {q.device}, got {_describe(t)}")
-        left, right, _ = check_options(q, 0.0, None, window_size, None, 0.0, batch, q.shape[2])
+        left, right = check_window(window_size)
         local = (left, right) != (-1, -1)
         span = max(seqlen_new, seqlen_q if (causal or local) else 1)
 

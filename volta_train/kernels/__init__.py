@@ -1,12 +1,11 @@
-"""The Volta flash-attention kernels: support checks, run-time compilation and launch.
+"""The Volta flash-attention kernels: what they support, run-time compilation and launch.
 
-The dispatcher only uses this package's façade: :class:`CallDescription`,
-:func:`unsupported_reason`, :func:`forward`, :func:`backward` and :func:`forward_with_kvcache`.
+The dispatcher uses this package's face only: :func:`describe`, :func:`unsupported_reason`, :func:`forward`,
+:func:`backward` and :func:`forward_with_kvcache`, each taking the caller's tensors at any head_dim the kernels hold.
 """
 
-from . import support
-from .support import CallDescription, unsupported_reason
-from .launch import backward, forward
 from .decode import forward_with_kvcache
+from .launch import backward, forward
+from .support import CallDescription, describe, unsupported_reason
 
-__all__ = ["CallDescription", "unsupported_reason", "forward", "backward", "forward_with_kvcache"]
+__all__ = ["CallDescription", "describe", "unsupported_reason", "forward", "backward", "forward_with_kvcache"]

@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache on the Volta kernel: the split-KV decoding path.
 
 The append of the new keys/values into the caches and the rotary embedding run in PyTorch, shared with the reference
-backend (``volta_train.reference.kvcache_append``). Attention runs the forward kernel built with ``SPLIT_KV``
+backend (:func:`volta_train.kvcache.append`). Attention runs the forward kernel built with ``SPLIT_KV``
 (csrc/flash_fwd_kernel.cuh, parameters csrc/params.cuh ``SplitKvParams``) on a decoding tile (``tiles.decode_tile``):
 
 * **GQA packing** (:func:`pack_gqa`): with one query per batch entry, no ALiBi and no left window, every query head
@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from .. import reference as reference
+from .. import kvcache
 from ..options import AttentionOptions
+from . import head_dim as head_dims
 from . import tiles
 from .launch import _arch, _kernel, fill_common
 from .params import SplitKvKernelParams
@@ -80,22 +81,11 @@ def combine_splits(o_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[
     return out, torch.where(seen, lse, torch.full_like(lse, math.inf))
 
 
-def _kernel_head_dim(head_dim: int) -> int:
-    from ..dispatch import kernel_head_dim  # (the dispatcher imports this package)
-
-    d = kernel_head_dim(head_dim)
-    if d is None:
-        raise ValueError(f"head_dim {head_dim}: the Volta decoding kernel supports {tiles.SUPPORTED_HEAD_DIMS}")
-    return d
-
-
 def _for_kernel(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded
-    (dispatch.pad_head_dim) or aligned contiguous copy."""
-    from ..dispatch import pad_head_dim
-
+    """t as the kernel reads it: itself when 16-byte aligned with its last dim head_dim, else a zero-padded or
+    aligned contiguous copy."""
     if t.shape[-1] != head_dim:
-        return pad_head_dim(t, head_dim)
+        return head_dims.pad(t, head_dim)
     if tensors_aligned(t) and t.stride(-1) == 1:
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -106,7 +96,7 @@ def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, params: AttentionOptions, alibi_slopes, rotary_interleaved: bool, *,
+                         cache_leftpad, options: AttentionOptions, alibi_slopes, rotary_interleaved: bool, *,
                          tile: tiles.FwdTile | None = None, num_splits: int | None = None,
                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                          partial_fill: float | None = None, key_end: int = -1, longest: int = -1):
@@ -123,8 +113,8 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     GPU). The kernel takes each entry's own range from ``seqused_k`` / ``leftpad_k`` either way; the bound only
     changes how the key blocks are dealt to splits.
     """
-    q, rows, ends = reference.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                             cache_batch_idx, params, rotary_interleaved)
+    q, rows, ends = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   options, rotary_interleaved)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k_cache.shape[2]
     device = q.device
@@ -136,22 +126,22 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     if key_end < 0 or longest < 0:  # not read on the host: plan for the whole cache (no device read here)
         key_end = longest = k_cache.shape[1]
 
-    d = _kernel_head_dim(head_dim)
+    d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))
     tile = tile or tiles.decode_tile(d, _arch(device))
     qk = _for_kernel(q, d)
     kc, vc = _for_kernel(k_cache[:, :key_end], d), _for_kernel(v_cache[:, :key_end], d)  # the positions it may read
     out_full = out if d == head_dim else torch.empty(q.shape[:-1] + (d,), dtype=q.dtype, device=device)
     out_k = out_full
     alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    packed = pack_gqa(seqlen_q, nheads, nheads_kv, alibi is not None, params.window_left)
+    packed = pack_gqa(seqlen_q, nheads, nheads_kv, alibi is not None, options.window_left)
     if packed:  # [B, 1, H, D] -> [B, G, H_kv, D]: rows = the G query heads of each KV head, no mask
         group = nheads // nheads_kv
         qk, out_k = (t.as_strided((batch, group, nheads_kv, d), (t.stride(0), t.stride(2), group * t.stride(2), 1))
                      for t in (qk, out_k))
         lse_k = lse.as_strided((batch, nheads_kv, group), (lse.stride(0), group * lse.stride(1), lse.stride(1)))
-        run = AttentionOptions(softmax_scale=params.softmax_scale, softcap=params.softcap)
+        run = AttentionOptions(softmax_scale=options.softmax_scale, softcap=options.softcap)
     else:
-        lse_k, run = lse, params
+        lse_k, run = lse, options
     rows_k, heads_k = qk.shape[1], qk.shape[2]
 
     prm = SplitKvKernelParams()
@@ -178,7 +168,7 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         o_partial, lse_partial = fill(shape + (d,)), fill(shape)
         prm.o_partial, prm.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
 
-    variant = tiles.decode_variant(d, tile, params.softcap > 0)
+    variant = tiles.decode_variant(d, tile, options.softcap > 0)
     _kernel(variant, device).launch(grid + (splits,), tile.threads, variant.dynamic_smem_bytes, [prm])
     if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
         combine = tiles.combine_variant(d)

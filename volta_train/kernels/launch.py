@@ -9,6 +9,7 @@ import torch
 from .. import philox
 from ..options import AttentionOptions
 from . import driver, tiles
+from . import head_dim as head_dims
 from .params import BackwardKernelParams, KernelParams
 
 LOG2E = 1.0 / math.log(2.0)
@@ -32,7 +33,7 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 
 
 def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                params: AttentionOptions, block_m: int, alibi_slopes: torch.Tensor | None = None) -> tuple[int, int]:
+                options: AttentionOptions, block_m: int, alibi_slopes: torch.Tensor | None = None) -> tuple[int, int]:
     """Pointers, strides, lengths, masks and dropout state; returns the launch grid."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_kv = q.shape[-2], k.shape[-2]
@@ -58,31 +59,47 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
         prm.alibi_slopes, prm.alibi_batch_stride = None, 0
     prm.nheads, prm.heads_per_kv = nheads, nheads // nheads_kv
     prm.num_m_blocks = max(1, -(-max_seqlen_q // block_m))
-    prm.window_left = params.window_left
-    prm.window_right = params.right_limit
-    prm.scale_log2 = params.softmax_scale * LOG2E
-    prm.seed, prm.offset = params.seed, params.offset
-    prm.dropout_threshold = philox.dropout_threshold(params.dropout_p) if params.dropout_p > 0 else 0
-    prm.dropout_rescale = 1.0 / (1.0 - params.dropout_p)
-    prm.softcap_log2 = params.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
+    prm.window_left = options.window_left
+    prm.window_right = options.right_limit
+    prm.scale_log2 = options.softmax_scale * LOG2E
+    prm.seed, prm.offset = options.seed, options.offset
+    prm.dropout_threshold = philox.dropout_threshold(options.dropout_p) if options.dropout_p > 0 else 0
+    prm.dropout_rescale = 1.0 / (1.0 - options.dropout_p)
+    prm.softcap_log2 = options.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
-    prm.m_blocks_fastest = 0 if (params.causal or batch * nheads > 65535) else 1
+    prm.m_blocks_fastest = 0 if (options.causal or batch * nheads > 65535) else 1
     grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
     if grid[1] > 65535:
         raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= 65535")
     return grid
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionOptions, alibi_slopes,
-            accum: str, tile: tiles.FwdTile | None = None, out: torch.Tensor | None = None,
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
+            alibi_slopes=None, *, tile: tiles.FwdTile | None = None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None):
-    """Volta forward kernel: returns (out, lse) like the reference backend.
+    """Volta forward kernel: returns (out, lse) like the reference backend, at the caller's head_dim.
 
     ``tile`` overrides the tile table (sweeps); ``out``/``lse`` let tests hand in poisoned buffers.
     """
+    head_dim = q.shape[-1]
+    kernel_d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))
+    if kernel_d == head_dim:
+        return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
+                            tile, out, lse)
+    q, k, v = (head_dims.pad(t, kernel_d) for t in (q, k, v))
+    out_d, lse = _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
+                              tile, None, lse)
+    if out is None:
+        return out_d[..., :head_dim], lse
+    return out.copy_(out_d[..., :head_dim]), lse
+
+
+def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
+                 alibi_slopes, tile, out, lse):
+    """The forward kernel's launch at a head_dim it is built for."""
+    head_dim = q.shape[-1]
     alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
     if out is None:
         out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -90,11 +107,11 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, par
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    tile = tile or tiles.fwd_tile(head_dim, params.causal, _arch(q.device))
-    variant = tiles.fwd_variant(head_dim, tile, accum == "fp16", params.dropout_p > 0, params.softcap > 0)
+    tile = tile or tiles.fwd_tile(head_dim, options.causal, _arch(q.device))
+    variant = tiles.fwd_variant(head_dim, tile, options.accum == "fp16", options.dropout_p > 0, options.softcap > 0)
     kernel = _kernel(variant, q.device)
     prm = KernelParams()
-    grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+    grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                        tile.block_m, alibi_slopes)
     kernel.launch(grid, tile.threads, variant.dynamic_smem_bytes, [prm])
     return out, lse
@@ -115,47 +132,54 @@ def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
     return "fp16" if tiles.fp16_backward_meets_standard(head_dim, arch) else "fp32"
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionOptions,
-             alibi_slopes, bwd_accum: str, deterministic: bool, tile: tiles.BwdTile | None = None,
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             options: AttentionOptions, alibi_slopes=None, *, tile: tiles.BwdTile | None = None,
              dq_tile: tiles.FwdTile | None = None, kernel_head_dim: int | None = None):
-    """Volta backward: (dq, dk, dv). dK/dV kernel over key blocks; dQ by its fp32 atomics, or (deterministic,
-    or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible.
+    """Volta backward: (dq, dk, dv) at the caller's head_dim. dK/dV kernel over key blocks; dQ by its fp32 atomics,
+    or (deterministic, or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible.
 
-    Where the tile table runs a head_dim on the kernels of a larger one (tiles.bwd_kernel_head_dim; or
-    ``kernel_head_dim``, with the tile overrides of another table), the inputs are zero-padded to it and the
-    gradients' padded columns dropped: zero columns of q, k, v, out and dout change no score and no row sum."""
-    alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    varlen = cu_seqlens_q is not None
+    The inputs are zero-padded to the backward kernels' head_dim (``head_dim.backward_head_dim``, or
+    ``kernel_head_dim`` with the tile overrides of another table) and the gradients' padded columns dropped."""
     head_dim = q.shape[-1]
     arch = _arch(q.device)
-    kernel_d = kernel_head_dim or tiles.bwd_kernel_head_dim(head_dim, arch)
+    kernel_d = kernel_head_dim or head_dims.require(head_dim, head_dims.backward_head_dim(head_dim, arch))
     if kernel_d != head_dim:
         if kernel_d < head_dim:
             raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}; accepted: "
                              f"None (the tile table's choice) or a kernel head_dim >= {head_dim}")
-        padded = [torch.nn.functional.pad(t, (0, kernel_d - head_dim)) for t in (dout, q, k, v, out)]
-        grads = backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, alibi_slopes,
-                         bwd_accum, deterministic, tile, dq_tile, kernel_d)
+        padded = [head_dims.pad(t, kernel_d) for t in (dout, q, k, v, out)]
+        grads = _run_backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+                              alibi_slopes, tile, dq_tile, arch)
         return tuple(g[..., :head_dim].contiguous() for g in grads)
-    bwd_accum = resolve_bwd_accum(bwd_accum, head_dim, arch)
+    return _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+                         alibi_slopes, tile, dq_tile, arch)
+
+
+def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  options: AttentionOptions, alibi_slopes, tile, dq_tile, arch: int):
+    """The backward kernels' launches at a head_dim they are built for."""
+    head_dim = q.shape[-1]
+    alibi_slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    varlen = cu_seqlens_q is not None
+    bwd_accum = resolve_bwd_accum(options.bwd_accum, head_dim, arch)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    accum_f16, dropout = bwd_accum == "fp16", params.dropout_p > 0
+    accum_f16, dropout = bwd_accum == "fp16", options.dropout_p > 0
     tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
-    use_atomics = tiles.dq_by_atomics(tile, deterministic)
+    use_atomics = tiles.dq_by_atomics(tile, options.deterministic)
     # D = rowsum(dO * O) in fp32, laid out like lse ([B, H, Nq] or [H, total_q])
     dsum = (dout.float() * out.float()).sum(-1)
     dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()
 
     bp = BackwardKernelParams()
-    fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+    fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                 tile.block_m, alibi_slopes)
     bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
     for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
         _set_strides(bp, name, t, varlen)
-    bp.softmax_scale = params.softmax_scale
+    bp.softmax_scale = options.softmax_scale
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     nheads_kv = k.shape[-2]
     bp.num_n_blocks = -(-max_seqlen_k // tile.block_n)
@@ -166,15 +190,15 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     bp.dq = dq.data_ptr() if dq is not None else None
     _set_strides(bp, "dq", dq_target, varlen)
 
-    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, params.softcap > 0)
+    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
     _kernel(variant, q.device).launch(grid, tile.threads, variant.dynamic_smem_bytes, [bp])
     if use_atomics:
-        return (dq_accum * params.softmax_scale).to(q.dtype), dk, dv
+        return (dq_accum * options.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
-    grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params,
+    grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                        dq_tile.block_m, alibi_slopes)
-    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout, params.softcap > 0)
+    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0)
     _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
     return dq, dk, dv

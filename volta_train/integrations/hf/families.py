@@ -327,9 +327,9 @@ def kernel_head_dims() -> tuple[int, ...]:
 
 def _kernel_head_dim(head_dim: int) -> int | None:
     """The kernel head_dim the dispatcher pads head_dim to; None: the reference backend runs it."""
-    from ...dispatch import kernel_head_dim
+    from ...kernels.head_dim import forward_head_dim
 
-    return kernel_head_dim(head_dim)
+    return forward_head_dim(head_dim)
 
 
 def _softcap_of(module: nn.Module, config: Any) -> float | None:

@@ -1,0 +1,13 @@
+"""Test-suite wide: gpu-marked tests (tests/ and lab/tests/) are skipped where PyTorch sees no CUDA GPU."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
