@@ -48,8 +48,8 @@ not rerun here: ``CUTLASS_SM70``), with no conflict factor (not measured: confli
 CUTLASS).
 
 Writes DIR/v100_estimate.md and DIR/v100_estimate.json; the cubins go to --cubin-dir (default: a temporary
-directory). The committed results: docs/bench/v100_estimate_sm70*.md (.json), summarised in docs/performance.md;
-the head_dim 256 tile search: ``--filter _d256_`` (docs/bench/v100_estimate_sm70_d256_candidates.md).
+directory). The committed results: docs/bench/v100_estimate_sm70*.md, summarised in docs/performance.md;
+the head_dim 256 tile search: ``--filter _d256_`` (docs/bench/v100_estimate_sm70.md, its candidate table).
 Everything here is an estimate for ranking kernels; what it cannot see is listed in the markdown.
 """
 
