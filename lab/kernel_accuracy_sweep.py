@@ -4,7 +4,7 @@
     python lab/kernel_accuracy_sweep.py [--cases 40] [--out DIR]
 
 flash-attn's standard: max |result - float64| <= 2 * max |PyTorch fp16 attention - float64| (+ a floor of 2^-14 of
-max |float64|; volta_train.testing). For every head_dim, both tile tables ("default": what the dispatcher picks on
+max |float64|; tests/oracles.py). For every head_dim, both tile tables ("default": what the dispatcher picks on
 this GPU; "sm70": the V100 table through the tile override) and each (accum, bwd_accum) pair, --cases random calls
 (odd lengths, seqlen_q above and below seqlen_k, causal, local windows, GQA, dropout with the kernel's own mask
 given to the yardstick) give the worst ratio (max-abs over the bound; <= 1 passes) of out, dq, dk and dv, and how

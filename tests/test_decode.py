@@ -2,7 +2,7 @@
 
 CPU: the split rule, the GQA packing decision, the combine of the splits, the decoding tile table and the parameter
 struct's ctypes mirror. GPU (``@pytest.mark.gpu``): flash-attn's accuracy standard against the float64 truth (max-abs
-error within twice that of PyTorch's fp16 attention on the same fp16 inputs, plus the floor of volta_train.testing;
+error within twice that of PyTorch's fp16 attention on the same fp16 inputs, plus the floor of tests/oracles.py;
 rows that see no key exactly 0 with lse +inf), per-batch cache lengths including 0 and the full cache, seqlen_q 1 /
 3 / 16, GQA groups 1 / 4 / 8 (packed and not), cache_batch_idx, k/v appends of 1 and 5 tokens, rotary (interleaved
 and not), causal masks, left and right windows, soft-capping, ALiBi, cache_leftpad, padded head dims; outputs and

@@ -2,7 +2,7 @@
 
 The standard (written here from what flash-attn 2.x's tests check, not copied): against the float64 truth, the
 kernel's max-abs error in the output and in each gradient is at most twice that of PyTorch's fp16 attention on the
-same inputs, plus a floor of 2^-14 of max |truth| (volta_train.testing); query rows that see no key are exactly 0
+same inputs, plus a floor of 2^-14 of max |truth| (tests/oracles.py); query rows that see no key are exactly 0
 (and their gradients 0); repeated calls give the same bits; shapes include seqlen_q >> seqlen_k and the reverse
 under causal and local masks, odd lengths, GQA, dropout, large dO, non-contiguous and transposed inputs.
 
@@ -89,7 +89,7 @@ def _inputs(batch, sq, sk, h, hk, d, seed, dout_scale=1.0):
 
 class Oracle:
     """The float64 truth of (out, dq, dk, dv), the same from PyTorch's fp16 attention, the float64 lse, and the floors
-    of dq/dk for the rounding of the saved output (volta_train.testing.saved_output_floors)."""
+    of dq/dk for the rounding of the saved output (oracles.saved_output_floors)."""
 
     def __init__(self, q, k, v, dout, *, causal=False, window=(-1, -1), scale=None, keep=None, dropout_p=0.0,
                  softcap=0.0):
