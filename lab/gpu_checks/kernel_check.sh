@@ -6,7 +6,7 @@
 #   3. optionally, Nsight Compute's bank-conflict table of the sm_70 tiles (KERNEL_CHECK_NCU=1, ~1 min more).
 # From the repository root:  OUT=/some/dir bash lab/gpu_checks/kernel_check.sh ["<pytest selection>"]
 # Logs, the sanitizer report and the ncu table are written under a work directory and packed into
-# $OUT/kernel_check.tgz, beside a copy of the test log (the device tool brings back at most 8 files).
+# $OUT/kernel_check.tgz, beside a copy of the test log (two files: easy to bring back from a remote GPU machine).
 # Exit status: 0 when the tests and the sanitizer passed.
 set -uo pipefail
 dest=${OUT:-kernel_check_out}; mkdir -p "$dest"
