@@ -82,7 +82,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                                window_right=c["window"][1], dropout_p=dropout_p, seed=1234, offset=8,
                                softcap=6.0 if softcap else 0.0)
 
-    def reference(c, prm):
+    def reference_outputs(c, prm):
         args = (c["q"].float(), c["k"].float(), c["v"].float())
         if c["cu_q"] is None:
             return reference.reference_forward(*args, prm, c["alibi"])
@@ -117,7 +117,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                     for call in table_calls:
                         prm = params_of(c, dropout_p, call.softcap)
                         if call.softcap not in references:
-                            references[call.softcap] = reference(c, prm) if check else (None, None)
+                            references[call.softcap] = reference_outputs(c, prm) if check else (None, None)
                         ref_out, ref_lse = references[call.softcap]
                         label = f"{table} d{d} {c['name']} p={dropout_p} softcap={prm.softcap} fwd accum=fp32"
                         if call.pass_name == "bwd":
