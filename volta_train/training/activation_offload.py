@@ -176,7 +176,7 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if getattr(m, "gradient_checkpointing", False) and callable(getattr(m, "_gradient_checkpointing_func", None))]
 
 
-def enable(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> ActivationOffload:
+def enable(model: torch.nn.Module, min_bytes: int | None = None) -> ActivationOffload:
     """Keep the checkpoint inputs of ``model``'s checkpointed blocks in host memory. Call it after
     ``gradient_checkpointing_enable()``; again, it replaces the earlier offload. Raises ActivationOffloadError when
     no block is checkpointed."""
@@ -184,12 +184,16 @@ def enable(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> ActivationOffl
     if not modules:
         raise ActivationOffloadError(f"activation_offload: {type(model).__name__} has no checkpointed blocks; it "
                                      "offloads what activation checkpointing keeps, so turn gradient_checkpointing on")
-    offload = ActivationOffload(min_bytes)
+    offload = ActivationOffload(MIN_BYTES if min_bytes is None else min_bytes)
     for module in modules:
         original = getattr(module, _ATTR, None) or module._gradient_checkpointing_func
         module._gradient_checkpointing_func = functools.partial(_offloaded, offload, original)
         setattr(module, _ATTR, original)
     setattr(model, "_volta_activation_offloader", offload)
+    ids = {id(m) for m in modules}
+    blocks = sum(1 for m in modules if not any(id(c) in ids for c in m.modules() if c is not m))  # innermost
+    log.info("activation offload: the inputs of %d checkpointed blocks (%s bytes or more) wait in host memory for the "
+             "backward", blocks, f"{offload.min_bytes:,}")
     return offload
 
 
