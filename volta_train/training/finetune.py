@@ -60,6 +60,12 @@ class ModelSection:
                                         "tokenizer if it has one, else bytes)")
     patch: bool = field(True, "attention through volta_train.patch(model); false: stock PyTorch SDPA")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward (less memory)")
+    tiled_mlp: str = field("auto", "MLP over tiles of the sequence, recomputed per tile in the backward "
+                                   "(volta_train/training/tiled_mlp.py); auto: on from the length where a batch's "
+                                   "MLP activations reach 2 GiB (quote on/off in YAML)", choices=["auto", "on", "off"])
+    tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
+    activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
+                                            "between forward and backward (needs gradient_checkpointing)")
     config_overrides: dict = field({}, "model config attributes to set before building, e.g. "
                                        "{hidden_dropout_prob: 0.0}")
 
@@ -189,6 +195,11 @@ def check(cfg: FinetuneConfig) -> FinetuneConfig:
     for key, value in (("model.path", m.path), ("model.config", m.config)):
         if value and not Path(value).exists():
             raise ConfigError(f"{key}: {value!r} does not exist")
+    if m.activation_offload and not m.gradient_checkpointing:
+        raise ConfigError("model.activation_offload moves what gradient checkpointing keeps: set "
+                          "model.gradient_checkpointing too")
+    if m.tiled_mlp_tokens is not None and m.tiled_mlp_tokens <= 0:
+        raise ConfigError(f"model.tiled_mlp_tokens must be positive (or unset: auto), got {m.tiled_mlp_tokens}")
     if m.tokenizer not in (None, "bytes") and not Path(m.tokenizer).is_dir():
         raise ConfigError(f"model.tokenizer: {m.tokenizer!r} is neither 'bytes' nor a directory")
     fmt = d.format or ("classification" if cfg.task == "classification" else "text")
@@ -673,6 +684,11 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
         model.loss_type = "ForCausalLM"
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from . import activation_offload, tiled_mlp
+
+    tiled_mlp.configure(model, m.tiled_mlp, cfg.train.batch_size * cfg.data.max_length, m.tiled_mlp_tokens)
+    if m.activation_offload:
+        activation_offload.enable(model)
     return model
 
 

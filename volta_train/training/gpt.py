@@ -72,6 +72,12 @@ class GPTTrainConfig:
     chunked_loss: bool = field(True, "loss over chunks of tokens, never the whole [tokens, vocab] logits "
                                      "(volta_train/training/chunked_loss.py); --no-chunked-loss: the model's own loss")
     loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 1 GiB of fp32 logits)")
+    tiled_mlp: str = field("auto", "MLP over tiles of the sequence, recomputed per tile in the backward "
+                                   "(volta_train/training/tiled_mlp.py); auto: on from the length where one sequence's "
+                                   "MLP activations reach 2 GiB (quote on/off in YAML)", choices=["auto", "on", "off"])
+    tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
+    activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
+                                            "between forward and backward (volta_train/training/activation_offload.py)")
     # data
     data: str = field("synthetic", "'synthetic', or a .txt/.jsonl file or a directory of them")
     synthetic_mb: float | None = field(None, "size of the synthetic corpus in MB (auto: enough for the run)")
@@ -201,6 +207,10 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     check_sequence_parallel(cfg, processes)
+    if cfg.activation_offload and not cfg.gradient_checkpointing:
+        raise ConfigError("activation_offload moves what gradient checkpointing keeps: set gradient_checkpointing too")
+    if cfg.tiled_mlp_tokens is not None and cfg.tiled_mlp_tokens <= 0:
+        raise ConfigError(f"tiled_mlp_tokens must be positive (or unset: auto), got {cfg.tiled_mlp_tokens}")
     if cfg.loss_chunk_tokens is not None and cfg.loss_chunk_tokens <= 0:
         raise ConfigError(f"loss_chunk_tokens must be positive (or unset: auto), got {cfg.loss_chunk_tokens}")
     if cfg.keep_checkpoints < 1:
@@ -309,6 +319,12 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     model.loss_type = "ForCausalLM"  # what these models use anyway; saying so silences transformers' warning
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from . import activation_offload, tiled_mlp
+
+    tiled_mlp.configure(model, cfg.tiled_mlp, cfg.batch_size * -(-cfg.seq_len // cfg.sequence_parallel_size),
+                        cfg.tiled_mlp_tokens)
+    if cfg.activation_offload:
+        activation_offload.enable(model)
     return model
 
 

@@ -1,0 +1,301 @@
+"""Longest sequence that trains full optimizer steps on one GPU under a memory cap, with the long-context features
+(tiled MLP, activation offload) off and on, next to what the memory model of docs/long_context.md predicts.
+
+    python lab/long_context_probe.py                       # Llama-3.2-1B shape, 128k words, 32 GiB: before/after
+    python lab/long_context_probe.py --variants baseline,tiled,offload,tiled+offload --memory-gb 16
+    python lab/long_context_probe.py --smoke               # CPU, tiny model, seconds: the code path only
+
+The training step is scripts/bench_train.py's (imported, not copied): fp32 weights, fp16 autocast with GradScaler,
+gradient clipping, fused AdamW, the chunked loss, activation checkpointing; the process's CUDA memory is capped
+with torch.cuda.set_per_process_memory_fraction (bench_train._set_cap). Each probe runs ``--probe-steps`` steps
+(default 2): the first step allocates AdamW's state only in optimizer.step(), after the backward has freed the
+activations, so a single step misses the steady state, where the backward runs next to that state.
+
+Attention: full causal attention at 500k tokens costs minutes a step while its memory (flash/SDPA: O(tokens)) does
+not depend on how many keys a query sees, so by default the search runs causal SDPA within blocks of
+``--attention-block`` tokens (same tensors, O(tokens x block) work); ``--attention sdpa`` runs the full attention.
+
+Search per variant: doubling from ``--start`` until a length fails (out of memory) or reaches ``--max-len``, then
+bisection until the bracket is within ``--granularity`` tokens; ``--time-budget-min`` stops starting probes (the
+bracket so far is reported). Output: ``<out>/long_context_probe.md`` (table) and ``.json`` (every probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation at the cap
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from volta_train.training import activation_offload, chunked_loss, tiled_mlp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"baseline": (False, False), "tiled": (True, False), "offload": (False, True), "tiled+offload": (True, True)}
+ATTENTION = "long_context_probe_block_local"
+
+
+def _bench_train():
+    """scripts/bench_train.py as a module, wherever the checkout keeps it (benchmarks/, scripts/ or lab/)."""
+    for folder in ("benchmarks", "scripts", "lab"):
+        path = ROOT / folder / "bench_train.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("bench_train", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["bench_train"] = module
+            spec.loader.exec_module(module)
+            return module
+    raise FileNotFoundError(f"bench_train.py not found under {ROOT}/benchmarks, scripts or lab")
+
+
+bench = _bench_train()
+
+# ---- memory model (docs/long_context.md); every coefficient is an estimate until measured ------------------------
+
+
+def model_shape(name: str, vocab: int) -> dict:
+    """Shape figures of a bench_train model: layers, width, key/value width, MLP width, parameters."""
+    s = bench.LLAMA[name]
+    h, kv_width = s["n_embd"], s["n_embd"] // s["n_head"] * s["n_kv_head"]
+    per_layer = h * (2 * h + 2 * kv_width) + 3 * h * s["intermediate"] + 2 * h
+    return {"layers": s["n_layer"], "hidden": h, "kv_width": kv_width, "intermediate": s["intermediate"],
+            "parameters": s["n_layer"] * per_layer + vocab * h + h, "layer_parameters": per_layer}
+
+
+def memory_model(shape: dict, tokens: int, tiled: bool, offload: bool, tile_tokens: int | None = None,
+                 loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1, sp: int = 1,
+                 state_bytes_per_parameter: float = 16.0, overhead_gib: float = 1.0, hidden_bytes: int = 4) -> dict:
+    """Predicted peak bytes per GPU of a training step at ``tokens`` tokens per sequence (docs/long_context.md):
+    fixed = state_bytes_per_parameter x parameters / gpus + chunked-loss chunk + one MLP tile + overhead;
+    per token (of the tokens/sp this GPU holds) = checkpointed hidden states + one layer's recompute working set.
+    state_bytes_per_parameter: 16 for fp32 weights + gradients + AdamW on the GPU (bench_train; ZeRO-3 divides it by
+    the GPUs); ZeRO-3 with the optimizer in host memory ~4 (fp16 weights + gradients), with the weights too ~0 plus
+    the gathered layers' working set, which is then the overhead. hidden_bytes: 4 where the residual stream is fp32
+    (fp32 weights under autocast, as here), 2 with fp16 weights (DeepSpeed fp16). Unverified until measured."""
+    h, kv, inter, layers = shape["hidden"], shape["kv_width"], shape["intermediate"], shape["layers"]
+    kept = (layers + 1) * h * hidden_bytes if not offload else 2 * h * hidden_bytes  # offload: two layers in flight
+    attention = 2 * (4 * h + 2 * kv) + 2 * h * hidden_bytes  # fp16 norm out, q, attention out, o input; k, v; residual
+    mlp_width = 0 if tiled else 8 * inter  # gate, up, act(gate), act(gate) * up in fp16
+    mlp = mlp_width + 2 * h + h * hidden_bytes
+    gradient = 2 * h * hidden_bytes  # the hidden state's gradient flowing back, and its predecessor's
+    per_token = kept + attention + mlp + gradient
+    tile = (tile_tokens or tiled_mlp.auto_tile_tokens(inter)) if tiled else 0
+    fixed = (state_bytes_per_parameter * shape["parameters"] / gpus + loss_chunk_mib * 2**20
+             + 8 * inter * tile + overhead_gib * 2**30)
+    local = math.ceil(tokens / sp)
+    return {"fixed_bytes": fixed, "bytes_per_token": per_token, "peak_bytes": fixed + per_token * local,
+            "terms_per_token": {"checkpointed_hidden": kept, "attention": attention, "mlp": mlp, "gradient": gradient}}
+
+
+def predicted_max_tokens(shape: dict, cap_gib: float, tiled: bool, offload: bool, **kw) -> int:
+    """The longest sequence the memory model fits in ``cap_gib`` GiB per GPU (multiple of 1024 x sp)."""
+    m = memory_model(shape, 0, tiled, offload, **kw)
+    sp = kw.get("sp", 1)
+    tokens = (cap_gib * 2**30 - m["fixed_bytes"]) / m["bytes_per_token"] * sp
+    return max(0, int(tokens) // (1024 * sp) * 1024 * sp)
+
+
+# ---- attention for the search ------------------------------------------------------------------------------------
+
+
+def block_local_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers attention function: causal SDPA within blocks of BLOCK tokens (memory of full flash attention,
+    work O(tokens x block)); whole rows only."""
+    if attention_mask is not None:
+        raise ValueError("the long-context probe runs whole rows: attention_mask must be None")
+    b, heads, n, d = query.shape
+    block = min(BLOCK["tokens"], n)
+    pad = -n % block
+
+    def blocks(t):
+        t = torch.nn.functional.pad(t, (0, 0, 0, pad))
+        return t.reshape(b, t.shape[1], -1, block, d).transpose(1, 2).reshape(-1, t.shape[1], block, d)
+
+    out = torch.nn.functional.scaled_dot_product_attention(blocks(query), blocks(key), blocks(value), is_causal=True,
+                                                           scale=scaling, enable_gqa=key.shape[1] != heads)
+    out = out.reshape(b, -1, heads, block, d).transpose(1, 2).reshape(b, heads, n + pad, d)[:, :, :n]
+    return out.transpose(1, 2), None
+
+
+BLOCK = {"tokens": 4096}
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from volta_train.integrations import hf
+
+    AttentionInterface.register(ATTENTION, block_local_attention)
+    AttentionMaskInterface.register(ATTENTION, hf.padding_mask)  # None for unpadded rows: no O(n^2) mask
+
+
+# ---- search ------------------------------------------------------------------------------------------------------
+
+
+def probe(model, length: int, steps: int, vocab: int, device: torch.device) -> dict:
+    """``steps`` bench_train training steps at ``length`` tokens (batch 1): status and peak memory."""
+    optimizer = scaler = None
+    if device.type == "cuda":
+        bench._cleanup(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    began = time.perf_counter()
+    try:
+        optimizer, scaler, step = bench.training_step(model, 1, length, vocab, device)
+        for _ in range(steps):
+            loss = step("chunked").detach()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row = {"length": length, "status": "ok", "loss": loss.item()}
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        if not bench._is_oom(e):
+            raise
+        row = {"length": length, "status": "oom"}
+    finally:
+        del optimizer, scaler
+        model.zero_grad(set_to_none=True)
+    row["seconds"] = round(time.perf_counter() - began, 2)
+    if device.type == "cuda":
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        bench._cleanup(device)
+    return row
+
+
+def search(model, args, device: torch.device, bar, deadline: float) -> dict:
+    """Doubling then bisection; the longest length that trained, the shortest that did not, every probe."""
+    good, bad, probes = 0, None, []
+
+    def fits(n: int) -> bool | None:
+        if time.perf_counter() > deadline:
+            return None
+        row = probe(model, n, args.probe_steps, args.vocab, device)
+        probes.append(row)
+        bar.update(1)
+        bar.set_postfix_str(f"{n:,} {row['status']}, bracket [{max(good, n if row['status'] == 'ok' else good):,}, "
+                            f"{bad if row['status'] == 'ok' else n}]")
+        return row["status"] == "ok"
+
+    n, stopped = args.start, False
+    while bad is None:
+        ok = fits(n)
+        if ok is None:
+            stopped = True
+            break
+        if not ok:
+            bad = n
+        else:
+            good = n
+            if n >= args.max_len:
+                break
+            n = min(2 * n, args.max_len)
+    while not stopped and bad is not None and bad - good > args.granularity:
+        mid = (good + bad) // 2 // args.granularity * args.granularity
+        if mid <= good:
+            break
+        ok = fits(mid)
+        if ok is None:
+            stopped = True
+        elif ok:
+            good = mid
+        else:
+            bad = mid
+    return {"longest": good, "first_fail": bad, "stopped_by_time": stopped, "probes": probes}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama1b", choices=list(bench.LLAMA), help="bench_train's Llama shapes")
+    p.add_argument("--vocab", type=int, default=128256, help="vocabulary (Llama-3: 128256)")
+    p.add_argument("--memory-gb", type=float, default=32.0, help="CUDA memory cap in GiB (0: none)")
+    p.add_argument("--variants", default="baseline,tiled+offload", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--start", type=int, default=65536, help="first length tried")
+    p.add_argument("--max-len", type=int, default=1048576, help="longest length tried")
+    p.add_argument("--granularity", type=int, default=8192, help="bisection stops at this bracket (tokens)")
+    p.add_argument("--probe-steps", type=int, default=2, help="optimizer steps per probe (2: AdamW state resident)")
+    p.add_argument("--tile-tokens", type=int, default=None, help="tiled MLP: tokens per tile (auto: ~256 MiB)")
+    p.add_argument("--attention", default="block", choices=["block", "sdpa"],
+                   help="block: causal SDPA within --attention-block tokens (same memory); sdpa: full attention")
+    p.add_argument("--attention-block", type=int, default=4096)
+    p.add_argument("--time-budget-min", type=float, default=7.0, help="start no probe after this many minutes")
+    p.add_argument("--smoke", action="store_true", help="CPU, llama-nano, 64-512 tokens: the code path only")
+    p.add_argument("--out", default="out/long_context_probe")
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; accepted: {', '.join(VARIANTS)}")
+    if args.smoke:
+        args.model, args.vocab, args.start, args.max_len, args.granularity = "llama-nano", 320, 64, 512, 64
+        args.memory_gb, args.attention_block, args.tile_tokens = 0.0, 32, 48
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.smoke \
+        else torch.device("cpu")
+    BLOCK["tokens"] = args.attention_block
+    register_attention()
+    attention = ATTENTION if args.attention == "block" else "sdpa"
+    bench._set_cap(device, args.memory_gb)
+    shape = model_shape(args.model, args.vocab)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    began = time.perf_counter()
+    deadline = began + args.time_budget_min * 60
+    results = []
+    bar = tqdm(desc="long_context_probe", unit="probe")
+    for variant in args.variants.split(","):
+        tiled, offload = VARIANTS[variant]
+        torch.manual_seed(0)
+        model = bench.build(args.model, args.max_len, attention, device, True, args.vocab)
+        tiled_mlp.tile_mlps(model, args.tile_tokens, "on" if tiled else "off")
+        offloader = activation_offload.enable(model, min_bytes=1 if args.smoke else None) if offload else None
+        bar.set_description(f"long_context_probe {variant}")
+        found = search(model, args, device, bar, deadline)
+        cap = args.memory_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30
+                                 if device.type == "cuda" else 0.0)
+        found.update(variant=variant, tiled_mlp=tiled, activation_offload=offload,
+                     predicted=predicted_max_tokens(shape, cap, tiled, offload, tile_tokens=args.tile_tokens)
+                     if cap else None,
+                     offloaded_bytes=offloader.stats.packed_bytes if offloader else 0)
+        results.append(found)
+        del model, offloader
+        bench._cleanup(device)
+    bar.close()
+    summary = {"device": device_name, "torch": torch.__version__, "model": args.model, "vocab": args.vocab,
+               "shape": shape, "memory_gb": args.memory_gb, "attention": attention, "probe_steps": args.probe_steps,
+               "seconds": round(time.perf_counter() - began, 1), "args": vars(args), "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long_context_probe.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    md = table(summary)
+    (out / "long_context_probe.md").write_text(md, encoding="utf-8")
+    print(md, flush=True)
+    return summary
+
+
+def table(summary: dict) -> str:
+    lines = [f"# long_context_probe: {summary['model']} ({summary['shape']['parameters'] / 1e9:.2f} B parameters, "
+             f"{summary['vocab']} words), {summary['device']}, cap {summary['memory_gb']:g} GiB", "",
+             f"{summary['probe_steps']} training steps per probe (bench_train: fp16 autocast, fp32 AdamW, chunked "
+             f"loss, activation checkpointing), attention {summary['attention']}; predicted = docs/long_context.md's "
+             "memory model (unverified until this table is)", "",
+             "| variant | longest trained | first failing | peak reserved GiB at longest | predicted | probes | s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["results"]:
+        at = next((p for p in r["probes"] if p["length"] == r["longest"] and p["status"] == "ok"), {})
+        peak = at.get("peak_reserved_gib")
+        lines.append(f"| {r['variant']} | {r['longest']:,}{' (time budget)' if r['stopped_by_time'] else ''} | "
+                     f"{'-' if r['first_fail'] is None else format(r['first_fail'], ',')} | "
+                     f"{'-' if peak is None else format(peak, '.2f')} | "
+                     f"{'-' if r['predicted'] is None else format(r['predicted'], ',')} | {len(r['probes'])} | "
+                     f"{sum(p['seconds'] for p in r['probes']):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
