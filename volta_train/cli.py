@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = gpt_long if command == "train" else finetune
         sys.argv = [f"volta-train {command}", *rest]  # argparse's usage line names the command
-        recipe.main(rest)
+        recipe.main(rest, prog=f"volta-train {command}")  # exits non-zero itself when the run did not finish
         return 0
     if command == "bench":
         from . import bench
