@@ -1,6 +1,6 @@
 """The ``volta-train`` command: one entry point for the things a user runs.
 
-    volta-train env                      # what this machine has; exit 1 when the kernels cannot be built here
+    volta-train env                      # what this machine has; exit 0 ready, 1 not ready, 3 CPU only (no NVRTC)
     volta-train train [gpt_long options] # pretrain a GPT (volta_train/recipes/gpt_long.py), one process
     volta-train finetune --config NAME   # fine-tune from a YAML file or a shipped config's name
     volta-train bench                    # attention speed and accuracy against PyTorch's SDPA backends (GPU)
