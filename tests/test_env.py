@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +257,15 @@ def test_tensorboard_requested_without_tensorboard_is_an_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ImportError, match="--tensorboard asks for TensorBoard.*pip install tensorboard"):
         logs.check_tensorboard(True)
+
+
+def test_the_test_run_never_uses_the_users_kernel_cache():
+    """conftest.py points the kernel cache at the run's temporary directory (issue 27: a run left 212 kernels in
+    ~/.cache/volta_train/kernels)."""
+    from volta_train.kernels import cache
+
+    directory = cache.cache_dir_path()
+    assert directory != Path.home() / ".cache" / "volta_train" / "kernels"
+    if os.environ.get("VOLTA_TRAIN_TEST_RUN_CACHE"):
+        assert str(directory) == os.environ["VOLTA_TRAIN_TEST_RUN_CACHE"]
+        assert Path(directory).name.startswith("volta_train-test-kernels-")
