@@ -58,6 +58,12 @@ def _kernel_cache(home: Path) -> str:
     return os.environ.get(cache.CACHE_DIR_ENV) or str(home / "kernel-cache")
 
 
+def _run(cmd: list[str], cwd: Path, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(map(str, cmd))}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
 @pytest.mark.slow
 def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
     # --- build: sdist from the checkout, wheel from the unpacked sdist
@@ -163,8 +169,8 @@ def test_the_venv_sees_this_environments_packages_not_the_base_interpreters(tmp_
     assert made.returncode == 0, made.stderr[-3000:]
     inner_python = made.stdout.strip()
     env.pop("PYTHONPATH")
-    seen = subprocess.run([inner_python, "-c", "import sys, only_in_outer; print(only_in_outer.WHERE); print(sys.prefix)"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    code = "import sys, only_in_outer; print(only_in_outer.WHERE); print(sys.prefix)"
+    seen = subprocess.run([inner_python, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert seen.returncode == 0, seen.stderr[-3000:]
     where, prefix = seen.stdout.split()
     assert Path(where).parent == Path(purelib) and Path(prefix) == tmp_path / "inner"

@@ -217,7 +217,7 @@ def test_resume_never_sets_the_earlier_run_aside_and_never_mixes_runs(tmp_path, 
     caplog.set_level(logging.WARNING)
     _trainer(out, steps=4, interval=2, resume="never").run()  # the new run (imagine it died after step 4)
     previous = out / "previous-run-1"
-    assert f"held an earlier run (step-00000003, step-00000006); moved checkpoints, summary.json, train.csv" in (
+    assert "held an earlier run (step-00000003, step-00000006); moved checkpoints, summary.json, train.csv" in (
         caplog.text) and str(previous) in caplog.text
     assert _steps(previous / "checkpoints") == [3, 6] and (previous / "summary.json").is_file()
     assert _steps(out / "checkpoints") == [2, 4]

@@ -84,9 +84,9 @@ def driver_problem(arch: int) -> str | None:
         return None
     if chosen.version[0] <= driver[0]:
         return None
-    return (f"NVRTC {chosen.version_string} ({chosen.path}) makes cubins that this driver (CUDA {driver[0]}.{driver[1]}) "
-            f"cannot load: update the driver, or pip install nvidia-cuda-nvrtc-cu{driver[0]} and set "
-            f"{nvrtc.NVRTC_ENV} to its libnvrtc (docs/kernel_build.md)")
+    return (f"NVRTC {chosen.version_string} ({chosen.path}) makes cubins that this driver "
+            f"(CUDA {driver[0]}.{driver[1]}) cannot load: update the driver, or pip install "
+            f"nvidia-cuda-nvrtc-cu{driver[0]} and set {nvrtc.NVRTC_ENV} to its libnvrtc (docs/kernel_build.md)")
 
 
 def source_lines() -> list[str]:

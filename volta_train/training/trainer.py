@@ -268,8 +268,9 @@ class Trainer:
         raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
+        last_loss = self._train_loss if math.isfinite(self._train_loss) else None
         state = {**totals, "micro_batches": step * self.loop.grad_accum, **self.run_info, "settings": self.settings,
-                 "planned_steps": self.loop.steps, "train_loss": self._train_loss if math.isfinite(self._train_loss) else None}
+                 "planned_steps": self.loop.steps, "train_loss": last_loss}
         checkpoint.save_checkpoint(self.accelerator, self.model, self.optimizer, self.checkpoint_root, step, state,
                                    self.loop.keep_checkpoints, tokenizer=self.tokenizer)
 
