@@ -1,13 +1,57 @@
-"""Test-suite wide: gpu-marked tests (tests/ and lab/tests/) are skipped where PyTorch sees no CUDA GPU."""
+"""Test-suite wide (tests/ and lab/tests/): one kernel cache per run, gpu-marked tests skipped without a CUDA GPU,
+and the tests that launch several processes kept on one pytest-xdist worker."""
+
+import inspect
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
+# The kernel cache of a test run: one temporary directory shared by every test and worker process of the run (so each
+# kernel compiles once), removed at the end; never the user's ~/.cache/volta_train/kernels. A VOLTA_TRAIN_CACHE_DIR
+# set before pytest starts is used instead (and kept), e.g. to reuse compiled kernels across runs.
+CACHE_DIR_ENV = "VOLTA_TRAIN_CACHE_DIR"
+_RUN_CACHE = "VOLTA_TRAIN_TEST_RUN_CACHE"  # set when this run made the directory (pytest-xdist workers inherit it)
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or os.environ.get(CACHE_DIR_ENV):
+        return  # a worker (the controller set it up) or the user's own choice
+    directory = tempfile.mkdtemp(prefix="volta_train-test-kernels-")
+    os.environ[CACHE_DIR_ENV] = os.environ[_RUN_CACHE] = directory
+
+
+def pytest_unconfigure(config):
+    directory = os.environ.get(_RUN_CACHE)
+    if directory and not hasattr(config, "workerinput"):
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop(_RUN_CACHE, None)
+        if os.environ.get(CACHE_DIR_ENV) == directory:
+            del os.environ[CACHE_DIR_ENV]
+
+
+# Tests that start several training processes through `accelerate launch`, whose rendezvous port defaults to 29500:
+# under pytest-xdist (README's `-n 2 --dist loadgroup`) they share one worker, so that two never race for that port.
+_LAUNCHES_PROCESSES = ("ACCELERATE", "--num_processes", "_zero_cmd", "processes=2", "processes=4")
+
+
+def _launches_processes(item) -> bool:
+    if item.path.name == "test_sequence_parallel.py":
+        return True
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        return False
+    return any(token in source for token in _LAUNCHES_PROCESSES)
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    has_gpu = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+        if _launches_processes(item):
+            item.add_marker(pytest.mark.xdist_group("launches-processes"))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +95,37 @@ def test_missing_sources_exit_1_saying_why(monkeypatch, tmp_path, capsys):
 def test_cpu_with_sources_exits_0_naming_the_reference_backend(capsys):
     assert env.main([]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("ready: no GPU -> reference backend")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_cpu_without_any_nvrtc_exits_3_cpu_only(monkeypatch, capsys):
+    """No GPU and no NVRTC: training runs (reference backend) but nothing can be built: status 3, not 0 or 1."""
+    monkeypatch.setattr(env, "nvrtc_problem", lambda arch: "no usable libnvrtc found")
+    assert env.main([]) == env.CPU_ONLY == 3
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "CPU only: no GPU -> reference backend; no NVRTC for sm_70")
+
+
+def test_an_nvrtc_newer_than_the_driver_is_not_ready(monkeypatch, capsys):
+    from volta_train.kernels import driver, nvrtc
+
+    class Library:
+        version, version_string, path, supported_archs = (12, 9), "12.9", "/x/libnvrtc.so.12", (70, 75)
+
+        def supports(self, arch):
+            return arch in self.supported_archs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(env, "target_arch", lambda: 70)
+    monkeypatch.setattr(nvrtc, "available_nvrtc_libraries", lambda: [Library()])
+    monkeypatch.setattr(driver, "driver_version", lambda: (11, 8))
+    found = env.problems()
+    assert found == ["NVRTC 12.9 (/x/libnvrtc.so.12) makes cubins that this driver (CUDA 11.8) cannot load: update the "
+                     "driver, or pip install nvidia-cuda-nvrtc-cu11 and set VOLTA_TRAIN_NVRTC to its libnvrtc "
+                     "(docs/kernel_build.md)"]
+    assert env.status(found) == env.NOT_READY == 1
+    monkeypatch.setattr(driver, "driver_version", lambda: (12, 2))
+    assert env.problems() == [] and env.status([]) == env.READY == 0
 
 
 def test_gpu_without_an_nvrtc_for_it_is_not_ready(monkeypatch):
@@ -225,3 +257,15 @@ def test_tensorboard_requested_without_tensorboard_is_an_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ImportError, match="--tensorboard asks for TensorBoard.*pip install tensorboard"):
         logs.check_tensorboard(True)
+
+
+def test_the_test_run_never_uses_the_users_kernel_cache():
+    """conftest.py points the kernel cache at the run's temporary directory (a run once left 212 kernels in
+    ~/.cache/volta_train/kernels)."""
+    from volta_train.kernels import cache
+
+    directory = cache.cache_dir_path()
+    assert directory != Path.home() / ".cache" / "volta_train" / "kernels"
+    if os.environ.get("VOLTA_TRAIN_TEST_RUN_CACHE"):
+        assert str(directory) == os.environ["VOLTA_TRAIN_TEST_RUN_CACHE"]
+        assert Path(directory).name.startswith("volta_train-test-kernels-")

@@ -4,7 +4,10 @@ its own copy of the sources and trains through the `volta-train` console script.
 
 The wheel is built from the sdist (so a missing file in the sdist fails here) with setuptools' PEP 517 hooks in
 this environment (no build isolation, no network), and installed with --no-deps into a fresh virtual environment
-that reuses this environment's packages (CPU torch, transformers, NVRTC 12).
+that reuses this environment's packages (CPU torch, transformers, NVRTC 12) through a .pth file naming this
+environment's site-packages: ``--system-site-packages`` would give it the base interpreter's packages instead,
+which lack them when this environment is itself a virtual environment. Kernels compile into the test run's kernel
+cache (tests/conftest.py), so those another test compiled are not compiled again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 
 from volta_train.kernels import cache, nvrtc
 from volta_train.kernels.tiles import shipped_variants
+from venvs import make_venv, outer_site_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
@@ -45,8 +49,13 @@ def _user_env(venv: Path, home: Path) -> dict:
     """An environment like a user's shell with the venv active: no PYTHONPATH pointing into the checkout."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "ACCELERATE_USE_DEEPSPEED")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
-               VOLTA_TRAIN_CACHE_DIR=str(home / "kernel-cache"), HF_HUB_OFFLINE="1", MPLCONFIGDIR=str(home / "mpl"))
+               VOLTA_TRAIN_CACHE_DIR=_kernel_cache(home), HF_HUB_OFFLINE="1", MPLCONFIGDIR=str(home / "mpl"))
     return env
+
+
+def _kernel_cache(home: Path) -> str:
+    """The test run's kernel cache (tests/conftest.py), else one of this test's own."""
+    return os.environ.get(cache.CACHE_DIR_ENV) or str(home / "kernel-cache")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -82,8 +91,7 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
 
     # --- install into a fresh venv that reuses this environment's packages; run from outside the checkout
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
+    python = make_venv(venv)
     home = tmp_path / "user"
     home.mkdir()
     env = _user_env(venv, home)
@@ -113,7 +121,8 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
         pytest.skip("no NVRTC that targets sm_70 (pip install nvidia-cuda-nvrtc-cu12)")
     compiled = _run([script, "precompile", "--arch", "sm_70", "--jobs", "2"], home, env, timeout=900).stdout
     assert f"{len(shipped_variants(70))} variants ready" in compiled and f"from {csrc} " in compiled, compiled[-2000:]
-    assert len(list((home / "kernel-cache").glob(f"*{cache.ENTRY_SUFFIX}"))) == len(shipped_variants(70))
+    # every shipped variant has its entry (the run's cache may hold others too)
+    assert len(list(Path(_kernel_cache(home)).glob(f"*{cache.ENTRY_SUFFIX}"))) >= len(shipped_variants(70))
 
     # a few steps of the main job through the console script
     out = home / "run"
@@ -140,3 +149,33 @@ def _has_nvrtc70() -> bool:
     except nvrtc.NvrtcNotFoundError:
         return False
     return True
+
+
+def test_the_venv_sees_this_environments_packages_not_the_base_interpreters(tmp_path):
+    """From inside a virtual environment (an outer venv holding a package the base interpreter lacks), the venv that
+    make_venv creates imports that package; --system-site-packages would not (issue 27: torch was missing there)."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", str(outer)], check=True, timeout=300)
+    outer_python = outer / "bin" / "python"
+    purelib = subprocess.run([str(outer_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    Path(purelib, "only_in_outer.py").write_text("WHERE = __file__\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT / "tests")  # venvs.py only: standard library
+    code = ("import sys; from pathlib import Path; from venvs import make_venv; "
+            "python = make_venv(Path(sys.argv[1])); print(python)")
+    made = subprocess.run([str(outer_python), "-c", code, str(tmp_path / "inner")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    inner_python = made.stdout.strip()
+    env.pop("PYTHONPATH")
+    code = "import sys, only_in_outer; print(only_in_outer.WHERE); print(sys.prefix)"
+    seen = subprocess.run([inner_python, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert seen.returncode == 0, seen.stderr[-3000:]
+    where, prefix = seen.stdout.split()
+    assert Path(where).parent == Path(purelib) and Path(prefix) == tmp_path / "inner"
+    python = make_venv(tmp_path / "here")  # and from this environment: torch is there
+    found = subprocess.run([str(python), "-c", "import torch; print(torch.__file__)"], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert any(Path(found.stdout.strip()).is_relative_to(d) for d in outer_site_packages())

@@ -664,7 +664,7 @@ def test_log_and_summary_write_errors_name_the_file(tmp_path):
     with pytest.raises(fsio.WriteError, match=rf"cannot write {re.escape(str(out / 'train.csv'))}: OSError: .*No "
                                               "space left"):
         writer.write("train", 1, {"loss": 1.0})
-    (out / ".summary.json.tmp").symlink_to("/dev/full")
+    fsio.temporary_name(out / "summary.json").symlink_to("/dev/full")
     with pytest.raises(fsio.WriteError, match=rf"cannot write {re.escape(str(out / 'summary.json'))}"):
         fsio.write_text_atomic(out / "summary.json", "{}\n")
     assert not (out / "summary.json").exists()

@@ -1,6 +1,6 @@
 """The ``volta-train`` command: one entry point for the things a user runs.
 
-    volta-train env                      # what this machine has; exit 1 when the kernels cannot be built here
+    volta-train env                      # what this machine has; exit 0 ready, 1 not ready, 3 CPU only (no NVRTC)
     volta-train train [gpt_long options] # pretrain a GPT (volta_train/recipes/gpt_long.py), one process
     volta-train finetune --config NAME   # fine-tune from a YAML file or a shipped config's name
     volta-train bench                    # attention speed and accuracy against PyTorch's SDPA backends (GPU)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = gpt_long if command == "train" else finetune
         sys.argv = [f"volta-train {command}", *rest]  # argparse's usage line names the command
-        recipe.main(rest)
+        recipe.main(rest, prog=f"volta-train {command}")  # exits non-zero itself when the run did not finish
         return 0
     if command == "bench":
         from . import bench

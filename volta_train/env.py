@@ -4,9 +4,16 @@ torch and its CUDA version, the GPUs, the kernel source directory, the NVRTC tha
 kernel cache directory, which backend a typical call (fp16, [2, 4096, 16, 64], causal) would take and why, and the
 transformers version with the model families ``volta_train.patch`` supports.
 
-Exit status 1, with the reasons on the last line, when the kernels cannot be built here: the CUDA sources are
-missing, or a GPU is present and no NVRTC targets it. Without a GPU the reference backend runs everything, so a
-missing NVRTC is only noted (it is needed to precompile kernels for a GPU machine).
+The last line is the verdict, and the exit status says the same to scripts:
+
+* 0 (``ready``): the kernels can be built here: the CUDA sources are there and an NVRTC compiles for the GPU
+  present (for sm_70 when there is none, so ``volta-train precompile`` works) and makes cubins its driver loads;
+* 1 (``NOT READY``): they cannot: the sources are missing, or a GPU is present and no NVRTC targets it, or the
+  NVRTC is newer than its driver (a CUDA 11 driver loads no cubin from NVRTC 12: point ``VOLTA_TRAIN_NVRTC`` at
+  NVRTC 11.8's ``libnvrtc.so.11.2``);
+* 2: a usage error;
+* 3 (``CPU only``): no GPU and no NVRTC for sm_70: training runs on the reference backend, but no kernel can be
+  built or precompiled here.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from .options import AttentionOptions
 from .kernels import nvrtc
 from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_dir_path
 
+READY, NOT_READY, CPU_ONLY = 0, 1, 3  # exit statuses (see the module doc)
 TYPICAL_SHAPE = (2, 4096, 16, 64)  # batch, seqlen, heads, head_dim
 VOLTA_ARCH = 70
 ENV_VARS = (BACKEND_ENV, resources.CSRC_ENV, nvrtc.NVRTC_ENV, CACHE_DIR_ENV, LOCK_TIMEOUT_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
@@ -65,6 +73,23 @@ def nvrtc_problem(arch: int) -> str | None:
     return None
 
 
+def driver_problem(arch: int) -> str | None:
+    """Why the driver cannot load the cubins of the NVRTC chosen for ``arch`` (its CUDA major version is older than
+    the NVRTC's), or None (also when either is unknown)."""
+    from .kernels.driver import CudaDriverError, driver_version
+
+    try:
+        chosen = nvrtc.select_nvrtc(nvrtc.available_nvrtc_libraries(), arch)
+        driver = driver_version()
+    except (nvrtc.NvrtcNotFoundError, CudaDriverError, OSError):
+        return None
+    if chosen.version[0] <= driver[0]:
+        return None
+    return (f"NVRTC {chosen.version_string} ({chosen.path}) makes cubins that this driver "
+            f"(CUDA {driver[0]}.{driver[1]}) cannot load: update the driver, or pip install "
+            f"nvidia-cuda-nvrtc-cu{driver[0]} and set {nvrtc.NVRTC_ENV} to its libnvrtc (docs/kernel_build.md)")
+
+
 def source_lines() -> list[str]:
     try:
         directory = resources.csrc_dir()
@@ -101,7 +126,20 @@ def problems() -> list[str]:
         why = nvrtc_problem(arch)
         if why is not None:
             found.append(f"no NVRTC targets the GPU present (sm_{arch}): {why.splitlines()[0]}")
+        else:
+            mismatch = driver_problem(arch)
+            if mismatch is not None:
+                found.append(mismatch)
     return found
+
+
+def status(found: list[str]) -> int:
+    """The exit status of the report (see the module doc)."""
+    if found:
+        return NOT_READY
+    if not torch.cuda.is_available() and nvrtc_problem(VOLTA_ARCH) is not None:
+        return CPU_ONLY
+    return READY
 
 
 def verdict_line(found: list[str]) -> str:
@@ -109,8 +147,10 @@ def verdict_line(found: list[str]) -> str:
         return "NOT READY: " + "; ".join(found)
     if torch.cuda.is_available():
         return f"ready: kernels compile for sm_{target_arch()} at first use (volta-train precompile does it ahead)"
-    note = "" if nvrtc_problem(VOLTA_ARCH) is None else " (no NVRTC: pip install nvidia-cuda-nvrtc-cu12 to precompile)"
-    return f"ready: no GPU -> reference backend{note}"
+    if status(found) == CPU_ONLY:
+        return ("CPU only: no GPU -> reference backend; no NVRTC for sm_70, so no kernel can be built or precompiled "
+                "here (pip install nvidia-cuda-nvrtc-cu12)")
+    return "ready: no GPU -> reference backend; kernels for sm_70 can be precompiled here"
 
 
 def nvrtc_lines(arch: int) -> list[str]:
@@ -168,14 +208,14 @@ def report(found: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the report; 0 when the kernels can be built here (or no GPU needs them), 1 otherwise."""
+    """Print the report; the exit status is :func:`status`: 0 ready, 1 not ready, 3 CPU only (module doc)."""
     import argparse
 
     argparse.ArgumentParser(prog="volta-train env", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     found = problems()
     print(report(found))
-    return 1 if found else 0
+    return status(found)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ SASS for one architecture (``nvrtcGetCUBIN``, not PTX). NVRTC needs no GPU.
 
 Where libnvrtc is looked for, in this order (every existing, loadable candidate is kept):
 
-1. ``$VOLTA_TRAIN_NVRTC``: an explicit path to a libnvrtc shared library (an error if it does not exist);
+1. ``$VOLTA_TRAIN_NVRTC``: an explicit path to a libnvrtc shared library, or the name of an installed NVRTC wheel
+   (``nvidia-cuda-nvrtc-cu11``: its libnvrtc), e.g. NVRTC 11.8 for a driver of CUDA 11 (an error if neither);
 2. the pip wheels in every ``sys.path`` entry: ``nvidia/cuda_nvrtc/lib/libnvrtc.so.12`` (CUDA 12 wheels,
    a dependency of PyTorch's cu12x wheels), ``nvidia/cu13/lib/libnvrtc.so.13`` (PyTorch cu130 wheels),
    ``nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2``;
@@ -245,15 +246,43 @@ def system_nvrtc_name() -> str | None:
     return ctypes.util.find_library("nvrtc")
 
 
+def wheel_library(distribution: str) -> str | None:
+    """The libnvrtc shared library that the installed pip distribution ``distribution`` (e.g.
+    ``nvidia-cuda-nvrtc-cu11``) ships, or None when it is not installed or ships none."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if re.fullmatch(r"libnvrtc\.so\.\d+(\.\d+)*", file.name):
+            path = str(dist.locate_file(file))
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def explicit_library() -> str | None:
+    """``$VOLTA_TRAIN_NVRTC`` as a library path (a path, or an installed wheel's name); None when unset."""
+    explicit = os.environ.get(NVRTC_ENV)
+    if not explicit:
+        return None
+    if os.path.isfile(explicit):
+        return explicit
+    if os.sep not in explicit and (found := wheel_library(explicit)) is not None:
+        return found
+    raise NvrtcNotFoundError(
+        f"{NVRTC_ENV}={explicit!r} is neither a file nor an installed NVRTC wheel; set it to a libnvrtc.so path or "
+        "a wheel's name (nvidia-cuda-nvrtc-cu11, nvidia-cuda-nvrtc-cu12), or unset it"
+    )
+
+
 def nvrtc_candidate_paths() -> list[str]:
     """Every libnvrtc found, in order of preference, without duplicates (by real path)."""
     candidates = []
-    explicit = os.environ.get(NVRTC_ENV)
+    explicit = explicit_library()
     if explicit:
-        if not os.path.isfile(explicit):
-            raise NvrtcNotFoundError(
-                f"{NVRTC_ENV}={explicit!r} is not a file; set it to a libnvrtc.so path or unset it"
-            )
         candidates.append(explicit)
     for site in site_package_dirs():
         candidates.extend(os.path.join(site, relative) for relative in WHEEL_LIBRARIES)

@@ -32,14 +32,24 @@ from ..training import (  # noqa: E402
 )
 from ..training import finetune as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, save_final_and_summary,
+    LoopConfig, Trainer, abandon_start, begin_run, end_training, exit_status, finished_earlier, run_or_fail,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("finetune")
+_prog = ["finetune.py"]  # the command name error messages start with (volta-train finetune sets its own)
+
+# Options that do not change what is trained (where files go, logging, checkpoint and evaluation scheduling,
+# threads); every other option is recorded with each checkpoint and compared on resume.
+NOT_TRAJECTORY = {"logging", "checkpoint", "eval", "data.cache_dir", "data.num_workers", "train.cpu",
+                  "train.cpu_threads", "train.time_limit_min", "train.max_consecutive_skips", "train.deepspeed",
+                  "model.gradient_checkpointing"}
+# Options whose change makes the checkpoint's weights meaningless for this run: resuming with another is refused.
+FIXED = ("--task", "--model.config", "--model.tokenizer", "--data.labels")
 
 
 def _fail(message: str):
-    sys.exit(f"finetune.py: error: {message}")
+    sys.exit(f"{_prog[0]}: error: {message}")
 
 
 def shipped_paths(cfg: ft.FinetuneConfig) -> tuple[ft.FinetuneConfig, list[str]]:
@@ -84,14 +94,32 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
         _fail(str(e))
 
 
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = "finetune.py") -> dict:
+    """Run the recipe; returns summary.json's contents. A run that stopped before its planned steps with a checkpoint
+    (SIGTERM, train.time_limit_min) exits with :data:`~volta_train.training.trainer.STOPPED_EXIT` once that is
+    written."""
+    _prog[0] = prog
     with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        return _main(argv, held)
+        summary = _main(argv, held)
+    if exit_status(summary):
+        sys.exit(exit_status(summary))
+    return summary
 
 
 def _main(argv, held: list) -> dict:
     cfg, state = _start(argv, held)
-    t, d, out_dir = cfg.train, cfg.data, Path(cfg.logging.out_dir)
+    try:
+        trainer, parts = _prepare(cfg, state)
+    except BaseException:
+        abandon_start(held)
+        raise
+    begin_run(Path(cfg.logging.out_dir), config.to_dict(cfg), state.is_main_process)
+    return _train(cfg, trainer, *parts)
+
+
+def _prepare(cfg, state):
+    """Everything before the first step: data, model, accelerator, trainer (a failure here leaves no files)."""
+    t, d = cfg.train, cfg.data
     tokenizer, names, train_arrays, eval_arrays = _load_data(cfg, state)
     model, chunked = _build_model(cfg, tokenizer, names)
     impl = model.config._attn_implementation
@@ -115,21 +143,29 @@ def _main(argv, held: list) -> dict:
                             cfg.eval.batches, causal, chunked, t.loss_chunk_tokens) \
         if eval_set is not None and len(eval_set) else None
     hf_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(model) loads it
-    run_info = {"task": cfg.task, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "seed": t.seed,
-                "train": d.train, "max_length": d.max_length}
+    options = config.to_dict(cfg)
+    options["train"]["steps"], options["schedule"]["warmup_steps"] = steps, warmup  # as resolved
+    options["data"]["labels"] = list(names)
+    settings = trajectory_settings(options, NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
     loss_fn = (lambda engine, batch: chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=t.loss_chunk_tokens)) \
         if chunked else None
     trainer = Trainer(setup, model, optimizer, _loop_config(cfg, steps, warmup), batches=batches, flops=flops,
-                      evaluate=evaluate, run_info=run_info, tokenizer=hf_tokenizer, loss_fn=loss_fn)
+                      evaluate=evaluate, run_info={"chunked_loss": chunked}, tokenizer=hf_tokenizer, loss_fn=loss_fn,
+                      settings=settings, fixed_settings=FIXED)
+    return trainer, (model, impl, n_params, names, setup, hf_tokenizer)
+
+
+def _train(cfg, trainer, model, impl, n_params, names, setup, hf_tokenizer) -> dict:
+    out_dir, accelerator = Path(cfg.logging.out_dir), setup.accelerator
     result = run_or_fail(trainer, _fail)
-    previous = finished_earlier(result, out_dir, accelerator, log, "--checkpoint.resume")
+    previous = finished_earlier(trainer, result, log, final_expected=cfg.checkpoint.save_final)
     if previous is not None:
         return previous
 
     summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
                "zero_stage": setup.zero_stage, "processes": accelerator.num_processes, "labels": names or None,
                "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
-    save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer)
+    save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer, _fail)
     _log_done(summary, impl, out_dir)
     end_training(accelerator)
     return summary
@@ -148,7 +184,7 @@ def _start(argv, held: list):
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
     except runlock.RunLockError as e:
         _fail(str(e))
-    logs.setup_logging(state.is_main_process, out_dir / "train.log")
+    logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
     if threads is None and state.device.type != "cuda":
@@ -159,7 +195,7 @@ def _start(argv, held: list):
     set_seed(t.seed)
     for note in notes:
         log.info("%s", note)
-    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process)
+    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process, write=False)
     return cfg, state
 
 
@@ -280,6 +316,7 @@ def _loop_config(cfg, steps: int, warmup: int) -> LoopConfig:
         time_limit_min=t.time_limit_min, out_dir=cfg.logging.out_dir, progress=cfg.logging.progress,
         tensorboard=cfg.logging.tensorboard, peak_tflops=cfg.logging.peak_tflops,
         max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
+        steps_flag="--train.steps", resume_flag="--checkpoint.resume",
     )
 
 

@@ -40,14 +40,27 @@ from ..training import (  # noqa: E402
     attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, save_final_and_summary,
+    LoopConfig, Trainer, abandon_start, begin_run, end_training, exit_status, finished_earlier, run_or_fail,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
+_prog = ["gpt_long.py"]  # the command name error messages start with (volta-train train sets its own)
+
+# Options that do not change what is trained (where files go, logging, scheduling of checkpoints and evaluation,
+# threads); every other option is recorded with each checkpoint and compared on resume.
+NOT_TRAJECTORY = {
+    "out_dir", "cache_dir", "num_workers", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
+    "keep_checkpoints", "resume", "resume_without_rng", "time_limit_min", "cpu", "cpu_threads", "progress",
+    "tensorboard", "peak_tflops", "save", "max_consecutive_skips", "gradient_checkpointing", "deepspeed",
+}
+# Options whose change makes the checkpoint's weights meaningless for this run: resuming with another is refused.
+FIXED = ("--arch", "--model", "--n-layer", "--n-head", "--n-embd", "--n-kv-head", "--intermediate-size",
+         "--model-config", "--tokenizer")
 
 
 def _fail(message: str):
-    sys.exit(f"gpt_long.py: error: {message}")
+    sys.exit(f"{_prog[0]}: error: {message}")
 
 
 def make_optimizer(setup, model, cfg):
@@ -91,14 +104,30 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = "gpt_long.py") -> dict:
+    """Run the recipe; returns summary.json's contents. A run that stopped before its planned steps with a checkpoint
+    (SIGTERM, time_limit_min) exits with :data:`~volta_train.training.trainer.STOPPED_EXIT` once that is written."""
+    _prog[0] = prog
     with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        return _main(argv, held)
+        summary = _main(argv, held)
+    if exit_status(summary):
+        sys.exit(exit_status(summary))
+    return summary
 
 
 def _main(argv, held: list) -> dict:
     cfg, state = _start(argv, held)
-    out_dir = Path(cfg.out_dir)
+    try:
+        trainer, parts = _prepare(cfg, state)
+    except BaseException:
+        abandon_start(held)
+        raise
+    begin_run(Path(cfg.out_dir), config.to_dict(cfg), state.is_main_process)
+    return _train(cfg, trainer, *parts)
+
+
+def _prepare(cfg, state):
+    """Everything before the first step: data, model, accelerator, trainer (a failure here leaves no files)."""
     tokenizer, train_tokens, val_tokens = _load_data(cfg, state)
     model = _build_model(cfg, state, tokenizer)
     shape = gpt.describe(model)
@@ -136,15 +165,20 @@ def _main(argv, held: list) -> dict:
         cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
         cfg.warmup_steps, step.batches_per_epoch * cfg.batch_size * replicas,
     )
-    run_info = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-                "seed": cfg.seed, "data": cfg.data, "packing": "documents" if documents else "stream",
-                "sequence_parallel_size": cfg.sequence_parallel_size, "chunked_loss": chunked}
+    # what "auto" options resolved to (the options themselves are the settings)
+    run_info = {"packing": "documents" if documents else "stream", "chunked_loss": chunked}
     saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
+    settings = trajectory_settings(config.to_dict(cfg), NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
     trainer = Trainer(setup, model, optimizer, _loop_config(cfg), batches=step.batches, flops=step.count,
                       evaluate=step.evaluate if step.val_batches else None, run_info=run_info,
-                      tokenizer=saved_tokenizer, loss_fn=step.loss)
+                      tokenizer=saved_tokenizer, loss_fn=step.loss, settings=settings, fixed_settings=FIXED)
+    return trainer, (model, impl, n_params, documents, chunked, setup, replicas, saved_tokenizer)
+
+
+def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, replicas, saved_tokenizer) -> dict:
+    out_dir, accelerator = Path(cfg.out_dir), setup.accelerator
     result = run_or_fail(trainer, _fail)
-    previous = finished_earlier(result, out_dir, accelerator, log, "--resume")
+    previous = finished_earlier(trainer, result, log, final_expected=cfg.save)
     if previous is not None:
         return previous
 
@@ -156,7 +190,7 @@ def _main(argv, held: list) -> dict:
         "sequence_parallel_size": cfg.sequence_parallel_size, "data_parallel_size": replicas, "chunked_loss": chunked,
         "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
-    save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer)
+    save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer, _fail)
     _log_done(summary, val_loss, impl, out_dir)
     end_training(accelerator)
     return summary
@@ -184,12 +218,12 @@ def _start(argv, held: list):
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
     except runlock.RunLockError as e:
         _fail(str(e))
-    logs.setup_logging(state.is_main_process, out_dir / "train.log")
+    logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     set_seed(cfg.seed)
-    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process)
+    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process, write=False)
     return cfg, state
 
 
@@ -318,6 +352,7 @@ def _loop_config(cfg) -> LoopConfig:
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
+        steps_flag="--steps", resume_flag="--resume",
     )
 
 

@@ -84,25 +84,59 @@ def save_model(accelerator, model, path: str | Path, train_cfg=None, extra: dict
 
     Every process must call this (gathering a sharded state dict is collective); only the main process writes.
     ``tokenizer``: a HuggingFace tokenizer to save alongside (so the directory is self-contained).
+    The files go to ``.tmp-<name>`` beside ``path`` with a ``MANIFEST.json``, which is renamed to ``path`` once
+    complete: ``path`` holds either the previous model or the whole new one (:func:`verify_model` checks it).
     """
     path = Path(path)
+    tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
         with writing(path, "the model"):
-            path.mkdir(parents=True, exist_ok=True)
-            unwrapped.save_pretrained(path, is_main_process=True, state_dict=state_dict, max_shard_size="1000GB")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        if train_cfg is not None:
-            with writing(path / TRAIN_CONFIG):
-                save_yaml(train_cfg, path / TRAIN_CONFIG)
-        if extra is not None:
-            write_text_atomic(path / "run.json", json.dumps(extra, indent=2) + "\n", fsync=False)
+            for stale in (tmp, old):  # left by a save that was killed
+                if stale.exists():
+                    shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+            try:
+                unwrapped.save_pretrained(tmp, is_main_process=True, state_dict=state_dict, max_shard_size="1000GB")
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                if train_cfg is not None:
+                    save_yaml(train_cfg, tmp / TRAIN_CONFIG)
+                if extra is not None:
+                    write_text_atomic(tmp / "run.json", json.dumps(extra, indent=2) + "\n", fsync=False)
+                _fsync_tree(tmp)
+                write_manifest(tmp, int((extra or {}).get("steps", 0) or 0))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+                raise
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            _fsync(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
         logger.info("saved model to %s", path)
     accelerator.wait_for_everyone()
     return path
+
+
+def verify_model(path: str | Path) -> list[str]:
+    """Problems of a final model directory written by :func:`save_model` (empty: it is whole and loads).
+
+    Its ``MANIFEST.json`` must list every file with its size and sha256, and the weights must open; a directory
+    without a manifest (a save that was interrupted, or one written before manifests) counts as incomplete.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path}: missing"]
+    if not (path / MANIFEST).is_file():
+        return [f"{path / MANIFEST}: missing (the save did not finish)"]
+    problems = _verify_manifest(path)
+    if not problems:
+        problems = _check_structure(path, weights_dir=path) + ([] if (path / "config.json").is_file() else
+                                                                [f"{path / 'config.json'}: missing"])
+    return problems
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,12 +348,15 @@ def save_checkpoint(accelerator, model, optimizer, root: str | Path, step: int, 
     return final
 
 
-def _check_structure(path: Path) -> list[str]:
+def _check_structure(path: Path, weights_dir: Path | None = None) -> list[str]:
     """A checkpoint without a manifest: every file must parse (state JSON, safetensors, .pt), sizes must agree."""
     from safetensors import safe_open
 
     problems = []
-    for f in sorted((path / "model").glob("*.safetensors")):
+    weights = sorted((weights_dir or path / "model").glob("*.safetensors"))
+    if weights_dir is not None and not weights:
+        problems.append(f"{weights_dir}: no .safetensors weights")
+    for f in weights:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
@@ -331,6 +368,30 @@ def _check_structure(path: Path) -> list[str]:
             safe_load(f)
         except Exception as e:  # noqa: BLE001
             problems.append(f"{f}: unreadable ({type(e).__name__}: {str(e)[:200]})")
+    return problems
+
+
+def _verify_manifest(path: Path) -> list[str]:
+    """Every file ``path/MANIFEST.json`` lists exists with its size and sha256."""
+    problems = []
+    manifest_file = path / MANIFEST
+    try:
+        files = json.loads(manifest_file.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{manifest_file}: unreadable ({type(e).__name__}: {e})"]
+    for rel, expected in files.items():
+        f = path / rel
+        if not f.is_file():
+            rank = re.fullmatch(r"rng-rank(\d+)\.pt", rel)
+            problems.append(f"{f}: missing" + (f" (the random-generator state of process {int(rank.group(1))})"
+                                               if rank else ""))
+            continue
+        size = f.stat().st_size
+        if size != expected["size"]:
+            problems.append(f"{f}: {size:,} bytes, the manifest says {expected['size']:,} (truncated or "
+                            "overwritten)")
+        elif file_digest(f) != expected["sha256"]:
+            problems.append(f"{f}: contents differ from the manifest's sha256 (corrupted)")
     return problems
 
 
@@ -353,25 +414,8 @@ def verify_checkpoint(path: str | Path) -> tuple[list[str], list[str]]:
     except (OSError, ValueError) as e:
         problems.append(f"{path / STATE}: unreadable ({type(e).__name__}: {e})")
         state = None
-    manifest_file = path / MANIFEST
-    if manifest_file.is_file():
-        try:
-            files = json.loads(manifest_file.read_text(encoding="utf-8"))["files"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return problems + [f"{manifest_file}: unreadable ({type(e).__name__}: {e})"], notes
-        for rel, expected in files.items():
-            f = path / rel
-            if not f.is_file():
-                rank = re.fullmatch(r"rng-rank(\d+)\.pt", rel)
-                problems.append(f"{f}: missing" + (f" (the random-generator state of process {int(rank.group(1))})"
-                                                   if rank else ""))
-                continue
-            size = f.stat().st_size
-            if size != expected["size"]:
-                problems.append(f"{f}: {size:,} bytes, the manifest says {expected['size']:,} (truncated or "
-                                "overwritten)")
-            elif file_digest(f) != expected["sha256"]:
-                problems.append(f"{f}: contents differ from the manifest's sha256 (corrupted)")
+    if (path / MANIFEST).is_file():
+        problems += _verify_manifest(path)
     else:
         notes.append(f"{path} has no {MANIFEST} (written before manifests): its files were checked to parse, their "
                      "contents cannot be verified")

@@ -30,18 +30,21 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import fsio
 from .corpus import GENERATOR_VERSION, synthetic_documents
 
 logger = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
+CACHE_CHECK_SUFFIX = ".check.json"  # beside each cache file: its size and sha256
 _TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -186,6 +189,18 @@ def _not_utf8(f: Path, n: int, raw: bytes, e: UnicodeDecodeError) -> ValueError:
                       "must be UTF-8 text")
 
 
+def check_encodable(text: str, where: str, what: str) -> None:
+    """ValueError naming ``where`` (file:line) when ``text`` holds a lone surrogate (a JSON ``\\ud83d`` escape without
+    its pair), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        raise ValueError(f"{where}: {what} holds a lone surrogate \\u{code:04x} at character {e.start + 1} "
+                         "(a \\uD800-\\uDFFF escape without its pair), which is not text; write the character "
+                         "itself or its full surrogate pair") from None
+
+
 def _file_documents(files: list[Path]):
     """Documents of .txt (one per file) and .jsonl files (one per line, its string "text"); errors say file:line."""
     for f in files:
@@ -204,6 +219,7 @@ def _file_documents(files: list[Path]):
                         if not isinstance(text, str):
                             raise ValueError(f"{f}:{n}: 'text' is {'null' if text is None else type(text).__name__}; "
                                              "expected a string")
+                        check_encodable(text, f"{f}:{n}", "'text'")
                         yield text
         else:
             raw = f.read_bytes()
@@ -229,6 +245,60 @@ def corpus_key(source: str, tokenizer, synthetic_bytes: int = 0, seed: int = 0) 
     return Path(source).stem or "corpus", h.hexdigest()[:16]
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_check_path(path: Path) -> Path:
+    return path.with_name(path.name + CACHE_CHECK_SUFFIX)
+
+
+def cache_problem(path: Path) -> str | None:
+    """What is wrong with cache file ``path`` against its check file (size and sha256), or None."""
+    check = cache_check_path(path)
+    try:
+        expected = json.loads(check.read_text(encoding="utf-8"))
+        size, digest = int(expected["bytes"]), str(expected["sha256"])
+    except FileNotFoundError:
+        return f"{check.name} is missing (an interrupted write, or a cache from an older version)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{check} is unreadable ({type(e).__name__}: {e})"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{actual:,} bytes, {check.name} says {size:,} (truncated or overwritten)"
+    if _sha256(path) != digest:
+        return f"its contents differ from the sha256 in {check.name} (corrupted)"
+    return None
+
+
+def cached(path: Path, build: Callable[[], object], save: Callable[[object, object], None],
+           read: Callable[[Path], object], what: str = "token cache"):
+    """``read(path)`` when ``path`` is whole (:func:`cache_problem`); otherwise ``build()``, written with
+    ``save(value, file)`` through :func:`fsio.atomic_file` (nothing is left on a write error, which names the
+    path and the free space) and a check file, then read back. A damaged file is rebuilt with a warning naming it."""
+    path = Path(path)
+    if path.exists():
+        problem = cache_problem(path)
+        if problem is None:
+            try:
+                return read(path)
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+                problem = f"unreadable ({type(e).__name__}: {str(e)[:200]})"
+        logger.warning("%s %s is damaged (%s): rebuilding it", what, path, problem)
+    value = build()
+    with fsio.writing(path, f"the {what}"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with fsio.atomic_file(path, f"the {what}") as f:
+        save(value, f)
+    check = json.dumps({"bytes": path.stat().st_size, "sha256": _sha256(path)}) + "\n"
+    fsio.write_text_atomic(cache_check_path(path), check)
+    return read(path)
+
+
 def load_tokens(
     source: str,
     cache_dir: str | os.PathLike,
@@ -239,12 +309,15 @@ def load_tokens(
     """The corpus as one token stream (each document followed by EOS), memory-mapped from the cache.
 
     uint16 for vocabularies up to 65,536 ids, uint32 above.
-    The first call for a given corpus tokenises it and writes ``<cache_dir>/<name>-<hash>.npy``
-    atomically, so processes sharing a cache directory never read a half-written file.
+    The first call for a given corpus tokenises it and writes ``<cache_dir>/<name>-<hash>.npy`` (:func:`cached`:
+    atomically, with a size and sha256 check file), so processes sharing a cache directory never read a
+    half-written file, and a damaged file is rebuilt.
     """
     name, key = corpus_key(source, tokenizer, synthetic_bytes, seed)
     path = Path(cache_dir) / f"{name}-{key}.npy"
-    if not path.exists():
+    built = []
+
+    def build() -> np.ndarray:
         if source == SYNTHETIC:
             docs = synthetic_documents(synthetic_bytes, seed)
         else:
@@ -254,14 +327,12 @@ def load_tokens(
         pieces = []
         for doc in docs:
             pieces += [tokenizer.encode(doc).astype(dtype, copy=False), eos]
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, tokens)
-        os.replace(tmp, path)
+        built.append(True)
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+    tokens = cached(path, build, lambda value, f: np.save(f, value), lambda p: np.load(p, mmap_mode="r"))
+    if built:
         logger.info("tokenised %s: %s tokens -> %s", source, f"{tokens.size:,}", path)
-    tokens = np.load(path, mmap_mode="r")
     logger.info("corpus %s: %s tokens (cache %s)", source, f"{tokens.size:,}", path)
     return tokens
 

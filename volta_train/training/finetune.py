@@ -27,8 +27,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import chunked_loss
+from . import chunked_loss, data
 from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
 from .models import padded_vocab, read_model_config
@@ -322,6 +320,7 @@ def _text(record: dict, name: str, key: str, required: bool = True) -> str | Non
     if not isinstance(value, str):
         shown = "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:60]}"
         raise ValueError(f"{record['_where']}: field {name!r} is {shown}; expected a string")
+    data.check_encodable(value, record["_where"], f"field {name!r}")
     return value
 
 
@@ -470,17 +469,18 @@ def load_examples(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -
     """:func:`tokenize` of the records ``spec`` names, cached as an .npz (atomic write, read without pickle)."""
     key = _cache_key(spec, cfg, tokenizer, names)
     path = Path(cfg.data.cache_dir) / f"finetune-{Path(spec).stem or 'data'}-{key}.npz"
-    if not path.exists():
+
+    def build() -> dict[str, np.ndarray]:
         arrays = tokenize(read_records(spec), cfg, tokenizer, names)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
         logger.info("tokenised %s: %d examples, %s tokens -> %s", spec, arrays["offsets"].size - 1,
                     f"{arrays['ids'].size:,}", path)
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+        return arrays
+
+    def read(p: Path) -> dict[str, np.ndarray]:
+        with np.load(p, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+    arrays = data.cached(path, build, lambda value, f: np.savez(f, **value), read, "tokenised dataset")
     return drop_targetless(arrays, cfg, spec)
 
 

@@ -35,7 +35,8 @@ def _free_space(path: Path) -> str:
 
 @contextlib.contextmanager
 def writing(path: str | os.PathLike, what: str = ""):
-    """Re-raise any error of the block as :class:`WriteError` naming ``path`` (and ``what`` was written)."""
+    """Re-raise any error of the block as :class:`WriteError` naming ``path`` (and ``what`` was written), in one
+    line."""
     try:
         yield
     except WriteError:
@@ -43,18 +44,27 @@ def writing(path: str | os.PathLike, what: str = ""):
     except Exception as e:  # noqa: BLE001 - re-raised with the path, original chained
         path = Path(path)
         label = f"{what} " if what else ""
-        raise WriteError(f"cannot write {label}{path}: {type(e).__name__}: {e} ({_free_space(path)} free on its "
-                         "filesystem)") from e
+        detail = (str(e).strip().splitlines() or [""])[0][:300]
+        raise WriteError(f"cannot write {label}{path}: {type(e).__name__}: {detail} ({_free_space(path)} free on "
+                         "its filesystem)") from e
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = True) -> None:
-    """``text`` to ``path`` via ``.<name>.tmp`` + rename; errors name ``path``."""
+def temporary_name(path: Path) -> Path:
+    """The temporary file beside ``path`` that :func:`atomic_file` writes (one per process)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, what: str = "", mode: str = "wb", fsync: bool = True):
+    """A file opened on a temporary name beside ``path``, flushed (and fsynced) and renamed over ``path`` when the
+    block ends. On any error the temporary file is removed and :class:`WriteError` names ``path``: a reader sees
+    the old file or the whole new one, and a full disk leaves nothing behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path):
+    tmp = temporary_name(path)
+    with writing(path, what):
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
+            with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+                yield f
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
@@ -63,3 +73,9 @@ def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = True) ->
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = True) -> None:
+    """``text`` to ``path`` through :func:`atomic_file`; errors name ``path``."""
+    with atomic_file(path, mode="w", fsync=fsync) as f:
+        f.write(text)

@@ -24,8 +24,22 @@ class TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(is_main: bool, log_file: str | Path | None = None) -> logging.Logger:
-    """INFO on the main process (stderr, and ``log_file`` if given), WARNING elsewhere; returns the root logger."""
+class PendingLogFile(logging.Handler):
+    """The records meant for a run's log file, held until the run begins (:func:`commit_log_file` writes them and
+    goes on appending) or stops before it began (:func:`discard_log_file`: no file is left behind)."""
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self.path = Path(path)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def setup_logging(is_main: bool, log_file: str | Path | None = None, deferred: bool = False) -> logging.Logger:
+    """INFO on the main process (stderr, and ``log_file`` if given), WARNING elsewhere; returns the root logger.
+    ``deferred``: ``log_file`` is written from :func:`commit_log_file` on (the records before it are kept)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -33,7 +47,11 @@ def setup_logging(is_main: bool, log_file: str | Path | None = None) -> logging.
     console = TqdmHandler(sys.stderr)
     console.setFormatter(formatter)
     root.addHandler(console)
-    if is_main and log_file is not None:
+    if is_main and log_file is not None and deferred:
+        pending = PendingLogFile(log_file)
+        pending.setFormatter(formatter)
+        root.addHandler(pending)
+    elif is_main and log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
         file_handler.setFormatter(formatter)
@@ -70,17 +88,52 @@ def quiet_cpu_notices() -> None:
     ds_logger.addFilter(_DropMessages(_CPU_NOTICES))
 
 
-def log_config(logger: logging.Logger, options: dict, out_dir: str | Path, is_main: bool) -> Path:
-    """Write ``out_dir/config.yaml`` (main process) and log it as a YAML block that names the file."""
+def commit_log_file() -> None:
+    """The run has begun: the pending log file (:func:`setup_logging` ``deferred``) gets its records and every
+    later one."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
+        handler.path.parent.mkdir(parents=True, exist_ok=True)
+        with writing(handler.path):
+            file_handler = logging.FileHandler(handler.path, mode="a", encoding="utf-8")
+        file_handler.setFormatter(handler.formatter)
+        for record in handler.records:
+            file_handler.handle(record)
+        root.removeHandler(handler)
+        root.addHandler(file_handler)
+
+
+def discard_log_file() -> None:
+    """The run stopped before it began: its pending log file is never written."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
+        root.removeHandler(handler)
+
+
+def log_config(logger: logging.Logger, options: dict, out_dir: str | Path, is_main: bool, write: bool = True) -> Path:
+    """Log the options as a YAML block that names ``out_dir/config.yaml``, and write that file (main process;
+    ``write=False``: later, through :func:`write_config`)."""
     import yaml
 
     path = Path(out_dir) / "config.yaml"
     text = yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100)
-    if is_main:
+    if is_main and write:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     logger.info("config (saved to %s; rerun with --config %s):\n%s", path, path,
                 "\n".join("  " + line for line in text.rstrip().splitlines()))
+    return path
+
+
+def write_config(options: dict, out_dir: str | Path) -> Path:
+    """``out_dir/config.yaml``: the options, a valid ``--config`` file."""
+    import yaml
+
+    path = Path(out_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path):
+        path.write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100),
+                        encoding="utf-8")
     return path
 
 

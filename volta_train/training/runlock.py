@@ -37,13 +37,24 @@ class RunLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK_FILE
         self.fd: int | None = None
+        self.created: list[Path] = []  # what acquire() created (directories, then the lock file), for discard()
 
     def acquire(self) -> RunLock:
+        for existing in (self.out_dir, *self.out_dir.parents):
+            if existing.exists():
+                if not existing.is_dir():
+                    what = "is a file" if existing == self.out_dir else f"is inside {str(existing)!r}, which is a file"
+                    raise RunLockError(f"out_dir {str(self.out_dir)!r} {what}, not a directory: pick another out_dir "
+                                       "or move the file away")
+                break
+        missing = [d for d in (self.out_dir, *self.out_dir.parents) if not d.exists()]
+        lock_existed = self.path.exists()
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise RunLockError(f"cannot create the lock file {self.path}: {e}") from None
+        self.created = missing + ([] if lock_existed else [self.path])
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -70,6 +81,21 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+
+    def discard(self) -> None:
+        """Release, and remove what :meth:`acquire` created (the lock file, then out_dir and its parents when they
+        are empty): for a run that stopped before it began, so that it leaves nothing behind."""
+        owned = self.fd is not None
+        if owned and self.path in self.created:
+            with contextlib.suppress(OSError):
+                self.path.unlink()  # while still locked: no other run holds it in between
+        self.release()
+        if owned:
+            for directory in self.created:
+                if directory != self.path:
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()  # only when empty
+        self.created = []
 
     def __enter__(self) -> RunLock:
         return self.acquire()

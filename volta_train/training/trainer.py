@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +54,16 @@ logger = logging.getLogger("volta_train.trainer")
 
 class TrainingFailed(RuntimeError):
     """The run stopped on a non-finite loss, gradient or weight; summary.json records it."""
+
+
+class RunStateError(RuntimeError):
+    """out_dir's checkpoints do not fit this run (a checkpoint past the planned steps, a setting that cannot change
+    on resume); the message names both values and what to do."""
+
+
+# The exit status of a run that stopped before its planned steps with a checkpoint (SIGTERM, time_limit_min):
+# sysexits' EX_TEMPFAIL, "try again later": rerunning the same command continues it. docs/recipes.md lists them all.
+STOPPED_EXIT = 75
 
 
 @dataclass
@@ -76,6 +87,8 @@ class LoopConfig:
     peak_tflops: float | None = None
     max_consecutive_skips: int = 32  # fp16: optimizer steps skipped in a row (non-finite gradients) before stopping
     allow_missing_rng: bool = False  # resume from a checkpoint without this process's generator states
+    steps_flag: str = "--steps"  # how the recipe's user sets steps and resume, for messages
+    resume_flag: str = "--resume"
 
 
 class Trainer:
@@ -93,11 +106,17 @@ class Trainer:
         run_info: dict | None = None,
         tokenizer=None,
         loss_fn: Callable[[object, dict], torch.Tensor] | None = None,
+        settings: dict | None = None,
+        fixed_settings: tuple[str, ...] = (),
     ):
         self.setup, self.accelerator = setup, setup.accelerator
         self.model, self.optimizer, self.loop = model, optimizer, loop
         self.batches, self.flops, self.evaluate = batches, flops, evaluate
         self.run_info = run_info or {}
+        # every option that changes the trajectory, by the name the user sets it with; saved with each checkpoint
+        # and compared on resume (a change warns; one of ``fixed_settings`` refuses: the weights would not fit)
+        self.settings, self.fixed_settings = dict(settings or {}), tuple(fixed_settings)
+        self._train_loss = math.nan  # the last logged training loss, saved with checkpoints
         self.tokenizer = tokenizer  # saved inside checkpoints when it is a HuggingFace tokenizer
         # loss of one micro-batch on the device (default: the model's own); sequence parallelism passes its own
         self.loss_fn = loss_fn or (lambda model, batch: model(**batch).loss)
@@ -112,6 +131,8 @@ class Trainer:
         """The checkpoint to resume from, chosen (and verified) by the main process and shared with the others."""
         spec = self.loop.resume
         if spec in ("never", "", None):
+            if self.accelerator.is_main_process:
+                self._set_aside_previous_run()
             return None
         choice: list = [None, None]  # path, error
         if self.accelerator.is_main_process:
@@ -127,6 +148,63 @@ class Trainer:
             kind, message = str(choice[1]).split("|", 1)
             raise (FileNotFoundError if kind == "FileNotFoundError" else checkpoint.CheckpointError)(message)
         return Path(choice[0]) if choice[0] is not None else None
+
+    PREVIOUS_RUN_FILES = (checkpoint.CHECKPOINTS, "final", "summary.json", "train.csv", "eval.csv", "loss.png",
+                          "tensorboard")
+
+    def _set_aside_previous_run(self) -> None:
+        """Starting over (resume never) in an out_dir that holds an earlier run: its checkpoints, final model,
+        summary and metrics move to ``out_dir/previous-run-N`` so that the two runs never mix."""
+        found = [self.out_dir / name for name in self.PREVIOUS_RUN_FILES if (self.out_dir / name).exists()]
+        steps = [p.name for p in sorted(self.checkpoint_root.glob("step-*"))] if self.checkpoint_root.is_dir() else []
+        if not steps and not (self.out_dir / "final").exists() and not (self.out_dir / "summary.json").exists():
+            return
+        n = 1
+        while (self.out_dir / f"previous-run-{n}").exists():
+            n += 1
+        target = self.out_dir / f"previous-run-{n}"
+        with fsio.writing(target, "the earlier run's files"):
+            target.mkdir()
+            for path in found:
+                os.replace(path, target / path.name)
+        logger.warning("%s never: %s held an earlier run (%s); moved %s to %s (delete it once it is not needed)",
+                       self.loop.resume_flag, self.out_dir, ", ".join(steps) if steps else "no checkpoints",
+                       ", ".join(p.name for p in found), target)
+
+    def _check_resumable(self, path: Path) -> None:
+        """The checkpoint's step is within this run's steps, and its settings agree (:meth:`_compare_settings`)."""
+        with checkpoint._reading(path / checkpoint.STATE):
+            state = json.loads((path / checkpoint.STATE).read_text(encoding="utf-8"))
+        start_step, steps = int(state["step"]), self.loop.steps
+        self._compare_settings(path, state)
+        if start_step > steps:
+            planned = state.get("planned_steps")
+            finish = (f"{self.loop.steps_flag} {planned} to finish that run (the steps it was planned for)"
+                      if isinstance(planned, int) and planned >= start_step else
+                      f"{self.loop.steps_flag} {start_step} or more to continue that run")
+            raise RunStateError(f"{path} is at step {start_step}, past the {steps} steps this run plans "
+                                f"({self.loop.steps_flag} {steps}): pass {finish}, or start over with "
+                                f"{self.loop.resume_flag} never (or another out_dir)")
+
+    def _compare_settings(self, path: Path, state: dict) -> None:
+        """Warn about each setting that differs from the checkpoint's (naming it, old and new value); refuse one of
+        ``fixed_settings``."""
+        saved = state.get("settings")
+        if not self.settings:
+            return
+        if not isinstance(saved, dict):
+            logger.warning("%s records no run settings (written by an older version): a changed learning rate, "
+                           "seed or model config cannot be detected", path)
+            return
+        for key, value in self.settings.items():
+            if key not in saved or saved[key] == value:
+                continue
+            if key in self.fixed_settings:
+                raise RunStateError(
+                    f"cannot resume {path}: it was written with {key} {saved[key]!r}, this run has {value!r}; use "
+                    f"{saved[key]!r}, or start over with {self.loop.resume_flag} never (or another out_dir)")
+            logger.warning("resuming %s with %s %r; the checkpoint was written with %r: the run continues on a "
+                           "different trajectory from step %s", path, key, value, saved[key], state.get("step"))
 
     def _choose_checkpoint(self, spec: str) -> Path | None:
         allow = self.loop.allow_missing_rng
@@ -190,7 +268,9 @@ class Trainer:
         raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
-        state = {**totals, "micro_batches": step * self.loop.grad_accum, **self.run_info}
+        last_loss = self._train_loss if math.isfinite(self._train_loss) else None
+        state = {**totals, "micro_batches": step * self.loop.grad_accum, **self.run_info, "settings": self.settings,
+                 "planned_steps": self.loop.steps, "train_loss": last_loss}
         checkpoint.save_checkpoint(self.accelerator, self.model, self.optimizer, self.checkpoint_root, step, state,
                                    self.loop.keep_checkpoints, tokenizer=self.tokenizer)
 
@@ -202,6 +282,7 @@ class Trainer:
         start_step, resumed_from, rng = 0, None, None
         path = self._resume_path()
         if path is not None:
+            self._check_resumable(path)  # before loading: weights of another shape fail with a less helpful error
             state = checkpoint.load_checkpoint(acc, self.model, self.optimizer, path,
                                                allow_missing_rng=loop.allow_missing_rng)
             start_step, rng, resumed_from = int(state["step"]), state.pop("rng"), str(path)
@@ -216,13 +297,15 @@ class Trainer:
                         f"{totals['tokens']:,}")
 
         summary_base = {"resumed_from": resumed_from, "start_step": start_step}
-        if start_step >= loop.steps:
+        if start_step >= loop.steps:  # the recipe checks whether the final model and summary.json are there
             logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
             mem, mem_kind = metrics.peak_memory(device)
+            last_loss = state.get("train_loss")
             return {**summary_base, "steps": start_step, "planned_steps": loop.steps, "tokens": 0, "seconds": 0.0,
-                    "tokens_per_second": 0.0, "train_loss": math.nan, "skipped_steps": totals["skipped_steps"],
-                    "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "total_tokens": totals["tokens"],
-                    "model_tflops_per_device": 0.0, "completed": True, "stopped": None}
+                    "tokens_per_second": 0.0, "train_loss": math.nan if last_loss is None else last_loss,
+                    "skipped_steps": totals["skipped_steps"], "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+                    "total_tokens": totals["tokens"], "model_tflops_per_device": 0.0, "completed": True,
+                    "stopped": None}
 
         writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -295,6 +378,7 @@ class Trainer:
 
                 if done % loop.log_interval == 0 or done == loop.steps:
                     train_loss = acc.reduce(loss_sum, "mean").item() / n_micro
+                    self._train_loss = train_loss
                     totals_now = acc.reduce(counts, "sum").tolist()
                     now = time.perf_counter()
                     if device.type == "cuda":
@@ -397,11 +481,12 @@ class Trainer:
 
 
 def run_or_fail(trainer: Trainer, fail: Callable[[str], None]) -> dict:
-    """``trainer.run()``; a stop for non-finite values, a file that cannot be written, or a checkpoint that cannot be
-    resumed ends in ``fail(message)`` (the recipes exit with it); anything else propagates."""
+    """``trainer.run()``; a stop for non-finite values, a file that cannot be written, a checkpoint that cannot be
+    resumed or one that does not fit this run ends in ``fail(message)`` (the recipes exit with it); anything else
+    propagates."""
     try:
         return trainer.run()
-    except (TrainingFailed, fsio.WriteError) as e:
+    except (TrainingFailed, RunStateError, fsio.WriteError) as e:
         fail(str(e))
     except (FileNotFoundError, RuntimeError) as e:
         if "checkpoint" in str(e) or "resume" in str(e):
@@ -417,22 +502,97 @@ def end_training(accelerator) -> None:
     accelerator.end_training()
 
 
-def finished_earlier(result: dict, out_dir: Path, accelerator, log: logging.Logger, resume_flag: str) -> dict | None:
-    """When out_dir already held the finished run (this call trained nothing): logs so, ends training and returns
-    that run's summary.json (``result`` if there is none). Otherwise None."""
+def finished_run_problems(out_dir: Path, planned_steps: int, final_expected: bool) -> list[str]:
+    """Why out_dir does not hold the finished run of ``planned_steps`` steps (empty: it does): summary.json must
+    say completed at that step and, when a final model is expected, ``final/`` must be whole (it loads)."""
+    summary_file = out_dir / "summary.json"
+    try:
+        summary = json.loads(summary_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return [f"{summary_file}: missing"]
+    except (OSError, ValueError) as e:
+        return [f"{summary_file}: unreadable ({type(e).__name__}: {e})"]
+    problems = []
+    if not isinstance(summary, dict) or summary.get("completed") is not True or summary.get("steps") != planned_steps:
+        shown = {k: summary.get(k) for k in ("completed", "steps")} if isinstance(summary, dict) else summary
+        problems.append(f"{summary_file}: not a completed run of {planned_steps} steps ({shown})")
+    if final_expected:
+        problems += checkpoint.verify_model(out_dir / "final")
+    return problems
+
+
+def finished_earlier(trainer: Trainer, result: dict, log: logging.Logger, final_expected: bool) -> dict | None:
+    """When this call trained nothing because out_dir's checkpoint is at the last step: if out_dir holds the finished
+    run (:func:`finished_run_problems`), logs so, ends training and returns its summary.json. Otherwise (a final
+    save that failed or was killed) None, after the final evaluation, so that the recipe writes the final model and
+    summary.json from the checkpoint. None as well when this call trained."""
     if result["start_step"] < result["planned_steps"]:
         return None
-    log.info("%s already holds the finished run (step %d); its summary.json stays. %s never starts over",
-             out_dir, result["start_step"], resume_flag)
-    end_training(accelerator)
-    previous = out_dir / "summary.json"
-    return json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else result
-
-
-def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, final_key: str, cfg, tokenizer) -> None:
-    """The final model into ``out_dir/final`` when ``summary[final_key]`` names it, then ``summary.json`` (main
-    process)."""
-    if summary[final_key]:
-        checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
+    accelerator, out_dir = trainer.accelerator, trainer.out_dir
+    problems: list = [None]
     if accelerator.is_main_process:
-        fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+        problems[0] = finished_run_problems(out_dir, result["planned_steps"], final_expected)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problems = broadcast_object_list(problems, from_process=0)
+    if not problems[0]:
+        log.info("%s already holds the finished run (step %d): its final model and summary.json stay. %s never "
+                 "starts over", out_dir, result["start_step"], trainer.loop.resume_flag)
+        end_training(accelerator)
+        return json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
+    log.warning("%s: the checkpoint is at the last step (%d) but the run was not finished (%s): writing its final "
+                "model and summary.json from %s", out_dir, result["start_step"], "; ".join(problems[0]),
+                result["resumed_from"])
+    if trainer.evaluate is not None:
+        result.update({f"eval_{k}": v for k, v in trainer.evaluate().items()})
+    return None
+
+
+def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, final_key: str, cfg, tokenizer,
+                           fail: Callable[[str], None]) -> None:
+    """The final model into ``out_dir/final`` when ``summary[final_key]`` names it, then ``summary.json`` (main
+    process); a write error ends in ``fail(message)`` (one line naming the path and the free space), and the run
+    is not counted finished (a rerun writes both from the last checkpoint)."""
+    try:
+        if summary[final_key]:
+            checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
+        if accelerator.is_main_process:
+            fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+    except fsio.WriteError as e:
+        fail(str(e))
+
+
+def exit_status(summary: dict) -> int:
+    """0 for a completed run, :data:`STOPPED_EXIT` for one that stopped early with a checkpoint."""
+    return 0 if summary.get("completed") else STOPPED_EXIT
+
+
+# ---- the start of a recipe's run: nothing is left in out_dir by a run that stops before it begins
+
+
+def begin_run(out_dir: Path, options: dict, is_main: bool) -> None:
+    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written."""
+    if is_main:
+        logs.commit_log_file()
+        logs.write_config(options, out_dir)
+
+
+def abandon_start(held: list) -> None:
+    """The run stopped before it began: no train.log, and the lock file and out_dir go if this run created them."""
+    logs.discard_log_file()
+    for lock in held:
+        if lock is not None:
+            lock.discard()
+
+
+def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], str]) -> dict:
+    """The options that change a run's trajectory, keyed by their flag (``flag(name)``): ``options`` less
+    ``exclude``; a section (a dict at the top level, as finetune's) is flattened to ``section.name``."""
+    flat: dict = {}
+    for key, value in options.items():
+        items = [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]
+        for name, item in items:
+            if name not in exclude and key not in exclude:
+                flat[flag(name)] = json.loads(json.dumps(item))  # as it reads back from trainer_state.json
+    return flat
