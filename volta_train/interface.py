@@ -159,6 +159,18 @@ def flash_attn_varlen_func(
     return (out, lse, None) if return_attn_probs else out
 
 
+def kernel_head_dim(head_dim: int, value_head_dim: int | None = None) -> int | None:
+    """The head_dim the Volta kernels run a call of this q/k ``head_dim`` (and v ``value_head_dim``) at, q, k and v
+    zero-padded to it; None when beyond the kernels (the reference backend runs it, logged once). ValueError when the
+    API refuses the head_dim. For integrations that report at setup time what a model's calls will run on."""
+    from .kernels.head_dim import forward_head_dim
+
+    for name, dim in (("head_dim", head_dim), ("value_head_dim", value_head_dim)):
+        if dim is not None and not validation.MIN_HEAD_DIM <= dim <= validation.MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {dim}; accepted: {validation.MIN_HEAD_DIM} to {validation.MAX_HEAD_DIM}")
+    return forward_head_dim(max(head_dim, value_head_dim or 0))
+
+
 def _unbind_packed(name: str, packed, axis: int, count: int, layout: str) -> tuple[torch.Tensor, ...]:
     """Strided views (no copies) of a packed tensor along ``axis``, which must hold ``count`` entries."""
     validation.require_tensor(name, packed)
