@@ -249,7 +249,7 @@ def train(case: Case, data: list[dict], patched: bool, device: str = "cpu", fp16
 
 def _skip_unless_supported(case: Case) -> None:
     minimum = hf.FAMILIES[case.name].min_transformers
-    if hf._release(hf._installed_transformers()) < hf._release(minimum):
+    if hf.release(hf.installed_transformers()) < hf.release(minimum):
         pytest.skip(f"transformers {transformers.__version__} is older than {case.name} needs ({minimum})")
 
 

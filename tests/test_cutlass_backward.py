@@ -76,7 +76,8 @@ def test_dispatcher_routes_pads_and_slices(dropout_p, expect, monkeypatch, on_ar
     q, k, v = torch.randn(1, 5, 4, 200).half(), torch.randn(1, 7, 2, 200).half(), torch.randn(1, 7, 2, 200).half()
     out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(1, 4, 5)
     options = AttentionOptions(softmax_scale=0.07, causal=True, dropout_p=dropout_p, seed=1, offset=2)
-    dq, dk, dv = dispatch.attention_backward(dout, q, k, v, out, lse, None, None, 5, 7, None, *options.pack())
+    dq, dk, dv, _ = dispatch.attention_backward(dout, q, k, v, out, lse, None, None, 5, 7, None, None,
+                                                *options.pack())
     assert calls == [(expect, 256 if expect == "cutlass" else 200, 256 if expect == "cutlass" else 200)]
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert bool((dq == 1).all() and (dk == 2).all() and (dv == 3).all())

@@ -4,9 +4,11 @@ tests at the end check the dispatcher's head_dim padding on the kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -74,7 +76,7 @@ def test_positional_parameters_in_flash_attn_2_8_order(name):
     positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     keyword_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
     assert positional == FLASH_ATTN_2_8_ORDER[name]
-    assert set(keyword_only) <= {"accum", "bwd_accum"}
+    assert set(keyword_only) <= {"accum", "bwd_accum", "sinks"}
 
 
 def test_eleven_positional_arguments_mean_what_flash_attn_2_8_means(rng):
@@ -874,3 +876,110 @@ def test_kvcache_under_torch_compile_checks_on_the_device():
     assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, seqlens), want)
     with pytest.raises(RuntimeError, match="cache_seqlens"):
         compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# v with its own head_dim (multi-head latent attention), attention sinks, head_dim up to 512
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _eager_attention(q, k, v, causal, sinks=None):
+    """float64 softmax attention with GQA, bottom-right causal mask and sink logits joining each denominator."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        visible = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dims", [(24, 16), (16, 40), (512, 512), (192, 128)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_value_head_dim_sinks_and_large_head_dims_match_eager(causal, dims, with_sinks):
+    """v of its own head_dim, head_dim 512 (reference backend) and sinks: output and every gradient (sinks' too)
+    equal a float64 softmax with the sinks in the denominator, dense and varlen."""
+    head_dim, value_dim = dims
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 7, 4, head_dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    k = torch.randn(2, 9, 2, head_dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    v = torch.randn(2, 9, 2, value_dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    sinks = torch.randn(4, generator=generator).requires_grad_() if with_sinks else None
+    inputs = (q, k, v) + ((sinks,) if with_sinks else ())
+    expected = _eager_attention(q, k, v, causal, sinks)
+    dout = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
+    want = torch.autograd.grad(expected, inputs, dout)
+    out = volta_train.flash_attn_func(q, k, v, causal=causal, sinks=sinks)
+    cu_q, cu_k = torch.tensor([0, 7, 14], dtype=torch.int32), torch.tensor([0, 9, 18], dtype=torch.int32)
+    packed = volta_train.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 7, 9,
+                                                causal=causal, sinks=sinks).view(out.shape)
+    for got in (out, packed):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
+        for g, w in zip(torch.autograd.grad(got, inputs, dout), want):
+            torch.testing.assert_close(g, w, atol=1e-6 if g.dtype == torch.float32 else 1e-9, rtol=1e-5)
+    if with_sinks:
+        assert want[-1].abs().max() > 1e-3  # the sinks' gradient is not trivially zero
+
+
+def test_sinks_errors_name_the_argument():
+    q = torch.randn(1, 3, 4, 8)
+    with pytest.raises(TypeError, match="sinks must be float32"):
+        volta_train.flash_attn_func(q, q, q, sinks=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sinks has shape \(3,\); accepted: \(4,\)"):
+        volta_train.flash_attn_func(q, q, q, sinks=torch.zeros(3))
+
+
+def test_kernel_support_names_sinks_and_large_head_dims():
+    from volta_train import kernels
+    from volta_train.options import AttentionOptions
+
+    options = AttentionOptions(softmax_scale=0.1)
+    q, v = torch.empty(1, 4, 2, 64, device="meta"), torch.empty(1, 4, 2, 512, device="meta")
+    call = kernels.describe(q, q, q, options, varlen=False, alibi=False, sinks=True)
+    assert "the Volta kernel needs a CUDA GPU" in kernels.unsupported_reason(call)  # device first
+    cuda_call = dataclasses.replace(call, device=torch.device("cuda", 0), dtype=torch.float16, aligned=True)
+    with mock.patch.object(torch.cuda, "get_device_capability", return_value=(7, 0)):
+        assert kernels.unsupported_reason(cuda_call) == "attention sinks: the Volta kernels have no sink logits yet"
+        wide = dataclasses.replace(cuda_call, sinks=False, value_head_dim=512)
+        assert "head_dim 512: the Volta kernels run head_dim 1 to 256" in kernels.unsupported_reason(wide)
+        mla = dataclasses.replace(cuda_call, sinks=False, head_dim=192, value_head_dim=128)
+        assert mla.kernel_head_dim == 256
+    assert volta_train.kernel_head_dim(192, 128) == 256 and volta_train.kernel_head_dim(512) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(192, 128), (24, 16), (64, 128)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_value_head_dim_runs_on_the_kernel(dims, varlen, caplog):
+    """On a GPU the kernels run a v of its own head_dim (zero-padded with q/k to one kernel head_dim); fp16 output
+    and gradients as close to float64 as the reference backend's fp16 run."""
+    head_dim, value_dim = dims
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 130, 8, head_dim, generator=generator).cuda().half().requires_grad_()
+    k = torch.randn(2, 130, 2, head_dim, generator=generator).cuda().half().requires_grad_()
+    v = torch.randn(2, 130, 2, value_dim, generator=generator).cuda().half().requires_grad_()
+    dout = torch.randn(2, 130, 8, value_dim, generator=generator).cuda().half()
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        if varlen:
+            cu = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
+            out = volta_train.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 130,
+                                                     130, causal=True).view(2, 130, 8, value_dim)
+        else:
+            out = volta_train.flash_attn_func(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert any("kernel backend" in r.getMessage() for r in caplog.records)
+    expected = _eager_attention(q.detach().double(), k.detach().double(), v.detach().double(), True)
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(_eager_attention(qd, kd, vd, True), (qd, kd, vd), dout.double())
+    for g, w in zip(grads, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=2e-2, rtol=2e-2)

@@ -8,6 +8,7 @@ Public API::
     volta_train.flash_attn_varlen_qkvpacked_func / flash_attn_varlen_kvpacked_func
     volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, ...)
     volta_train.unpad_input / pad_input / index_first_axis   # flash_attn.bert_padding's helpers
+    volta_train.kernel_head_dim(head_dim, value_head_dim=None) # the head_dim the kernels run it at, or None
     volta_train.patch(model) / volta_train.unpatch(model)      # HuggingFace transformers models
     volta_train.install_flash_attn()                            # `import flash_attn` resolves to volta_train
 """
@@ -28,10 +29,12 @@ if TYPE_CHECKING:
         flash_attn_varlen_kvpacked_func,
         flash_attn_varlen_qkvpacked_func,
         flash_attn_with_kvcache,
+        kernel_head_dim,
     )
 
 _INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-              "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")
+              "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+              "kernel_head_dim")
 _PADDING = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
 
 __version__ = "0.1.0"
@@ -44,6 +47,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
+    "kernel_head_dim",
     "unpad_input",
     "pad_input",
     "index_first_axis",

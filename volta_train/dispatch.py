@@ -56,9 +56,10 @@ def choose_backend(call: kernels.CallDescription) -> Choice:
         if call.backward and cutlass_backward.why_not(call) is None:
             return Choice("cutlass_backward", f"head_dim {call.head_dim} on sm_{call.arch}: PyTorch's memory-efficient "
                           "backward, faster there than the Volta one (docs/performance.md)")
-        padded = call.kernel_head_dim != call.head_dim
+        dims = str(call.head_dim) + (f"/{call.value_head_dim} (q, k/v)" if call.value_head_dim else "")
+        padded = call.kernel_head_dim != call.head_dim or call.value_head_dim is not None
         return Choice("kernel", f"fp16 on {call.device_name} (sm_{call.arch}) is supported by the Volta kernel"
-                      + (f"; head_dim {call.head_dim} zero-padded to {call.kernel_head_dim}" if padded else ""))
+                      + (f"; head_dim {dims} zero-padded to {call.kernel_head_dim}" if padded else ""))
     if policy == "kernel":
         raise BackendUnavailableError(f"{BACKEND_ENV}=kernel, but the Volta kernel cannot run this call: {why_not}")
     return Choice("reference", why_not)
@@ -90,11 +91,15 @@ def _empty_forward(q: torch.Tensor, v: torch.Tensor, varlen: bool) -> tuple[torc
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-              alibi_slopes: torch.Tensor | None, options: AttentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one differentiable attention call; lse is [B, H, Nq] (dense) or [H, total_q] (varlen)."""
+              alibi_slopes: torch.Tensor | None, options: AttentionOptions,
+              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one differentiable attention call; lse is [B, H, Nq] (dense) or [H, total_q] (varlen).
+
+    The per-head tensors (alibi_slopes, sinks) travel as the custom op's tensor arguments; every other option is
+    packed from ``options``."""
     floats, ints = options.pack()
-    return attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, floats,
-                             ints)
+    return attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                             floats, ints)
 
 
 @torch.library.custom_op("volta_train::attention_forward", mutates_args=())
@@ -107,6 +112,7 @@ def attention_forward(
     max_seqlen_q: int,
     max_seqlen_k: int,
     alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     options_f: list[float],
     options_i: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,16 +120,17 @@ def attention_forward(
     varlen = cu_seqlens_q is not None
     if q.numel() == 0 or k.numel() == 0:
         return _empty_forward(q, v, varlen)
-    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None)
+    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, sinks=sinks is not None)
     choice = choose_backend(call)
     _log_choice(choice, "forward", q.is_cuda)
     shape = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if choice.backend == "kernel":
         out, lse = kernels.forward(q, k, v, *shape, options, alibi_slopes)
     elif varlen:
-        out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, alibi_slopes)
+        out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, alibi_slopes,
+                                                      sinks)
     else:
-        out, lse = reference.reference_forward(q, k, v, options, alibi_slopes)
+        out, lse = reference.reference_forward(q, k, v, options, alibi_slopes, sinks=sinks)
     # Contiguous whatever the backend computed: the fake promises these strides, and torch.compile plans from it.
     return out.contiguous(), lse.contiguous()
 
@@ -147,15 +154,19 @@ def attention_backward(
     max_seqlen_q: int,
     max_seqlen_k: int,
     alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     options_f: list[float],
     options_i: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks (a custom op returns tensors, not None)."""
     options = AttentionOptions.unpack(options_f, options_i)
-    if q.numel() == 0 or k.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     varlen = cu_seqlens_q is not None
-    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, backward=True,
-                            extra=(dout, out))
+    dsinks = (reference.sinks_backward(dout, out, lse, sinks, varlen) if sinks is not None
+              else q.new_zeros((0,), dtype=torch.float32))
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dsinks
+    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, sinks=sinks is not None,
+                            backward=True, extra=(dout, out))
     choice = choose_backend(call)
     _log_choice(choice, "backward", q.is_cuda)
     shape = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -168,18 +179,20 @@ def attention_backward(
                                                     alibi_slopes)
     else:
         grads = reference.reference_backward(dout, q, k, v, out, lse, options, alibi_slopes)
-    return tuple(g.contiguous() for g in grads)
+    return (*(g.contiguous() for g in grads), dsinks)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             alibi_slopes, sinks, *args):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, options_f, options_i = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, options_f, options_i = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.shape = (max_seqlen_q, max_seqlen_k)
     ctx.options = (options_f, options_i)
     if out.is_cuda and AttentionOptions.unpack(options_f, options_i).accum == "fp16":
@@ -204,12 +217,12 @@ def _warn_fp16_forward_with_gradients() -> None:
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attention_backward(
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(
         dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        *ctx.shape, alibi_slopes, *ctx.options,
+        *ctx.shape, alibi_slopes, sinks, *ctx.options,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, dsinks if sinks is not None else None, None, None
 
 
 torch.library.register_autograd("volta_train::attention_forward", _backward, setup_context=_setup_context)

@@ -100,7 +100,7 @@ def source_lines() -> list[str]:
 
 
 def supported_families() -> list[str]:
-    """The model types ``volta_train.patch`` supports (volta_train.integrations.hf)."""
+    """The model types the census found patched and equal to eager (volta_train.integrations.hf.census)."""
     from .integrations import hf
 
     return list(hf.supported_model_types())
@@ -111,9 +111,17 @@ def transformers_lines() -> list[str]:
         import transformers
     except ImportError as error:
         return [f"transformers: not installed ({error}): volta_train.patch and the recipes need it"]
+    from .integrations import hf
+
+    record = hf.census()
+    counts: dict[str, int] = {}
+    for status, _ in record["results"].values():
+        counts[status] = counts.get(status, 0) + 1
+    summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "refused", "wrong"))
     return [f"transformers {transformers.__version__}; volta_train.patch takes any model transformers declares "
-            "flash-attention capable whose attention goes through its attention interface; tested: "
-            + ", ".join(supported_families())]
+            "flash-attention capable whose attention goes through its attention interface; census of "
+            f"transformers {record['transformers']} ({len(record['results'])} text model types: {summary}; "
+            "docs/hf_integration.md), ok: " + ", ".join(supported_families())]
 
 
 def problems() -> list[str]:

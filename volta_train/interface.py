@@ -19,10 +19,16 @@ Differences from flash-attn, all explicit:
 * A paged KV cache (``block_table`` not None) raises NotImplementedError.
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
+* ``sinks`` (keyword-only, flash_attn_func and flash_attn_varlen_func): one fp32 logit per
+  query head that joins every row's softmax denominator with no value (gpt-oss's attention
+  sinks), differentiable; flash-attn 2 has no such argument. The reference backend runs
+  calls with sinks (the Volta kernels have none yet).
 
 The positional order is flash-attn's since 2.6 (``softcap`` before ``alibi_slopes``).
-Any head_dim from 1 to 256 is accepted (the kernels zero-pad it to the next head_dim
-they are built for; docs/flash_attn_api.md says which features run where). Each
+Any head_dim from 1 to 512 is accepted, and v may have a head_dim of its own (q and k
+share one): the kernels run up to 256, zero-padding q, k and v to the next head_dim they
+are built for; larger ones run on the reference backend (docs/flash_attn_api.md says
+which features run where). Each
 function validates its arguments into one :class:`~volta_train.options.AttentionOptions`
 and hands it to the dispatcher (:mod:`volta_train.dispatch`).
 """
@@ -74,6 +80,7 @@ def flash_attn_func(
     *,
     accum: str = "fp32",
     bwd_accum: str = "auto",
+    sinks: torch.Tensor | None = None,
 ):
     """Scaled dot-product attention on [batch, seqlen, heads, head_dim] tensors.
 
@@ -86,7 +93,9 @@ def flash_attn_func(
     then adds ``-slope * |i + sk - sq - j|``. Dropout is applied during training only if
     you pass ``dropout_p > 0``: its Philox seed and offset come from PyTorch's
     generator, so ``torch.manual_seed`` reproduces it. Empty inputs (batch, seqlen or
-    heads 0) give empty outputs; seqlen_k 0 gives zeros.
+    heads 0) give empty outputs; seqlen_k 0 gives zeros. v may have its own head_dim
+    (the output has it). ``sinks`` (fp32 [heads]) adds ``exp(sinks[h])`` to every
+    softmax denominator of head h.
     """
     _require_tensors(q=q, k=k, v=v)
     q, k, v = _autocast_inputs(q, k, v)
@@ -96,7 +105,8 @@ def flash_attn_func(
         alibi_slopes=alibi_slopes, deterministic=deterministic, accum=accum, bwd_accum=bwd_accum,
         batch=q.shape[0], nheads=q.shape[2],
     )
-    out, lse = dispatch.attention(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, options)
+    validation.check_sinks(sinks, q, q.shape[2])
+    out, lse = dispatch.attention(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, options, sinks)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -120,6 +130,7 @@ def flash_attn_varlen_func(
     *,
     accum: str = "fp32",
     bwd_accum: str = "auto",
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over sequences packed without padding: q [total_q, heads, head_dim], k/v [total_k, ...].
 
@@ -142,9 +153,22 @@ def flash_attn_varlen_func(
         alibi_slopes=alibi_slopes, deterministic=deterministic, accum=accum, bwd_accum=bwd_accum,
         batch=cu_seqlens_q.numel() - 1, nheads=q.shape[1],
     )
+    validation.check_sinks(sinks, q, q.shape[1])
     out, lse = dispatch.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                  options)
+                                  options, sinks)
     return (out, lse, None) if return_attn_probs else out
+
+
+def kernel_head_dim(head_dim: int, value_head_dim: int | None = None) -> int | None:
+    """The head_dim the Volta kernels run a call of this q/k ``head_dim`` (and v ``value_head_dim``) at, q, k and v
+    zero-padded to it; None when beyond the kernels (the reference backend runs it, logged once). ValueError when the
+    API refuses the head_dim. For integrations that report at setup time what a model's calls will run on."""
+    from .kernels.head_dim import forward_head_dim
+
+    for name, dim in (("head_dim", head_dim), ("value_head_dim", value_head_dim)):
+        if dim is not None and not validation.MIN_HEAD_DIM <= dim <= validation.MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {dim}; accepted: {validation.MIN_HEAD_DIM} to {validation.MAX_HEAD_DIM}")
+    return forward_head_dim(max(head_dim, value_head_dim or 0))
 
 
 def _unbind_packed(name: str, packed, axis: int, count: int, layout: str) -> tuple[torch.Tensor, ...]:

@@ -14,10 +14,9 @@ from . import philox
 from .options import ACCUM_CHOICES, BWD_ACCUM_CHOICES, AttentionOptions
 
 MIN_HEAD_DIM = 1
-MAX_HEAD_DIM = 256  # flash-attn's limit: any head_dim from 1 to 256 (the dispatcher pads for the kernel)
-# integrations/hf.py still checks model head_dims against a multiple of this; the attention API itself takes any
-# head_dim from MIN_HEAD_DIM to MAX_HEAD_DIM.
-HEAD_DIM_MULTIPLE = 8
+# Any head_dim from 1 to 512: the kernels run up to their largest head_dim (zero-padded to the next one they are built
+# for), the reference backend the rest (kernels.unsupported_reason says which, and the dispatcher logs it).
+MAX_HEAD_DIM = 512
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 VOLTA_MAJOR = 7
 INT_LIKE = "an int (Python int, NumPy integer or integer 0-d tensor)"
@@ -91,16 +90,17 @@ def check_dtype_and_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n
 def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_axis: int, names=("q", "k", "v")) -> None:
     """head_axis: the axis of the heads (dense 2, varlen 1); head_dim is the last axis.
 
-    0 heads in both q and k/v is an empty call (empty output), not an error.
+    q and k share one head_dim; v may have its own (as in flash-attn: multi-head latent attention's values are
+    narrower than its queries and keys), and the output has v's. 0 heads in both q and k/v is an empty call (empty
+    output), not an error.
     """
     qn, kn, vn = names
     head_dim = q.shape[-1]
-    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"{qn} has head_dim {head_dim}; accepted: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
+    for name, dim in ((qn, head_dim), (vn, v.shape[-1])):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} has head_dim {dim}; accepted: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
     if k.shape[-1] != head_dim:
         raise ValueError(f"{kn} has head_dim {k.shape[-1]} but {qn} has {head_dim}: they must be equal")
-    if v.shape[-1] != head_dim:
-        raise ValueError(f"{vn} has head_dim {v.shape[-1]} but {qn} has {head_dim}: they must be equal")
     if k.shape[head_axis] != v.shape[head_axis]:
         raise ValueError(
             f"{kn} has {k.shape[head_axis]} heads but {vn} has {v.shape[head_axis]}: they must have the same heads"
@@ -243,6 +243,19 @@ def attention_options(
     )
 
 
+def check_sinks(sinks, q: torch.Tensor, nheads: int) -> None:
+    """sinks: None, or one float32 logit per query head on q's device."""
+    if sinks is None:
+        return
+    require_tensor("sinks", sinks)
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks must be float32 (one logit per query head), got {sinks.dtype}")
+    if tuple(sinks.shape) != (nheads,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; accepted: ({nheads},), one logit per query head")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}: they must be on the same device")
+
+
 def check_window(window_size) -> tuple[int, int]:
     """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
     window_words = "a pair (left, right) of ints, each -1 (unbounded) or >= 0"
@@ -326,6 +339,10 @@ def check_kvcache(
             raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {t.dim()}-D ({_describe(t)})")
     check_dtype_and_devices(q, k_cache, v_cache, names=("k_cache", "v_cache"))
     check_head_dims(q, k_cache, v_cache, head_axis=2, names=("q", "k_cache", "v_cache"))
+    if v_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"v_cache has head_dim {v_cache.shape[-1]} but q has {q.shape[-1]}: flash_attn_with_kvcache "
+                         "takes one head_dim for q, k and v (flash_attn_func and flash_attn_varlen_func take a v of "
+                         "its own)")
     if k_cache.shape[:2] != v_cache.shape[:2]:
         raise ValueError(
             f"k_cache is {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: their batch and seqlen must be equal"

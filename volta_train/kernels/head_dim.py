@@ -2,7 +2,9 @@
 
 The kernels are built for the head dims of ``tiles.SUPPORTED_HEAD_DIMS``; any other head_dim up to the largest runs
 on the next one, its inputs zero-padded in the last axis and its outputs sliced back. Zero columns of q, k, v, out and
-dout change no score, no row sum and no gradient of a real column, and the softmax scale stays the caller's.
+dout change no score, no row sum and no gradient of a real column, and the softmax scale stays the caller's. A v whose
+head_dim differs from q's and k's (multi-head latent attention) runs the same way: all three are padded to the kernel
+head_dim that holds the larger, and the output and dv are sliced to v's head_dim, dq and dk to q's.
 """
 
 from __future__ import annotations

@@ -81,17 +81,19 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
 
     ``tile`` overrides the tile table (sweeps); ``out``/``lse`` let tests hand in poisoned buffers.
     """
-    head_dim = q.shape[-1]
-    kernel_d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))
-    if kernel_d == head_dim:
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    widest = max(head_dim, value_dim)
+    kernel_d = head_dims.require(widest, head_dims.forward_head_dim(widest))
+    if kernel_d == head_dim == value_dim:
         return _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
                             tile, out, lse)
+    # q, k and v zero-padded to one kernel head_dim; the output's columns past v's head_dim are zeros, dropped
     q, k, v = (head_dims.pad(t, kernel_d) for t in (q, k, v))
     out_d, lse = _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
                               tile, None, lse)
     if out is None:
-        return out_d[..., :head_dim], lse
-    return out.copy_(out_d[..., :head_dim]), lse
+        return out_d[..., :value_dim], lse
+    return out.copy_(out_d[..., :value_dim]), lse
 
 
 def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
@@ -138,19 +140,21 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     """Volta backward: (dq, dk, dv) at the caller's head_dim. dK/dV kernel over key blocks; dQ by its fp32 atomics,
     or (deterministic, or head dims without an atomic tile) by the dQ kernel over query blocks, bitwise reproducible.
 
-    The inputs are zero-padded to the backward kernels' head_dim (``head_dim.backward_head_dim``, or
-    ``kernel_head_dim`` with the tile overrides of another table) and the gradients' padded columns dropped."""
-    head_dim = q.shape[-1]
+    The inputs are zero-padded to the backward kernels' head_dim (``head_dim.backward_head_dim`` of the larger of
+    q/k's and v's head_dim, or ``kernel_head_dim`` with the tile overrides of another table) and the gradients'
+    padded columns dropped: dq and dk at q/k's head_dim, dv at v's."""
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    widest = max(head_dim, value_dim)
     arch = _arch(q.device)
-    kernel_d = kernel_head_dim or head_dims.require(head_dim, head_dims.backward_head_dim(head_dim, arch))
-    if kernel_d != head_dim:
-        if kernel_d < head_dim:
-            raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {head_dim}; accepted: "
-                             f"None (the tile table's choice) or a kernel head_dim >= {head_dim}")
+    kernel_d = kernel_head_dim or head_dims.require(widest, head_dims.backward_head_dim(widest, arch))
+    if kernel_d != head_dim or kernel_d != value_dim:
+        if kernel_d < widest:
+            raise ValueError(f"kernel_head_dim={kernel_d}: smaller than the inputs' head_dim {widest}; accepted: "
+                             f"None (the tile table's choice) or a kernel head_dim >= {widest}")
         padded = [head_dims.pad(t, kernel_d) for t in (dout, q, k, v, out)]
-        grads = _run_backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
-                              alibi_slopes, tile, dq_tile, arch)
-        return tuple(g[..., :head_dim].contiguous() for g in grads)
+        dq, dk, dv = _run_backward(*padded, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+                                   alibi_slopes, tile, dq_tile, arch)
+        return dq[..., :head_dim].contiguous(), dk[..., :head_dim].contiguous(), dv[..., :value_dim].contiguous()
     return _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                          alibi_slopes, tile, dq_tile, arch)
 

@@ -25,16 +25,22 @@ class CallDescription:
     value_head_dim: int | None = None  # v's head_dim, when it differs from head_dim
     varlen: bool = False
     alibi: bool = False
+    sinks: bool = False  # per-head sink logits in the softmax's denominator
     backward: bool = False
     kvcache: bool = False
     aligned: bool = True  # 16-byte aligned pointers and strides that are multiples of 8 elements
 
     @property
+    def widest_head_dim(self) -> int:
+        """The larger of q/k's and v's head_dim: the kernels run q, k and v at one head_dim that holds both."""
+        return max(self.head_dim, self.value_head_dim or 0)
+
+    @property
     def kernel_head_dim(self) -> int | None:
         """The head_dim the kernels run this call at (inputs zero-padded to it); None: beyond every kernel."""
         if self.backward and self.device.type == "cuda":
-            return head_dims.backward_head_dim(self.head_dim, self.arch)
-        return head_dims.forward_head_dim(self.head_dim)
+            return head_dims.backward_head_dim(self.widest_head_dim, self.arch)
+        return head_dims.forward_head_dim(self.widest_head_dim)
 
     @property
     def arch(self) -> int:
@@ -59,15 +65,15 @@ def tensors_aligned(*tensors: torch.Tensor | None) -> bool:
 
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *, varlen: bool,
-             alibi: bool, backward: bool = False, kvcache: bool = False,
+             alibi: bool, backward: bool = False, kvcache: bool = False, sinks: bool = False,
              extra: tuple[torch.Tensor, ...] = ()) -> CallDescription:
     """The call as the kernels would run it. Padded copies are fresh, hence aligned; a call at a kernel head_dim is
     run on its own tensors, which must then be aligned."""
     head_dim = q.shape[-1]
-    padded = head_dims.forward_head_dim(head_dim) != head_dim
+    padded = head_dims.forward_head_dim(head_dim) != head_dim or v.shape[-1] != head_dim
     return CallDescription(
         device=q.device, dtype=q.dtype, head_dim=head_dim, options=options,
-        value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi,
+        value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi, sinks=sinks,
         backward=backward, kvcache=kvcache,
         aligned=q.is_cuda and (kvcache or padded or tensors_aligned(q, k, v, *extra)),
     )
@@ -98,10 +104,13 @@ def unsupported_reason(call: CallDescription) -> str | None:
         return f"dtype {str(call.dtype).removeprefix('torch.')}: the Volta kernel runs float16 only"
     if call.arch < MIN_ARCH:
         return f"GPU is sm_{call.arch}: the Volta kernel needs sm_70 or newer"
-    if call.value_head_dim is not None:
-        return f"v's head_dim {call.value_head_dim} differs from q's and k's {call.head_dim}"
+    if call.value_head_dim is not None and call.kvcache:
+        return f"v_cache's head_dim {call.value_head_dim} differs from q's {call.head_dim}: the decoding kernel runs one"
     if call.kernel_head_dim is None:
-        return f"head_dim {call.head_dim}: the Volta kernels run head_dim 1 to {max(SUPPORTED_HEAD_DIMS)}"
+        return (f"head_dim {call.widest_head_dim}: the Volta kernels run head_dim 1 to {max(SUPPORTED_HEAD_DIMS)} (a "
+                "larger tile does not fit the V100's 96 KiB of shared memory per block)")
+    if call.sinks:
+        return "attention sinks: the Volta kernels have no sink logits yet"
     if not call.aligned:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"
     if call.options.softmax_scale <= 0:

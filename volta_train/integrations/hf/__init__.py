@@ -39,18 +39,14 @@ from .base import (
     installed_transformers,
     release,
 )
-from .families import FAMILIES, REFUSED, SPECIAL, TESTED_MODEL_TYPES, Family, softcap_supported, supported_model_types
+from .families import FAMILIES, REFUSED, SPECIAL, Family, census, supported_model_types
 from .masks import Packing, padding_mask
 from .patching import PatchRecord, patch, register, unpatch
-
-# Older spellings, still used by scripts and tests.
-_release = release
-_installed_transformers = installed_transformers
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "FAMILIES",
-    "TESTED_MODEL_TYPES",
+    "census",
     "supported_model_types",
     "Family",
     "MASK_INTERFACE_SINCE",
@@ -61,10 +57,11 @@ __all__ = [
     "SPECIAL",
     "TransformersVersionError",
     "UnsupportedModelError",
+    "installed_transformers",
+    "release",
     "hf_attention_forward",
     "padding_mask",
     "patch",
     "register",
-    "softcap_supported",
     "unpatch",
 ]

@@ -3,8 +3,11 @@
 :func:`hf_attention_forward` (not to be confused with the custom op
 ``volta_train::attention_forward`` in ``dispatch``) runs the public API,
 :func:`volta_train.interface.flash_attn_func`, when there is no mask and no packing.
-Padding: it unpads q/k/v, runs :func:`~volta_train.interface.flash_attn_varlen_func`
-and pads the output back (zeros at padded query positions). Packed rows
+Padding: it unpads q/k/v (:mod:`volta_train.bert_padding`), runs
+:func:`~volta_train.interface.flash_attn_varlen_func` and pads the output back: padded
+query positions hold zeros (no query was computed there; eager's rows there hold an
+average over the real keys, which no real token reads unless a later layer mixes
+positions, as a convolution does). Packed rows
 (``cu_seq_lens_q/k`` kwargs as transformers' flash path and
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` pass them, the mask
 function's :class:`~.masks.Packing`, ``seq_idx``, or causal ``position_ids`` that
@@ -12,7 +15,7 @@ restart inside a row): one varlen call over the flattened tokens, so no sequence
 sees another. Causal masks are bottom-right aligned, so KV-cache decoding
 (``seqlen_q < seqlen_k``) is right. ``sliding_window=w`` becomes
 ``window_size=(w - 1, 0)`` (causal) or ``(w - 1, w - 1)`` (bidirectional), as in
-transformers' flash_attention_2.
+transformers' flash_attention_2. ``s_aux`` (attention sinks) becomes ``sinks``.
 """
 
 from __future__ import annotations
@@ -21,19 +24,22 @@ import numbers
 import weakref
 from typing import Any, Callable
 
+import logging
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ... import interface
+from ... import bert_padding, interface
 from .base import ATTN_IMPLEMENTATION
-from .families import check_head_dim, is_cross_attention, refuse_softcap, require_family, softcap_supported
+from .families import check_head_dim, is_cross_attention, require_family
+
+logger = logging.getLogger("volta_train")
+_LOGGED_WINDOWS: set = set()  # model types whose window disagreement was logged
 from .masks import Packing, Windowed, packing_from_starts, starts_from_ids, starts_from_positions
 
 # kwargs of transformers' attention call whose meaning this implementation does not have: silently ignoring any of
 # them would compute something else than the model asks for.
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks",
     "position_bias": "additive position bias (T5-style)",
     "head_mask": "head masks",
     "cache": "paged caches (continuous batching)",
@@ -105,21 +111,6 @@ def _window_size(sliding_window: Any, causal: bool, seqlen_k: int) -> tuple[int,
     return (left, 0 if causal else left)
 
 
-def _unpad(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """x [b, s, h, d], keep bool [b, s] -> (packed [n, h, d], indices [n], cu_seqlens int32 [b + 1], max_seqlen)."""
-    lengths = keep.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(keep.reshape(-1), as_tuple=False).reshape(-1)
-    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    packed = x.reshape(-1, *x.shape[2:]).index_select(0, indices)
-    return packed, indices, cu_seqlens, int(lengths.max())
-
-
-def _pad(packed: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-    """packed [n, h, d] -> [batch, seqlen, h, d] with zeros where no token was kept."""
-    out = packed.new_zeros(batch * seqlen, *packed.shape[1:]).index_copy(0, indices, packed)
-    return out.view(batch, seqlen, *packed.shape[1:])
-
-
 def _varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,8 +128,8 @@ def _varlen_attention(
         )
     if mask.shape[1] < k.shape[1]:  # StaticCache: key slots past the mask are not written yet
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
-    k_packed, indices_k, cu_seqlens_k, max_seqlen_k = _unpad(k, mask)
-    v_packed = v.reshape(-1, *v.shape[2:]).index_select(0, indices_k)
+    k_packed, indices_k, cu_seqlens_k, max_seqlen_k, _ = bert_padding.unpad_input(k, mask)
+    v_packed = v.reshape(-1, *v.shape[2:]).index_select(0, indices_k)  # the indices unpad_input just checked
     if cross_attention:  # the mask pads the keys (encoder tokens); every query is a token
         q_packed = q.reshape(batch * seqlen_q, *q.shape[2:])
         cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
@@ -155,11 +146,11 @@ def _varlen_attention(
         q_packed = q.reshape(-1, *q.shape[2:]).index_select(0, indices_k)
         indices_q, cu_seqlens_q, max_seqlen_q = indices_k, cu_seqlens_k, max_seqlen_k
     else:  # KV cache: the queries are the last seqlen_q tokens
-        q_packed, indices_q, cu_seqlens_q, max_seqlen_q = _unpad(q, mask[:, -seqlen_q:])
+        q_packed, indices_q, cu_seqlens_q, max_seqlen_q, _ = bert_padding.unpad_input(q, mask[:, -seqlen_q:])
     out = interface.flash_attn_varlen_func(
         q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
     )
-    return _pad(out, indices_q, batch, seqlen_q)
+    return bert_padding.pad_input(out, indices_q, batch, seqlen_q)
 
 
 # ---- packed rows (padding-free training) ---------------------------------------------------------
@@ -323,34 +314,36 @@ def _attend(
 def _mask_window(
     model_type: Any, from_mask: tuple[int, int], from_kwarg: tuple[int, int] | None, causal: bool, seqlen_k: int
 ) -> tuple[int, int] | None:
-    """The window the mask function saw (what eager computes), checked against the ``sliding_window`` kwarg."""
+    """The window the mask function saw: what eager and sdpa compute, since they apply that mask. Where the module's
+    ``sliding_window`` kwarg says otherwise (T5Gemma's encoder passes w and masks |i - j| <= w, which is w + 1 keys
+    a side), the mask wins, logged once per model type."""
     left, right = from_mask
     right = 0 if causal else right
     effective = None if left >= seqlen_k - 1 and right >= (0 if causal else seqlen_k - 1) else (left, right)
-    if from_kwarg is not None and from_kwarg != effective:
-        raise ValueError(
-            f"{model_type}: the mask has a sliding window of window_size={effective} but the attention module passed "
-            f"sliding_window giving {from_kwarg}: volta_train cannot tell which one the model means"
-        )
+    if from_kwarg is not None and from_kwarg != effective and model_type not in _LOGGED_WINDOWS:
+        _LOGGED_WINDOWS.add(model_type)
+        logger.info("volta_train attention: %s's mask has window_size=%s, its sliding_window kwarg gives %s: the "
+                    "mask's, which eager attention applies", model_type, effective, from_kwarg)
     return effective
+
 
 
 def _check_shapes(model_type: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     head_dim = query.shape[-1]
-    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        raise NotImplementedError(
-            f"{model_type}: query/key/value head_dim {head_dim}/{key.shape[-1]}/{value.shape[-1]}: volta_train runs "
-            "one head_dim for queries, keys and values (not separate value head dims)"
+    if key.shape[-1] != head_dim:
+        raise ValueError(
+            f"{model_type}: query/key head_dim {head_dim}/{key.shape[-1]}: queries and keys must share one head_dim "
+            "(values may have their own)"
         )
-    check_head_dim(model_type, head_dim, "the query's last dimension")
+    check_head_dim(model_type, head_dim, "the query's last dimension", value.shape[-1])
 
 
-def _softcap(model_type: Any, softcap: Any) -> float | None:
-    if softcap is None or float(softcap) == 0.0:
+def _sinks(s_aux: Any, nheads: int) -> torch.Tensor | None:
+    """gpt-oss's ``s_aux`` (one logit per query head, in the model's dtype) as the API's fp32 ``sinks``; the cast is
+    differentiable, so the parameter gets its gradient in its own dtype."""
+    if s_aux is None:
         return None
-    if not softcap_supported():
-        raise refuse_softcap(model_type, float(softcap))
-    return float(softcap)
+    return s_aux.reshape(nheads).float()
 
 
 def hf_attention_forward(
@@ -370,8 +363,7 @@ def hf_attention_forward(
     or a :class:`~.masks.Packing`). Causality: the ``is_causal`` kwarg, else
     ``module.is_causal``. Dropout: the ``dropout`` kwarg, in training mode only.
     Scale: the ``scaling`` kwarg, else the family's default. ``sliding_window``:
-    flash-attn's ``window_size``. ``softcap``: passed on where the API has it, else
-    refused. Packed rows: see :func:`_packing`. K/V heads are passed as they are
+    flash-attn's ``window_size``. ``softcap``: passed on. ``s_aux``: ``sinks``. Packed rows: see :func:`_packing`. K/V heads are passed as they are
     (GQA/MQA). Cross-attention (the mask pads keys only): :func:`~.families.is_cross_attention`,
     or bidirectional attention whose queries and keys differ in length.
     """
@@ -379,7 +371,7 @@ def hf_attention_forward(
     family = require_family(model_type, type(module).__name__)
     _check_kwargs(model_type, kwargs)
     _check_shapes(model_type, query, key, value)
-    softcap = _softcap(model_type, kwargs.get("softcap"))
+    softcap = kwargs.get("softcap")
     causal = _causality(module, is_causal)
     options: dict[str, Any] = {
         "dropout_p": float(dropout) if module.training else 0.0,
@@ -387,8 +379,11 @@ def hf_attention_forward(
         "causal": causal,
         "deterministic": bool(kwargs.get("deterministic") or False),
     }
-    if softcap is not None:
-        options["softcap"] = softcap  # the kernel has no soft-capping: dispatch runs the reference backend
+    if softcap:
+        options["softcap"] = float(softcap)
+    sinks = _sinks(kwargs.get("s_aux"), query.shape[1])
+    if sinks is not None:
+        options["sinks"] = sinks
     window = _window_size(kwargs.get("sliding_window"), causal, key.shape[2])
     if isinstance(attention_mask, Windowed):
         window = _mask_window(model_type, attention_mask.window_size, window, causal, key.shape[2])

@@ -5,21 +5,22 @@ A model qualifies when transformers declares it flash-attention capable (the
 of older custom code) and its attention modules call transformers' attention
 interface (``ALL_ATTENTION_FUNCTIONS``, picked by ``config._attn_implementation``).
 What volta_train must then honour is checked per attention module
-(:func:`check_model`): head_dim, soft-capping, attention sinks, chunked attention,
-sliding windows. Anything it cannot do is refused naming the model_type and the
-feature.
+(:func:`check_model`): head_dim, chunked attention, sliding windows (soft-capping and
+attention sinks are passed on). Anything it cannot do is refused naming the model_type
+and the feature.
 
 A family-specific :class:`Family` exists only where a family needs one
 (:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases).
-Families whose modeling code computes attention itself are refused with the reason
-(:data:`REFUSED` names the known ones; any other is found by inspection).
+Models whose modeling code computes all of its attention itself are refused with the
+reason, found by inspection; a submodel that does (PEGASUS-X's block-local encoder)
+keeps its own attention while the rest of the model runs on volta_train.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
+import json
 import logging
 import numbers
 import weakref
@@ -99,14 +100,8 @@ SPECIAL: dict[str, Family] = {
 }
 """Families with their own checks or defaults; every other qualifying model_type gets the generic :class:`Family`."""
 
-REFUSED: dict[str, str] = {
-    "gptj": (
-        "GPTJAttention computes attention itself (GPTJAttention._attn, or the GPTJFlashAttention2 class for "
-        "'flash_attention_2') and never calls transformers' attention interface (true of every release from 4.48 "
-        "to 5.23), so no registered implementation can reach it"
-    ),
-}
-"""model_type values volta_train knows it cannot patch, with the reason (shown in the error)."""
+REFUSED: dict[str, str] = {}
+"""model_type values volta_train knows it cannot patch, with the reason (shown in the error); the rest is inspection."""
 
 
 # ---- inspection -------------------------------------------------------------------------------------------
@@ -272,26 +267,24 @@ FAMILIES = _Families()
 # ---- per-module features --------------------------------------------------------------------------------
 
 
-# The model types tests/test_patch_hf_families.py runs against eager attention (logits, gradients, padding, packing,
-# generate); patch() takes any other model that passes why_not_model() too.
-TESTED_MODEL_TYPES: tuple[str, ...] = (
-    "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "phi", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-    "mixtral", "olmo2", "opt", "starcoder2", "gpt_bigcode", "qwen2_moe", "qwen3_moe", "granite", "stablelm", "olmo",
-    "bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "modernbert",
-)
+CENSUS_FILE = "census.json"
+"""Beside this module: the census of tests/hf_census.py (every text model type a transformers release declares
+flash-attention capable, patched and compared with eager), the one source of what README, docs/hf_integration.md and
+``volta-train env`` say is supported."""
+
+
+@functools.lru_cache(maxsize=None)
+def census() -> dict[str, Any]:
+    """The last census: {"transformers": version, "results": {model_type: [status, detail]}}."""
+    from importlib import resources
+
+    return json.loads(resources.files(__package__).joinpath(CENSUS_FILE).read_text())
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """The model types tested with patch(); support itself is generic (why_not_model)."""
-    return TESTED_MODEL_TYPES
-
-
-def softcap_supported() -> bool:
-    """Whether volta_train's attention API takes ``softcap`` (it does: the options carry it, the Volta kernel and the
-    reference backend compute it); soft-capped models are refused only where it does not."""
-    from ... import options
-
-    return "softcap" in {f.name for f in dataclasses.fields(options.AttentionOptions)}
+    """The model types the census found patched and equal to eager attention (``ok``), on its transformers
+    release; patch() itself takes any model that passes :func:`why_not_model` and :func:`check_model`."""
+    return tuple(sorted(t for t, (status, _) in census()["results"].items() if status == "ok"))
 
 
 def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
@@ -307,64 +300,35 @@ def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
     return None
 
 
-def check_head_dim(model_type: Any, head_dim: int, source: str) -> None:
-    """ValueError unless volta_train runs this head_dim at all; the kernel's range is dispatch's business."""
-    from ... import validation
+def check_head_dim(model_type: Any, head_dim: int, source: str, value_head_dim: int | None = None) -> int | None:
+    """The kernel head_dim the calls of this head_dim run at (None: the reference backend); ValueError naming the
+    model_type when the attention API refuses it."""
+    from ... import interface
 
-    multiple, largest = validation.HEAD_DIM_MULTIPLE, validation.MAX_HEAD_DIM
-    if head_dim % multiple != 0 or not 0 < head_dim <= largest:
-        raise ValueError(
-            f"{model_type}: head_dim is {head_dim} ({source}); volta_train accepts a multiple of {multiple} "
-            f"from {multiple} to {largest}"
-        )
-
-
-def kernel_head_dims() -> tuple[int, ...]:
-    from ...kernels.tiles import SUPPORTED_HEAD_DIMS
-
-    return tuple(SUPPORTED_HEAD_DIMS)
-
-
-def _kernel_head_dim(head_dim: int) -> int | None:
-    """The kernel head_dim the dispatcher pads head_dim to; None: the reference backend runs it."""
-    from ...kernels.head_dim import forward_head_dim
-
-    return forward_head_dim(head_dim)
-
-
-def _softcap_of(module: nn.Module, config: Any) -> float | None:
-    for owner in (module, config):
-        value = getattr(owner, "attn_logit_softcapping", None)
-        if value is not None:
-            return float(value)
-    return None
-
-
-def refuse_softcap(model_type: Any, softcap: float) -> NotImplementedError:
-    return NotImplementedError(
-        f"{model_type}: logit soft-capping (softcap={softcap:g}, config.attn_logit_softcapping) is not in "
-        "volta_train's attention API yet; set config.attn_logit_softcapping=None only if the checkpoint was "
-        "trained without it, or use attn_implementation='eager'"
-    )
-
-
-def _check_sliding_window(model_type: Any, config: Any) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
-        raise ValueError(
-            f"{model_type}: config.sliding_window is {window!r}; volta_train accepts None or an int >= 1 "
-            "(the tokens a query sees, itself included)"
-        )
-    return window
+    try:
+        return interface.kernel_head_dim(head_dim, value_head_dim)
+    except ValueError as error:
+        raise ValueError(f"{model_type}: head_dim {head_dim} ({source}): {error}") from None
 
 
 def _module_window(module: nn.Module, config: Any) -> Any:
+    """The sliding window of one attention module, read as the model reads it: the module's own attribute, else
+    config.sliding_window on the layers layer_types marks sliding (Qwen2-MoE keeps sliding_window=0 on a config
+    whose layers are all full attention)."""
     if "sliding_window" in vars(module):
         return module.sliding_window
     layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
     if layer_types is not None and isinstance(index, int) and index < len(layer_types):
         return getattr(config, "sliding_window", None) if "sliding" in str(layer_types[index]) else None
     return getattr(config, "sliding_window", None)
+
+
+def _check_window(model_type: Any, window: Any) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(
+            f"{model_type}: an attention layer's sliding_window is {window!r}; volta_train accepts None or an int >= 1 "
+            "(the tokens a query sees, itself included)"
+        )
 
 
 _CROSS_ATTENTION: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -383,40 +347,29 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
     modules = interface_modules(model)
     names = {id(module): name for name, module in model.named_modules()}
     windows: dict[Any, int] = {}
-    reference_dims: dict[int, str] = {}
-    supported_dims = kernel_head_dims()
+    reference_dims: dict[int, tuple[Any, int | None]] = {}
     for module in modules:
         config = getattr(module, "config", None) or model.config
         owner = getattr(config, "model_type", None) or model_type
         kind = type(module).__name__
         if isinstance(getattr(module, "sinks", None), nn.Parameter):
-            raise NotImplementedError(
-                f"{owner}: attention sinks ({kind}.sinks, passed as s_aux) are not supported by volta_train; "
-                "use attn_implementation='eager'"
-            )
+            logger.info("volta_train.patch: %s attention sinks (%s.sinks) run on the reference backend: the Volta "
+                        "kernels have no sink logits yet", owner, kind)
         chunk = getattr(config, "attention_chunk_size", None)
         if chunk is not None:
             raise NotImplementedError(
                 f"{owner}: chunked attention (config.attention_chunk_size={chunk}) is not supported by volta_train; "
                 "use attn_implementation='sdpa' or 'eager'"
             )
-        softcap = _softcap_of(module, config)
-        if softcap is not None:
-            if not softcap_supported():
-                raise refuse_softcap(owner, softcap)
-            logger.info(
-                "volta_train.patch: %s softcap=%g runs on the reference backend: the Volta kernel has no soft-capping",
-                owner, softcap,
-            )
-        _check_sliding_window(owner, config)
         window = _module_window(module, config)
+        _check_window(owner, window)
         if window is not None:
             windows[window] = windows.get(window, 0) + 1
         found = head_dim_of(module)
         if found is not None:
-            check_head_dim(owner, *found)
-            if found[0] not in supported_dims:
-                reference_dims[found[0]] = owner
+            padded = check_head_dim(owner, *found)
+            if padded != found[0]:
+                reference_dims[found[0]] = (owner, padded)
         if names.get(id(module), "").rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES:
             _CROSS_ATTENTION.add(module)
     family.check(model, modules)
@@ -425,18 +378,13 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
             "volta_train.patch: %s sliding_window=%s on %d of %d attention layers -> window_size=(%s, 0) if causal",
             model_type, window, layers, len(modules), int(window) - 1,
         )
-    for head_dim, owner in reference_dims.items():
-        padded = _kernel_head_dim(head_dim)
+    for head_dim, (owner, padded) in reference_dims.items():
         if padded is not None:
-            logger.info(
-                "volta_train.patch: %s head_dim %d is zero-padded to %d for the Volta kernel (it supports head_dim %s)",
-                owner, head_dim, padded, ", ".join(map(str, supported_dims)),
-            )
+            logger.info("volta_train.patch: %s head_dim %d is zero-padded to %d for the Volta kernels", owner,
+                        head_dim, padded)
         else:
-            logger.info(
-                "volta_train.patch: %s head_dim %d runs on the reference backend: the Volta kernel supports head_dim %s",
-                owner, head_dim, ", ".join(map(str, supported_dims)),
-            )
+            logger.info("volta_train.patch: %s head_dim %d runs on the reference backend: beyond the Volta kernels' "
+                        "head dims", owner, head_dim)
     return modules
 
 

@@ -1,0 +1,423 @@
+"""The census of volta_train.patch(): every text model type the installed transformers declares flash-attention capable,
+built from a tiny random config, patched and compared with eager attention.
+
+Per model type: fp32, a padded batch of 2 x 37 tokens (row 1 right-padded), logits and every parameter gradient of a
+random projection of the logits at the real tokens, then 3 AdamW steps on the eager model and on its patched copy,
+compared at each step. A type is ``ok`` within 1e-4 of the largest reference magnitude (or within 2x the SDPA-vs-eager
+difference on the same weights where that is larger), ``refused`` when patch() or the first forward raises naming
+the feature, ``wrong`` when it runs and differs (or the loss is not finite where eager's is), and ``crash`` when
+something else raises (``no-config``: the census's own tiny config does not run eager attention, so says nothing of
+volta_train). ``python tests/hf_census.py`` runs it and writes volta_train/integrations/hf/census.json (what
+``volta_train.integrations.hf.supported_model_types()`` and ``volta-train env`` report) and the table in
+docs/hf_integration.md; tests/test_hf_census.py runs it in the suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import logging
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+BATCH, SEQ, PAD_TO = 2, 37, 23  # row 1 holds PAD_TO tokens, then padding
+VOCAB = 128
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+WINDOW = 16  # shorter than SEQ: windows matter
+RTOL = 1e-4
+STEPS = 3
+MAX_LAYERS = 6
+NOT_TEXT_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values")
+NOT_TEXT_CONFIGS = ("vision", "audio", "codec", "vq", "image", "speech", "flow", "esmfold")
+DOC = "docs/hf_integration.md"
+RECORD = "volta_train/integrations/hf/census.json"
+BEGIN, END = "<!-- census:begin -->", "<!-- census:end -->"
+
+
+def census_model_types() -> list[str]:
+    """Text model types whose transformers base class declares flash-attention support: the base model's forward
+    takes input_ids and no image or audio input, and no sub-config is of another modality."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    found = []
+    for model_type, name in sorted(MODEL_MAPPING_NAMES.items()):
+        name = name[0] if isinstance(name, (tuple, list)) else name
+        cls = getattr(transformers, name, None)
+        if cls is None or not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
+            continue
+        inputs = inspect.signature(cls.forward).parameters
+        if "input_ids" not in inputs or any(name in inputs for name in NOT_TEXT_INPUTS):
+            continue
+        sub_configs = getattr(CONFIG_MAPPING[model_type], "sub_configs", {}) or {}
+        if any(word in sub for sub in sub_configs for word in NOT_TEXT_CONFIGS):
+            continue
+        found.append(model_type)
+    return found
+
+
+# ---- tiny configs ----------------------------------------------------------------------------------------------
+
+# Generic sizes, set where a config has the attribute.
+SIZES = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "dim": HIDDEN,
+    "intermediate_size": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN, "encoder_ffn_dim": 2 * HIDDEN,
+    "decoder_ffn_dim": 2 * HIDDEN, "ffn_hidden_size": 2 * HIDDEN, "hidden_dim": 2 * HIDDEN, "n_inner": 2 * HIDDEN,
+    "d_ff": 2 * HIDDEN, "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
+    "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+    "num_kv_heads": KV_HEADS, "multi_query_group_num": KV_HEADS, "head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM,
+    "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_window_layers": 1,
+    "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN, "expert_intermediate_size": HIDDEN,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
+    "moe_k": 2, "top_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 24, "sliding_window": WINDOW, "attention_window_size": WINDOW, "window_size": WINDOW,
+    "local_attention": WINDOW, "embedding_size": 32, "rotary_dim": 8, "attention_hidden_size": HEADS * HEAD_DIM,
+    "mamba_d_state": 8, "mamba_dt_rank": 8, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 1,
+    "ssm_state_size": 8, "n_mamba_heads": 2, "lru_width": HIDDEN, "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8, "num_global_tokens": 4, "block_size": 8,
+    "projection_dim": HIDDEN, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "global_head_dim": 32,
+}
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")
+DROPOUTS = re.compile(r".*(dropout|pdrop|drop_rate|layerdrop)")
+
+# The few fixes a family's config needs beyond the generic sizes, each with why.
+FIXES: dict[str, dict] = {
+    # the attention layers come at attn_layer_period/offset: one in the first two layers
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=4, layers_block_type=None),
+    # the last num_kv_shared_layers layers reuse the caches of earlier layers of their kind: each kind in both parts
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, altup_num_inputs=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[2 * HIDDEN] * 4,
+                         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
+    # pegasus_x's global tokens and blocks must divide the sequence it pads to
+    "pegasus_x": dict(block_size=8, num_global_tokens=4),
+}
+
+
+def _layers_of(config) -> int | None:
+    for name in LAYER_COUNTS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _keep_layers(values: list) -> int:
+    """The shortest prefix holding each distinct per-layer kind once (at least 2, at most MAX_LAYERS)."""
+    seen, needed = set(), 2
+    for index, value in enumerate(values):
+        key = repr(value)
+        if key not in seen:
+            seen.add(key)
+            needed = max(needed, index + 1)
+    return min(needed, MAX_LAYERS)
+
+
+def tiny_config(model_type: str):
+    """The model type's default config, shrunk and built again (so that derived values follow): SIZES where it has
+    the attribute, per-layer lists cut to a prefix with every kind of layer, dropouts off, token ids inside the
+    vocabulary, then FIXES. Sub-configs (T5Gemma's encoder and decoder) the same way."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    settings = _shrunk(default, model_type)
+    for name in getattr(default, "sub_configs", {}) or {}:
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            settings[name] = {**sub.to_dict(), **_shrunk(sub, model_type)}
+    return cls(**settings)
+
+
+def _shrunk(config, model_type: str) -> dict:
+    """The settings that make ``config`` tiny (see :func:`tiny_config`)."""
+    values = config.to_dict()
+    settings: dict = {}
+    layers = _layers_of(config)
+    per_layer = [name for name, value in values.items()
+                 if isinstance(value, list) and layers and len(value) == layers and not name.startswith("_")]
+    keep = 2
+    for name in per_layer:
+        if name in ("layer_types", "layers_block_type", "block_types", "attention_layers", "hybrid_override_pattern"):
+            keep = max(keep, _keep_layers(values[name]))
+    for name, value in SIZES.items():
+        current = values.get(name)
+        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+            settings[name] = value
+        elif isinstance(current, list) and name == "intermediate_size":
+            settings[name] = [value] * keep
+    if isinstance(values.get("qk_rope_head_dim"), int) and "head_dim" in settings:
+        settings["head_dim"] = settings["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
+    if "kv_lora_rank" in values and "num_key_value_heads" in settings:
+        settings["num_key_value_heads"] = HEADS  # latent attention expands k/v to every query head
+    if settings.get("sliding_window") == WINDOW and "use_sliding_window" in values:
+        settings["use_sliding_window"] = True
+    for name in LAYER_COUNTS:
+        if isinstance(values.get(name), int):
+            settings[name] = keep
+    for name in per_layer:
+        settings[name] = list(values[name][:keep]) if name != "intermediate_size" else settings.get(name)
+    if isinstance(values.get("full_attn_idxs"), list):
+        settings["full_attn_idxs"] = [i for i in values["full_attn_idxs"] if i < keep] or [0]
+    if isinstance(values.get("attention_types"), list):  # GPT-Neo: [[["global", "local"], n]]
+        settings["attention_types"] = [[["global", "local"], max(1, keep // 2)]]
+    for name, value in values.items():
+        if DROPOUTS.match(name) and isinstance(value, float):
+            settings[name] = 0.0
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                 "cls_token_id", "forced_eos_token_id"):
+        value = values.get(name)
+        if isinstance(value, int) and value >= VOCAB:
+            settings[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
+        elif isinstance(value, list):
+            settings[name] = [v if v < VOCAB else 2 for v in value]
+    if "initializer_range" in values:
+        settings["initializer_range"] = 0.1
+    settings.update(FIXES.get(model_type, {}))
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+# ---- one model type ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    model_type: str
+    status: str  # ok, refused, wrong, crash, no-config
+    detail: str = ""
+    error: float = float("nan")  # worst relative difference over logits and gradients, all steps
+    seconds: float = 0.0
+
+
+def _model_class(model_type: str):
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
+        names = getattr(auto, mapping)
+        if model_type in names:
+            name = names[model_type]
+            name = name[0] if isinstance(name, (tuple, list)) else name
+            import transformers
+
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                return cls
+    return None
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, PAD_TO:] = 0
+    ids[1, PAD_TO:] = 0  # the pad token, as a tokenizer writes it
+    return ids, mask
+
+
+def _forward(model, ids, mask):
+    kwargs = dict(input_ids=ids, attention_mask=mask)
+    parameters = inspect.signature(model.forward).parameters
+    if "decoder_input_ids" in parameters and getattr(model.config, "is_encoder_decoder", False):
+        kwargs.update(decoder_input_ids=ids, decoder_attention_mask=mask)
+    if "use_cache" in parameters:
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _step(model, ids, mask, optimizer):
+    """One training step; returns (logits at the real tokens, loss, gradients)."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = _forward(model, ids, mask)
+    keep = mask.bool()
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    loss = (logits * weights)[keep].sum() / keep.sum()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return logits.detach()[keep], loss.detach(), grads
+
+
+def _difference(a_logits, a_grads, b_logits, b_grads) -> float:
+    """The worst of |logits| and |gradient| differences, each relative to its reference's largest magnitude."""
+    worst = ((a_logits - b_logits).abs().max() / b_logits.abs().max().clamp_min(1e-12)).item()
+    if a_grads.keys() != b_grads.keys():
+        return math.inf
+    if b_grads:
+        scale = max(g.abs().max() for g in b_grads.values()).clamp_min(1e-12)
+        for name, reference in b_grads.items():
+            worst = max(worst, ((a_grads[name] - reference).abs().max() / scale).item())
+    return worst
+
+
+def _train(model, ids, mask) -> list:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return [_step(model, ids, mask, optimizer) for _ in range(STEPS)]
+
+
+def _worst(runs, reference) -> float:
+    worst = 0.0
+    for (logits, loss, grads), (ref_logits, ref_loss, ref_grads) in zip(runs, reference):
+        if not torch.isfinite(ref_loss):
+            continue
+        if not torch.isfinite(loss) or not torch.isfinite(logits).all():
+            return math.inf
+        worst = max(worst, _difference(logits, grads, ref_logits, ref_grads))
+    return worst
+
+
+def _build(model_type: str, implementation: str, seed: int = 0):
+    cls = _model_class(model_type)
+    if cls is None:
+        raise LookupError("no model class")
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    return cls._from_config(config, attn_implementation=implementation, dtype=torch.float32)
+
+
+REFUSALS = (NotImplementedError, ValueError)
+
+
+def check(model_type: str) -> Result:
+    """Patch one model type's tiny model and compare it with eager; never raises."""
+    import volta_train
+    from volta_train.integrations import hf
+
+    started = time.perf_counter()
+    ids, mask = inputs()
+    try:
+        eager = _build(model_type, "eager")
+        patched = copy.deepcopy(eager)
+        eager.train()
+        patched.train()
+        with torch.random.fork_rng():
+            reference = _train(eager, ids, mask)
+    except Exception as error:  # the census's own config does not run eager: reported, not counted as volta_train's
+        return Result(model_type, "no-config", f"{type(error).__name__}: {_first_line(error)}",
+                      seconds=time.perf_counter() - started)
+    try:
+        volta_train.patch(patched)
+        with torch.random.fork_rng():
+            runs = _train(patched, ids, mask)
+    except hf.UnsupportedModelError as error:
+        return Result(model_type, "refused", _first_line(error), seconds=time.perf_counter() - started)
+    except REFUSALS as error:
+        status = "refused" if "volta_train" in str(error) or model_type in str(error) else "crash"
+        return Result(model_type, status, f"{type(error).__name__}: {_first_line(error)}",
+                      seconds=time.perf_counter() - started)
+    except Exception as error:
+        return Result(model_type, "crash", f"{type(error).__name__}: {_first_line(error)}",
+                      seconds=time.perf_counter() - started)
+    worst = _worst(runs, reference)
+    status, detail = "ok", ""
+    if not worst <= RTOL:
+        bound = _sdpa_bound(model_type, ids, mask, reference)
+        if worst <= 2 * bound:
+            detail = f"within 2x the SDPA-vs-eager difference ({bound:.2g})"
+        else:
+            status = "wrong"
+            detail = f"differs from eager by {worst:.3g} (SDPA-vs-eager: {bound:.2g})"
+    return Result(model_type, status, detail, worst, time.perf_counter() - started)
+
+
+def _sdpa_bound(model_type, ids, mask, reference) -> float:
+    """SDPA's difference from eager on the same weights (0 where the model has no SDPA path)."""
+    try:
+        sdpa = _build(model_type, "sdpa")
+        sdpa.train()
+        with torch.random.fork_rng():
+            return _worst(_train(sdpa, ids, mask), reference)
+    except Exception:
+        return 0.0
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0][:300]
+
+
+def run(model_types: list[str] | None = None, *, verbose: bool = False) -> list[Result]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("volta_train").setLevel(logging.WARNING)
+    results = []
+    for model_type in model_types if model_types is not None else census_model_types():
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = check(model_type)
+        results.append(result)
+        if verbose:
+            print(f"{result.model_type:32s} {result.status:9s} {result.seconds:5.1f}s {result.detail}", flush=True)
+    return results
+
+
+def counts(results: list[Result]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for result in results:
+        found[result.status] = found.get(result.status, 0) + 1
+    return found
+
+
+def table(results: list[Result], seconds: float) -> str:
+    import transformers
+
+    total = counts(results)
+    summary = ", ".join(f"{total.get(s, 0)} {s}" for s in ("ok", "refused", "wrong", "crash", "no-config"))
+    lines = [
+        BEGIN,
+        f"transformers {transformers.__version__}: {len(results)} text model types declared flash-attention capable; "
+        f"{summary} (`python tests/hf_census.py`, {seconds:.0f} s on CPU).",
+        "",
+        "| model_type | result | detail |",
+        "|---|---|---|",
+    ]
+    for result in results:
+        detail = result.detail.replace("|", "\\|")
+        lines.append(f"| {result.model_type} | {result.status} | {detail} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_doc(results: list[Result], seconds: float, path: str = DOC) -> None:
+    with open(path) as handle:
+        text = handle.read()
+    block = table(results, seconds)
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n## Census\n\n" + block + "\n"
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
+def write_record(results: list[Result], path: str = RECORD) -> None:
+    import json
+
+    import transformers
+
+    record = {"transformers": transformers.__version__,
+              "results": {r.model_type: [r.status, r.detail] for r in results}}
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+
+
+if __name__ == "__main__":
+    selected = sys.argv[1:] or None
+    started = time.perf_counter()
+    results = run(selected, verbose=True)
+    elapsed = time.perf_counter() - started
+    print(counts(results), f"{elapsed:.0f} s")
+    if selected is None:
+        write_record(results)
+        write_doc(results, elapsed)
