@@ -313,3 +313,21 @@ def test_gpu_varlen_kernel_s_dmask_rebuilds_kernel_output(monkeypatch):
         probs = _normalize(s, scores, lse[None, :, t0 : t0 + n].cpu(), attn_probs.BLOCK_N)
         rebuilt = torch.einsum("bhij,bjhd->bihd", probs * (s >= 0) / (1 - p), vb.double())
         torch.testing.assert_close(out[None, t0 : t0 + n].cpu().double(), rebuilt, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kernel_output_shows_the_s_dmask_dropout_mask_element_by_element(causal, monkeypatch):
+    """v one-hot over the keys makes out[i, h, j] = P_ij * keep_ij / (1 - p): the kernel's own dropout decisions, read
+    off its output, equal the signs of S_dmask on every visible element (a rebuild within tolerance could miss one)."""
+    torch.manual_seed(0)
+    b, sq, sk, h, hk, d, p = 2, 77, 120, 4, 2, 128, 0.3
+    q = (torch.randn(b, sq, h, d, device="cuda") * 0.1).half()  # near-uniform P: every visible element well above 0
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.float16)
+    v = torch.eye(sk, d, device="cuda", dtype=torch.float16).view(1, sk, 1, d).expand(b, sk, hk, d).contiguous()
+    out, _, s_dmask = _gpu_call("kernel", monkeypatch, volta_train.flash_attn_func, q, k, v, p, causal=causal,
+                                return_attn_probs=True)
+    kernel_kept = (out.permute(0, 2, 1, 3)[..., :sk] != 0).cpu()
+    visible = torch.isfinite(_scores64(q.cpu(), k.cpu(), d**-0.5, causal=causal))
+    reported_kept = ~torch.signbit(s_dmask[:, :, :sq, :sk]).cpu()
+    assert torch.equal(kernel_kept, reported_kept & visible)
