@@ -1,7 +1,8 @@
 """``volta_train.install_flash_attn()``: serve volta_train as the ``flash_attn`` package where flash-attn is absent.
 
-After it, ``import flash_attn``, ``flash_attn.flash_attn_interface`` and
-``flash_attn.bert_padding`` resolve to volta_train's functions, so code written for
+After it, ``import flash_attn``, ``flash_attn.flash_attn_interface`` (with ``_get_block_size_n``, which
+flash-attn's tests read), ``flash_attn.bert_padding`` and ``flash_attn.layers.rotary`` (``apply_rotary_emb``)
+resolve to volta_train's functions, so code written for
 flash-attn 2 runs unchanged, and transformers' ``attn_implementation="flash_attention_2"``
 loads them: transformers asks ``importlib.util.find_spec("flash_attn")`` and the
 ``flash-attn`` distribution's version (``importlib.metadata``), so a distribution
@@ -22,14 +23,15 @@ import types
 from typing import Any
 
 
-from . import bert_padding, interface
+from . import attn_probs, bert_padding, interface, rotary
 
 logger = logging.getLogger("volta_train")
 
 FLASH_ATTN_VERSION = "2.6.3"
 """The flash-attn release whose API volta_train follows (window_size, alibi_slopes, deterministic, softcap keyword)."""
 
-_MODULES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding")
+_MODULES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding", "flash_attn.layers",
+            "flash_attn.layers.rotary")
 _MARK = "__volta_train__"
 
 
@@ -127,7 +129,8 @@ def is_installed() -> bool:
 
 
 def install_flash_attn() -> types.ModuleType:
-    """Make ``import flash_attn`` (and its ``flash_attn_interface`` and ``bert_padding``) resolve to volta_train.
+    """Make ``import flash_attn`` (and its ``flash_attn_interface``, ``bert_padding`` and ``layers.rotary``) resolve to
+    volta_train.
 
     Returns the ``flash_attn`` module. Idempotent. Raises RuntimeError where the real
     flash-attn is installed: volta_train would shadow it.
@@ -150,10 +153,15 @@ def install_flash_attn() -> types.ModuleType:
         "flash_attn_with_kvcache": interface.flash_attn_with_kvcache,
     }
     padding = _module("flash_attn.bert_padding", {name: getattr(bert_padding, name) for name in bert_padding.__all__})
-    api = _module("flash_attn.flash_attn_interface", dict(functions))
-    package = _module("flash_attn", {**functions, "__version__": FLASH_ATTN_VERSION,
-                                     "flash_attn_interface": api, "bert_padding": padding}, package=True)
-    sys.modules.update({"flash_attn": package, "flash_attn.flash_attn_interface": api, "flash_attn.bert_padding": padding})
+    # _get_block_size_n: the key-block width of S_dmask's running maximum (volta_train.attn_probs)
+    api = _module("flash_attn.flash_attn_interface", {**functions, "_get_block_size_n": attn_probs.get_block_size_n})
+    rotary_module = _module("flash_attn.layers.rotary", {"apply_rotary_emb": rotary.apply_rotary_emb,
+                                                          "apply_rotary_emb_func": rotary.apply_rotary_emb_func})
+    layers = _module("flash_attn.layers", {"rotary": rotary_module}, package=True)
+    package = _module("flash_attn", {**functions, "__version__": FLASH_ATTN_VERSION, "flash_attn_interface": api,
+                                     "bert_padding": padding, "layers": layers}, package=True)
+    sys.modules.update({"flash_attn": package, "flash_attn.flash_attn_interface": api, "flash_attn.bert_padding": padding,
+                        "flash_attn.layers": layers, "flash_attn.layers.rotary": rotary_module})
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
     _clear_transformers_caches()

@@ -7,9 +7,11 @@ Code written for ``flash_attn`` runs unchanged::
 
 Differences from flash-attn, all explicit:
 
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the log-sum-exp
-  (fp32, [batch, heads, seqlen_q]; [heads, total_q] for varlen) but not the
-  probability matrix, which would need seqlen_q x seqlen_k memory.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` as flash-attn does: the
+  log-sum-exp (fp32, [batch, heads, seqlen_q]; [heads, total_q] for varlen) and, with
+  ``dropout_p > 0``, flash-attn's S_dmask (unnormalised probabilities, dropped entries negated,
+  padded to multiples of 128), computed in PyTorch for either backend with seqlen_q x seqlen_k
+  memory: a testing aid (:mod:`volta_train.attn_probs`); an empty tensor with ``dropout_p == 0``.
 * ``accum`` ("fp32" or "fp16") picks the forward's tensor-core accumulation and
   ``bwd_accum`` ("auto", "fp32" or "fp16") the backward's: "auto" takes FP16-ACC on the
   tiles where it meets flash-attn's accuracy standard and fp32 elsewhere (docs/accuracy.md);
@@ -39,7 +41,7 @@ import logging
 
 import torch
 
-from . import dispatch, validation
+from . import attn_probs, dispatch, validation
 
 Window = tuple[int, int]
 logger = logging.getLogger("volta_train")
@@ -95,7 +97,8 @@ def flash_attn_func(
     generator, so ``torch.manual_seed`` reproduces it. Empty inputs (batch, seqlen or
     heads 0) give empty outputs; seqlen_k 0 gives zeros. v may have its own head_dim
     (the output has it). ``sinks`` (fp32 [heads]) adds ``exp(sinks[h])`` to every
-    softmax denominator of head h.
+    softmax denominator of head h. ``return_attn_probs=True`` returns
+    ``(out, softmax_lse, S_dmask)`` (:mod:`volta_train.attn_probs`).
     """
     _require_tensors(q=q, k=k, v=v)
     q, k, v = _autocast_inputs(q, k, v)
@@ -107,7 +110,9 @@ def flash_attn_func(
     )
     validation.check_sinks(sinks, q, q.shape[2])
     out, lse = dispatch.attention(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, options, sinks)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    return out, lse, attn_probs.s_dmask(q, k, options, alibi_slopes)
 
 
 def flash_attn_varlen_func(
@@ -156,7 +161,10 @@ def flash_attn_varlen_func(
     validation.check_sinks(sinks, q, q.shape[1])
     out, lse = dispatch.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                                   options, sinks)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    return out, lse, attn_probs.s_dmask_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+                                               alibi_slopes)
 
 
 def kernel_head_dim(head_dim: int, value_head_dim: int | None = None) -> int | None:
