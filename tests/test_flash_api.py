@@ -983,3 +983,17 @@ def test_value_head_dim_runs_on_the_kernel(dims, varlen, caplog):
     for g, w in zip(grads, want):
         assert g.shape == w.shape
         torch.testing.assert_close(g.double(), w, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_pad_input_checks_indices_without_waiting_for_the_gpu(rng):
+    """pad_input runs once per attention layer of a padded batch: its index check must not read the GPU's values."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool, device="cuda")
+    x = _randn(2, 3, 2, 8, rng=rng).cuda()
+    x_unpad, indices, *_ = volta_train.unpad_input(x, mask)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = volta_train.pad_input(x_unpad, indices, 2, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out[mask], x[mask]) and not out[~mask].any()

@@ -29,10 +29,15 @@ def _check_indices(indices: torch.Tensor, size: int, what: str) -> None:
     validation.require_tensor("indices", indices)
     if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indices must be a 1-D int64 (or int32) tensor, got {indices.dtype} {tuple(indices.shape)}")
-    if indices.numel() and not torch.compiler.is_compiling():
-        low, high = int(indices.min()), int(indices.max())
-        if low < 0 or high >= size:
-            raise ValueError(f"indices run from {low} to {high}; accepted: 0 to {size - 1} ({what})")
+    if not indices.numel() or torch.compiler.is_compiling():
+        return
+    if indices.is_cuda:  # checked on the GPU: a host read here would stall every layer of a padded batch
+        in_range = (indices.min() >= 0) & (indices.max() < size)
+        torch._assert_async(in_range, f"indices out of range; accepted: 0 to {size - 1} ({what})")
+        return
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= size:
+        raise ValueError(f"indices run from {low} to {high}; accepted: 0 to {size - 1} ({what})")
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
