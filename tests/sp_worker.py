@@ -4,7 +4,7 @@ Every process builds the same small random causal LM (seeded), patches its atten
 volta_train, and keeps an unprepared copy. The copy computes, on the full micro-batch and in this
 process alone, the reference: transformers' own loss and every parameter's gradient. The model then
 goes through Accelerate + DeepSpeed (ZeRO stage from the command line; ``--plain-deepspeed``:
-``ulysses.register`` and ``deepspeed.initialize(mpu=...)`` without Accelerate) with Ulysses sequence
+``sequence_parallel.register`` and ``deepspeed.initialize(mpu=...)`` without Accelerate) with Ulysses sequence
 parallelism of degree ``--sp`` (volta_train as the core attention); each process trains on its shard
 of its data-parallel group's micro-batch with ``sequence_parallel.sharded_loss``. Written to ``--out`` (rank 0): the reference and sharded losses
 of several steps and the largest gradient difference of the first step, as JSON.
@@ -25,7 +25,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from volta_train.integrations import ulysses  # noqa: E402
 from volta_train.training import distributed, sequence_parallel  # noqa: E402
 
 
@@ -58,7 +57,7 @@ def main() -> None:
     parser.add_argument("--documents", action="store_true", help="position ids restarting inside rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plain-deepspeed", action="store_true",
-                        help="ulysses.register + deepspeed.initialize(mpu=...) instead of Accelerate")
+                        help="sequence_parallel.register + deepspeed.initialize(mpu=...) instead of Accelerate")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -103,8 +102,8 @@ def main() -> None:
     if args.plain_deepspeed:  # the documented use without Accelerate
         import deepspeed
 
-        mpu = ulysses.register(model, args.sp, micro_batch_size=args.batch_size)
-        uattn = ulysses.ensure_installed(model.config._attn_implementation)
+        mpu = sequence_parallel.register(model, args.sp, micro_batch_size=args.batch_size)
+        uattn = sequence_parallel.ensure_installed(model.config._attn_implementation)
         ds_config = json.loads((Path(distributed.resolve_deepspeed_spec(args.zero))).read_text())
         ds_config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=1,
                          train_batch_size=args.batch_size * dp, gradient_clipping=0.0, fp16={"enabled": False},
@@ -119,15 +118,15 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
     else:
-        pc = ulysses.parallelism_config(args.sp, state.num_processes, model)
+        pc = sequence_parallel.parallelism_config(args.sp, state.num_processes, model)
         setup = distributed.build_accelerator(cpu=True, mixed_precision="no", grad_accum=1,
                                               batch_size=args.batch_size, grad_clip=0.0, deepspeed_spec=args.zero,
                                               parallelism_config=pc)
         acc = setup.accelerator
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        with ulysses.kv_heads_alias(model.config):
+        with sequence_parallel.kv_heads_alias(model.config):
             engine, optimizer = acc.prepare(model, optimizer)
-        uattn = ulysses.install(model.config._attn_implementation)
+        uattn = sequence_parallel.install(model.config._attn_implementation)
         ds_config = acc.state.deepspeed_plugin.deepspeed_config
         rank, world = acc.process_index, acc.num_processes
 
@@ -137,7 +136,7 @@ def main() -> None:
             optimizer.zero_grad()
     assert "num_key_value_heads" not in model.config.to_dict() or args.arch != "gpt2"
     lay = sequence_parallel.layout(rank, world, args.sp)
-    factor = ulysses.gradient_factor(ds_config, args.sp)
+    factor = sequence_parallel.gradient_factor(ds_config, args.sp)
 
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -159,7 +158,7 @@ def main() -> None:
                 grad = (initial[name] - updated.float().cpu()) / LR
                 grad_err = max(grad_err, (grad - ref_grads[name]).abs().max().item())
                 grad_scale = max(grad_scale, ref_grads[name].abs().max().item())
-    ulysses.ensure_installed(model.config._attn_implementation, uattn)
+    sequence_parallel.ensure_installed(model.config._attn_implementation, uattn)
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "reference": ref_losses, "sharded": losses, "grad_max_abs_diff": grad_err, "grad_max_abs": grad_scale,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, config, data
-from volta_train.training import finetune as ft
+from volta_train.training import finetune_setup as ft
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"

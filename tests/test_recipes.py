@@ -480,16 +480,16 @@ def test_document_packing_restarts_positions_and_masks_boundaries():
 def test_packed_documents_do_not_see_each_other():
     """What the recipe's packing relies on: with restarting position_ids the second document's logits equal
     those of the document alone (sdpa here; volta_train when its integration handles packed rows)."""
-    from volta_train.training import attention
+    from volta_train.training import attention_choice
 
     tok = data.ByteTokenizer()
     for arch in ("gpt2", "llama"):
         cfg = gpt.resolve(gpt.GPTTrainConfig(arch=arch, model="nano", seq_len=64), "cpu")
         model = gpt.build_model(cfg, tok)
-        assert attention.packed_documents_supported(model) == (True, "")
+        assert attention_choice.packed_documents_supported(model) == (True, "")
         if _patch_supports(arch):
-            attention.apply_patch(model)
-            ok, why = attention.packed_documents_supported(model)
+            attention_choice.apply_patch(model)
+            ok, why = attention_choice.packed_documents_supported(model)
             assert isinstance(ok, bool) and (ok or why)
 
 

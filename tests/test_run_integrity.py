@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, data, distributed, fsio, gpt, optim
-from volta_train.training import finetune as ft
+from volta_train.training import finetune_setup as ft
 from volta_train.training.trainer import (
     STOPPED_EXIT, LoopConfig, RunStateError, Trainer, finished_run_problems, run_or_fail,
 )

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from volta_train.integrations import ulysses
 from volta_train.training import config, gpt, sequence_parallel
 from child_process import stderr_tail, without_collective_warnings
 
@@ -60,11 +59,11 @@ def _patch_supports(model_type: str) -> bool:
 
 
 def test_accepted_degrees():
-    assert ulysses.accepted_degrees(16, 16) == [1, 2, 4, 8, 16]
-    assert ulysses.accepted_degrees(12, 12, processes=8) == [1, 2, 4]
-    assert ulysses.accepted_degrees(8, 2) == [1, 2, 4, 8]  # kv heads replicated when sp > kv heads
-    assert ulysses.accepted_degrees(6, 3) == [1, 3, 6]  # 2 divides 6 heads but not 3 kv heads, nor they it
-    assert ulysses.padded_length(250, 4) == 252 and ulysses.padded_length(256, 4) == 256
+    assert sequence_parallel.accepted_degrees(16, 16) == [1, 2, 4, 8, 16]
+    assert sequence_parallel.accepted_degrees(12, 12, processes=8) == [1, 2, 4]
+    assert sequence_parallel.accepted_degrees(8, 2) == [1, 2, 4, 8]  # kv heads replicated when sp > kv heads
+    assert sequence_parallel.accepted_degrees(6, 3) == [1, 3, 6]  # 2 divides 6 heads but not 3 kv heads, nor they it
+    assert sequence_parallel.padded_length(250, 4) == 252 and sequence_parallel.padded_length(256, 4) == 256
 
 
 @pytest.mark.parametrize("sp, heads, kv, processes, expected", [
@@ -77,14 +76,14 @@ def test_accepted_degrees():
     (0, 16, 16, None, r"sequence_parallel_size must be an integer >= 1 \(1: no sequence parallelism\), got 0"),
 ])
 def test_degree_errors_name_the_option_and_the_accepted_values(sp, heads, kv, processes, expected):
-    with pytest.raises(ulysses.SequenceParallelError, match=expected):
-        ulysses.check_degree(sp, heads, kv, processes)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match=expected):
+        sequence_parallel.check_degree(sp, heads, kv, processes)
 
 
 def test_degrees_that_work_pass():
-    ulysses.check_degree(4, 16, 16, 8)
-    ulysses.check_degree(8, 16, 2, 8)
-    ulysses.check_degree(1, 5, 5, 3)
+    sequence_parallel.check_degree(4, 16, 16, 8)
+    sequence_parallel.check_degree(8, 16, 2, 8)
+    sequence_parallel.check_degree(1, 5, 5, 3)
 
 
 def _cfg(**values) -> gpt.GPTTrainConfig:
@@ -127,7 +126,7 @@ def test_shards_cover_the_padded_sequence(rng, sp, seq_len, documents):
         cut = int(torch.randint(2, seq_len - 2, (1,), generator=rng))
         batch["position_ids"] = torch.cat([torch.arange(cut), torch.arange(seq_len - cut)]).expand(3, -1)
     shards = [sequence_parallel.shard_batch(batch, sp, r) for r in range(sp)]
-    padded = ulysses.padded_length(seq_len, sp)
+    padded = sequence_parallel.padded_length(seq_len, sp)
     chunk = padded // sp
     for shard in shards:
         assert set(shard) == {"input_ids", "position_ids", "shift_labels"}
@@ -219,13 +218,13 @@ def test_sharded_batches_count_whole_sequences_once():
 
 def test_gradient_factor():
     zero3 = json.loads((ROOT / "configs/deepspeed/zero3.json").read_text())
-    assert ulysses.gradient_factor(zero3, 4) == 4.0  # ZeRO-3's reduce-scatter divides by all processes
-    assert ulysses.gradient_factor(zero3, 1) == 1.0
+    assert sequence_parallel.gradient_factor(zero3, 4) == 4.0  # ZeRO-3's reduce-scatter divides by all processes
+    assert sequence_parallel.gradient_factor(zero3, 1) == 1.0
     for stage in ("zero1", "zero2"):
-        assert ulysses.gradient_factor(json.loads((ROOT / f"configs/deepspeed/{stage}.json").read_text()), 4) == 1.0
+        assert sequence_parallel.gradient_factor(json.loads((ROOT / f"configs/deepspeed/{stage}.json").read_text()), 4) == 1.0
     zero3["zero_optimization"]["reduce_scatter"] = False
-    with pytest.raises(ulysses.SequenceParallelError, match="zero_optimization.reduce_scatter is false"):
-        ulysses.gradient_factor(zero3, 2)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match="zero_optimization.reduce_scatter is false"):
+        sequence_parallel.gradient_factor(zero3, 2)
 
 
 def test_kv_heads_alias_for_gpt2_only_while_registering():
@@ -233,12 +232,12 @@ def test_kv_heads_alias_for_gpt2_only_while_registering():
 
     model = _tiny_gpt2()
     assert not hasattr(model.config, "num_key_value_heads")
-    with ulysses.kv_heads_alias(model.config):
+    with sequence_parallel.kv_heads_alias(model.config):
         assert model.config.num_key_value_heads == 4
     assert not hasattr(model.config, "num_key_value_heads")
     assert "num_key_value_heads" not in model.config.to_dict()
     llama = LlamaConfig(num_attention_heads=8, num_key_value_heads=2)
-    with ulysses.kv_heads_alias(llama):
+    with sequence_parallel.kv_heads_alias(llama):
         assert llama.num_key_value_heads == 2
     assert llama.num_key_value_heads == 2
 
@@ -247,22 +246,22 @@ def test_parallelism_config_names_the_models_attention():
     import volta_train
 
     model = volta_train.patch(_tiny_gpt2())
-    pc = ulysses.parallelism_config(2, 4, model)
+    pc = sequence_parallel.parallelism_config(2, 4, model)
     assert (pc.sp_size, pc.sp_backend, pc.data_parallel_size) == (2, "deepspeed", 2)
     assert pc.sp_handler.sp_attn_implementation == "volta_train" and pc.sp_handler.sp_seq_length_is_variable
-    with pytest.raises(ulysses.SequenceParallelError, match="does not divide the 4 attention heads"):
-        ulysses.parallelism_config(8, 8, model)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match="does not divide the 4 attention heads"):
+        sequence_parallel.parallelism_config(8, 8, model)
     eager = _tiny_gpt2()
     eager.config._attn_implementation = "eager"
-    with pytest.raises(ulysses.SequenceParallelError, match="attention implementation is 'eager'"):
-        ulysses.parallelism_config(2, 2, eager)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match="attention implementation is 'eager'"):
+        sequence_parallel.parallelism_config(2, 2, eager)
 
 
 def test_install_needs_deepspeeds_wrapper_first():
     with pytest.raises(RuntimeError, match="not DeepSpeed-Ulysses' wrapper: register it first"):
-        ulysses.install("sdpa")
+        sequence_parallel.install("sdpa")
     with pytest.raises(RuntimeError, match="sequence parallelism is not installed"):
-        ulysses.ensure_installed("sdpa")
+        sequence_parallel.ensure_installed("sdpa")
 
 
 def _per_document_attention(module, q, k, v, mask, position_ids=None, **kwargs):
@@ -284,10 +283,10 @@ def test_keeps_documents_apart():
 
     model = volta_train.patch(_tiny_gpt2())
     module = model.transformer.h[0].attn
-    assert ulysses.keeps_documents_apart(_per_document_attention, module) == (True, "")
-    ok, why = ulysses.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS["sdpa"], module)
+    assert sequence_parallel.keeps_documents_apart(_per_document_attention, module) == (True, "")
+    ok, why = sequence_parallel.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS["sdpa"], module)
     assert not ok and "second document's outputs differ" in why  # plain causal attention across documents
-    ok, why = ulysses.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS["volta_train"], module)
+    ok, why = sequence_parallel.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS["volta_train"], module)
     # volta_train keeps them apart where its integration finds packed sequences in position_ids
     assert ok == hasattr(hf, "Packing"), why
 
@@ -325,7 +324,7 @@ def test_gpt2_zero3_two_processes_match_one(tmp_path):
 @pytest.mark.slow
 def test_llama_gqa_documents_zero2_two_processes_match_one(tmp_path):
     """sp=2 under ZeRO-2, Llama with one key/value head (replicated by DeepSpeed), two packed documents per row;
-    through ulysses.register + deepspeed.initialize(mpu=...), without Accelerate."""
+    through sequence_parallel.register + deepspeed.initialize(mpu=...), without Accelerate."""
     if not _patch_supports("llama"):
         pytest.skip("volta_train.patch does not support Llama in this checkout")
     _check_worker(_worker(tmp_path, "llama", "--arch", "llama", "--heads", "4", "--kv-heads", "1", "--zero", "zero2",

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, config, data, distributed, fsio, gpt, logs, optim, runlock
-from volta_train.training import finetune as ft
+from volta_train.training import finetune_setup as ft
 from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed, end_training
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 One process per GPU (``torch.distributed.run``), the recipes' own pieces: a GPT of the shape asked
 for (default: GPT-2 medium's 24 layers, 16 heads, width 1024, Llama-style so that no position table
 grows with the sequence), DeepSpeed ZeRO-3 in fp16, activation checkpointing, and, with ``--sp N``,
-DeepSpeed-Ulysses with volta_train's attention as the core (``volta_train.integrations.ulysses``).
+DeepSpeed-Ulysses with volta_train's attention as the core (``volta_train.training.sequence_parallel``).
 Every process is capped at ``--memory-gb`` with ``torch.cuda.set_per_process_memory_fraction``.
 
 Full causal attention over a million tokens takes hours with the Volta kernel emulated on a Hopper
@@ -46,7 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import volta_train  # noqa: E402
-from volta_train.integrations import hf, ulysses  # noqa: E402
+from volta_train.integrations import hf  # noqa: E402
 from volta_train.training import data, distributed, gpt, optim, sequence_parallel, trainer  # noqa: E402
 
 PROBE = "volta_train_probe"
@@ -144,20 +144,20 @@ def main(argv=None) -> dict:
     model = gpt.build_model(cfg, tokenizer)
     register_probe()
     model.set_attn_implementation(PROBE)
-    parallelism = ulysses.parallelism_config(args.sp, world, model) if args.sp > 1 else None
+    parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
     setup = distributed.build_accelerator(cpu=args.cpu, mixed_precision=cfg.mixed_precision, grad_accum=1,
                                           batch_size=1, grad_clip=1.0, deepspeed_spec=args.deepspeed,
                                           parallelism_config=parallelism)
     acc = setup.accelerator
     ds_config = acc.state.deepspeed_plugin.deepspeed_config
-    factor = ulysses.gradient_factor(ds_config, args.sp)
+    factor = sequence_parallel.gradient_factor(ds_config, args.sp)
     optimizer = optim.build_adamw(model, 1e-5, 0.1, (0.9, 0.95))
     n_params = sum(p.numel() for p in model.parameters())
-    with ulysses.kv_heads_alias(model.config):
+    with sequence_parallel.kv_heads_alias(model.config):
         engine, optimizer = acc.prepare(model, optimizer)
     lay = sequence_parallel.layout(rank, world, args.sp)
     if lay.enabled:
-        ulysses.install(PROBE)
+        sequence_parallel.install(PROBE)
     cuda = device.type == "cuda"
 
     def log(message: str) -> None:

@@ -28,12 +28,12 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, chunked_loss, config, data, distributed, logs, metrics, models, optim, runlock,
+    attention_choice, chunked_loss, config, data, distributed, logs, metrics, models, optim, runlock,
 )
-from ..training import finetune as ft  # noqa: E402
+from ..training import finetune_setup as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, abandon_start, begin_run, end_training, exit_status, finished_earlier, run_or_fail,
-    save_final_and_summary, trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
+    trajectory_settings,
 )
 
 log = logging.getLogger("finetune")
@@ -95,26 +95,9 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
 
 
 def main(argv=None, prog: str = "finetune.py") -> dict:
-    """Run the recipe; returns summary.json's contents. A run that stopped before its planned steps with a checkpoint
-    (SIGTERM, train.time_limit_min) exits with :data:`~volta_train.training.trainer.STOPPED_EXIT` once that is
-    written."""
+    """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        summary = _main(argv, held)
-    if exit_status(summary):
-        sys.exit(exit_status(summary))
-    return summary
-
-
-def _main(argv, held: list) -> dict:
-    cfg, state = _start(argv, held)
-    try:
-        trainer, parts = _prepare(cfg, state)
-    except BaseException:
-        abandon_start(held)
-        raise
-    begin_run(Path(cfg.logging.out_dir), config.to_dict(cfg), state.is_main_process)
-    return _train(cfg, trainer, *parts)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.logging.out_dir)
 
 
 def _prepare(cfg, state):
@@ -227,11 +210,11 @@ def _build_model(cfg, tokenizer, names: list[str]):
     try:
         model = ft.build_model(cfg, tokenizer, names)
         if cfg.model.patch:
-            attention.apply_patch(model, flag="--model.no-patch")
-    except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
+            attention_choice.apply_patch(model, flag="--model.no-patch")
+    except (config.ConfigError, attention_choice.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
     if cfg.data.packing:
-        ok, why = attention.packed_documents_supported(model, vocab_limit=min(256, tokenizer.vocab_size))
+        ok, why = attention_choice.packed_documents_supported(model, vocab_limit=min(256, tokenizer.vocab_size))
         if not ok:
             _fail(f"data.packing: attention {model.config._attn_implementation!r} does not keep packed examples "
                   f"apart ({why}); set data.packing: false, or model.patch: false")

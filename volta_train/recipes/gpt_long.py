@@ -35,13 +35,12 @@ import transformers  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 
 from .. import resources  # noqa: E402
-from ..integrations import ulysses  # noqa: E402
 from ..training import (  # noqa: E402
-    attention, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
+    attention_choice, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, abandon_start, begin_run, end_training, exit_status, finished_earlier, run_or_fail,
-    save_final_and_summary, trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
+    trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -86,13 +85,13 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
     if cfg.packing == "stream":
         return False, "packing stream: documents attend across EOS (GPT-2 style)"
-    ok, why = attention.packed_documents_supported(model)
+    ok, why = attention_choice.packed_documents_supported(model)
     impl = model.config._attn_implementation
     if ok and cfg.sequence_parallel_size > 1:
         # under Ulysses the core attention gets no mask and the whole sequence's position ids: check that route
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        ok, why = ulysses.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS[impl], attention_module(model))
+        ok, why = sequence_parallel.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS[impl], attention_module(model))
         if not ok:
             why = f"under sequence parallelism: {why}"
     if ok:
@@ -105,25 +104,9 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 
 
 def main(argv=None, prog: str = "gpt_long.py") -> dict:
-    """Run the recipe; returns summary.json's contents. A run that stopped before its planned steps with a checkpoint
-    (SIGTERM, time_limit_min) exits with :data:`~volta_train.training.trainer.STOPPED_EXIT` once that is written."""
+    """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        summary = _main(argv, held)
-    if exit_status(summary):
-        sys.exit(exit_status(summary))
-    return summary
-
-
-def _main(argv, held: list) -> dict:
-    cfg, state = _start(argv, held)
-    try:
-        trainer, parts = _prepare(cfg, state)
-    except BaseException:
-        abandon_start(held)
-        raise
-    begin_run(Path(cfg.out_dir), config.to_dict(cfg), state.is_main_process)
-    return _train(cfg, trainer, *parts)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir)
 
 
 def _prepare(cfg, state):
@@ -153,7 +136,7 @@ def _prepare(cfg, state):
     log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
              setup.precision, torch.get_num_threads())
     optimizer = make_optimizer(setup, model, cfg)
-    with ulysses.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
+    with sequence_parallel.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
         model, optimizer = accelerator.prepare(model, optimizer)
     step = _StepFunctions(cfg, model, accelerator, train_set, val_set, flops, impl, grad_factor, chunked)
 
@@ -245,16 +228,16 @@ def _build_model(cfg, state, tokenizer):
     try:
         model = gpt.build_model(cfg, tokenizer)
         if cfg.patch:
-            attention.apply_patch(model)
-        heads, kv_heads = ulysses.heads_of(model.config)
+            attention_choice.apply_patch(model)
+        heads, kv_heads = sequence_parallel.heads_of(model.config)
         names = ("n_head", "n_kv_head") if not (cfg.model_path or cfg.model_config) else (
             "the model config's num_attention_heads", "num_key_value_heads")
-        ulysses.check_degree(sp, heads, kv_heads, state.num_processes, heads_name=names[0], kv_name=names[1])
+        sequence_parallel.check_degree(sp, heads, kv_heads, state.num_processes, heads_name=names[0], kv_name=names[1])
         if sp > 1 and cfg.attn_pdrop > 0:
             log.warning("attn_pdrop %g with sequence_parallel_size %d: each process draws dropout masks for its own "
                         "heads from the same generator state, so heads on different processes share mask patterns",
                         cfg.attn_pdrop, sp)
-    except (config.ConfigError, attention.AttentionSetupError, OSError, ValueError) as e:
+    except (config.ConfigError, attention_choice.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
     return model
 
@@ -263,15 +246,15 @@ def _accelerator(cfg, state, model):
     """(accelerate setup, gradient factor of sequence parallelism under ZeRO-3)."""
     sp = cfg.sequence_parallel_size
     try:
-        parallelism = ulysses.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
+        parallelism = sequence_parallel.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
         setup = distributed.build_accelerator(
             cpu=cfg.cpu, mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
             grad_clip=cfg.grad_clip, deepspeed_spec=cfg.deepspeed, loss_scale_init=cfg.loss_scale_init,
             loss_scale_window=cfg.loss_scale_window, parallelism_config=parallelism,
         )
-        grad_factor = ulysses.gradient_factor(setup.accelerator.state.deepspeed_plugin.deepspeed_config, sp) \
+        grad_factor = sequence_parallel.gradient_factor(setup.accelerator.state.deepspeed_plugin.deepspeed_config, sp) \
             if sp > 1 else 1.0
-    except (config.ConfigError, ulysses.SequenceParallelError) as e:
+    except (config.ConfigError, sequence_parallel.SequenceParallelError) as e:
         _fail(str(e))
     return setup, grad_factor
 
@@ -289,7 +272,7 @@ class _StepFunctions:
         self.layout = layout = sequence_parallel.layout(rank, world, cfg.sequence_parallel_size)
         self.uattn = None
         if layout.enabled:
-            self.uattn = ulysses.install(impl)
+            self.uattn = sequence_parallel.install(impl)
             log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
                      f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
         # processes of a sequence-parallel group read the same batches
@@ -321,7 +304,7 @@ class _StepFunctions:
         """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
         cfg = self.cfg
         if self.layout.enabled:
-            ulysses.ensure_installed(self.impl, self.uattn)
+            sequence_parallel.ensure_installed(self.impl, self.uattn)
             return sequence_parallel.sharded_loss(engine, batch, self.layout.group, self.grad_factor,
                                                   chunked=self.chunked, chunk_tokens=cfg.loss_chunk_tokens)
         if self.chunked:

@@ -372,7 +372,7 @@ class PackedDataset(Dataset):
     start and after each EOS, and ``labels`` are -100 at each document's first token (the
     previous document's EOS does not learn to predict it): training then never
     crosses a document boundary, provided the attention honours ``position_ids``
-    (see :func:`volta_train.training.attention.packed_documents_supported`).
+    (see :func:`volta_train.training.attention_choice.packed_documents_supported`).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, documents: bool = False, eos_token_id: int | None = None):

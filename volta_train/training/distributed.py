@@ -121,7 +121,7 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
     """The Accelerator for a recipe (call :func:`init_state` first); DeepSpeed's config is completed here.
 
     ``parallelism_config``: Accelerate's ``ParallelismConfig`` for DeepSpeed-Ulysses sequence parallelism
-    (:func:`volta_train.integrations.ulysses.parallelism_config`); DeepSpeed only.
+    (:func:`volta_train.training.sequence_parallel.parallelism_config`); DeepSpeed only.
     """
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin, GradScalerKwargs

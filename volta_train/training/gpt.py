@@ -230,7 +230,7 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
 def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -> None:
     """sequence_parallel_size against the preset's heads (a model from model_config/model_path is checked once
     built), the number of processes when known, and DeepSpeed."""
-    from ..integrations import ulysses
+    from . import sequence_parallel
     from .distributed import deepspeed_from_env
 
     sp = cfg.sequence_parallel_size
@@ -240,12 +240,12 @@ def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -
     try:
         if not (cfg.model_path or cfg.model_config):
             kv = cfg.n_kv_head if cfg.arch == "llama" else cfg.n_head
-            ulysses.check_degree(sp, cfg.n_head, kv, processes)
+            sequence_parallel.check_degree(sp, cfg.n_head, kv, processes)
         elif sp > 1:
-            ulysses.check_degree(sp, sp, sp, processes)  # the degree and the processes here; heads once built
+            sequence_parallel.check_degree(sp, sp, sp, processes)  # the degree and the processes here; heads once built
         else:
-            ulysses.check_degree(sp, 1, 1)
-    except ulysses.SequenceParallelError as e:
+            sequence_parallel.check_degree(sp, 1, 1)
+    except sequence_parallel.SequenceParallelError as e:
         raise ConfigError(f"{e}{'. Also, ' + deepspeed_note if needs_deepspeed else ''}") from None
     if needs_deepspeed:
         raise ConfigError(deepspeed_note)

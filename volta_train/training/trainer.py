@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, chunked_loss, fsio, logs, metrics, optim
+from . import checkpoint, chunked_loss, config, fsio, logs, metrics, optim, runlock
 from .distributed import Setup, loss_scale
 
 logger = logging.getLogger("volta_train.trainer")
@@ -596,3 +596,22 @@ def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], 
             if name not in exclude and key not in exclude:
                 flat[flag(name)] = json.loads(json.dumps(item))  # as it reads back from trainer_state.json
     return flat
+
+
+def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable) -> dict:
+    """The steps of every recipe: ``start(argv, held)`` parses options and locks out_dir, ``prepare(cfg, state)``
+    builds everything before the first step (a failure there leaves no files), then the run begins and
+    ``train(cfg, trainer, *parts)`` returns summary.json's contents. A run that stopped before its planned steps
+    with a checkpoint (SIGTERM, a time limit) exits with :data:`STOPPED_EXIT` once that is written."""
+    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
+        cfg, state = start(argv, held)
+        try:
+            trainer, parts = prepare(cfg, state)
+        except BaseException:
+            abandon_start(held)
+            raise
+        begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
+        summary = train(cfg, trainer, *parts)
+    if exit_status(summary):
+        raise SystemExit(exit_status(summary))
+    return summary
