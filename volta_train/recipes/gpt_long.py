@@ -25,9 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-# OpenMP threads that spin while they wait take the core their partner needs whenever anything else
-# runs: on 2 cores next to one busy process, the CPU run took 0.76 s/step spinning and 0.38 s/step
-# passive (idle machine: 0.23 vs 0.28). Set before torch loads OpenMP; your own setting wins.
+# OpenMP threads that spin while they wait take the core their partner needs whenever anything else runs, which
+# halves a CPU run's speed on a small, busy machine. Set before torch loads OpenMP; your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402

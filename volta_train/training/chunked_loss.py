@@ -48,8 +48,8 @@ logger = logging.getLogger("volta_train")
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_MIB = 1024
 """Default budget: a chunk's fp32 logits take at most this many MiB (the chunk holds about twice that). Each chunk
-reads and writes the fp32 ``[vocab, hidden]`` weight gradient once; with 256 MiB (512 tokens at 128k words) that
-traffic cost the step 7.5% on an H100, with 1 GiB (2,048 tokens) 2.6% (docs/performance.md, "Loss memory")."""
+reads and writes the fp32 ``[vocab, hidden]`` weight gradient once, so smaller chunks cost step time
+(docs/performance.md, "Loss memory", gives the measured cost)."""
 
 # config attributes of transformers models that change the logits after the head (Gemma-2 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling): the chunked loss would not be the model's loss
@@ -117,7 +117,7 @@ def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _OUT_DTYPE_WORKS:
         try:
             # autocast off: under fp16 autocast the fp32 reference product below would be an fp16 one, the check
-            # would fail, and every chunk would take the slower scaled path (it did: issue 15's step time).
+            # would fail, and every chunk would take the slower scaled path.
             # Needs a CUDA device here (cuda is the only type that passes the test above).
             with torch.autocast("cuda", enabled=False):
                 ok = _out_dtype_check(device, dtype)
