@@ -14,6 +14,7 @@
 #pragma once
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
+#include "launch_geometry.cuh"
 #include "masking.cuh"
 #include "softcap.cuh"
 #include "softmax.cuh"
@@ -346,3 +347,6 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);
 }
+
+template <class KT>
+__device__ LaunchGeometry flash_fwd_kernel_geometry = {KT::kSmemBytes, KT::kThreads, KT::kBlockM, KT::kBlockN};

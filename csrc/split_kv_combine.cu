@@ -9,6 +9,7 @@
 // per row: each lane holds the log-sum-exp of splits lane and lane + 32, then accumulates two adjacent columns per
 // 64 of the row over all splits. Named by NVRTC name expressions "flash_split_kv_combine_kernel<HEAD_DIM>"
 // (volta_train/kernels/tiles.py combine_variant).
+#include "launch_geometry.cuh"
 #include "params.cuh"
 
 constexpr int kCombineRowsPerCta = 4;  // warps per CTA, one row each (decode.py COMBINE_ROWS_PER_CTA)
@@ -78,3 +79,6 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combin
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
             seen ? (max2 + fast_log2(total)) * kLn2 : pos_inf();
 }
+
+template <int HEAD_DIM>
+__device__ LaunchGeometry flash_split_kv_combine_kernel_geometry = {0, 32 * kCombineRowsPerCta, kCombineRowsPerCta, 0};
