@@ -102,13 +102,18 @@ class KernelVariant:
 
     def geometry(self, arch: int | str) -> LaunchGeometry:
         """The first kernel's launch geometry as its compiled traits export it (compiles through the cache)."""
+        self._check_exports_geometry()
         return self.geometry_of(self.compile(arch))
 
     def geometry_of(self, program: CompiledProgram) -> LaunchGeometry:
         """The first kernel's launch geometry in program, this variant compiled with ``compiled_expressions``."""
-        if not self.exports_geometry:
-            raise ValueError(f"KernelVariant {self.name!r} exports no launch geometry (exports_geometry=False)")
+        self._check_exports_geometry()
         return LaunchGeometry.from_bytes(program.variable(self.geometry_expression))
+
+    def _check_exports_geometry(self) -> None:
+        if not self.exports_geometry:
+            raise ValueError(f"KernelVariant {self.name!r} exports no launch geometry (exports_geometry=False); "
+                             "launch it with driver.load_function and explicit threads / shared memory")
 
     def load(self, device, arch: int | str) -> LoadedKernel:
         """The first kernel compiled for arch and loaded on device (a torch.device), with its launch geometry."""
