@@ -191,5 +191,6 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     }
 }
 
+// What the host launches flash_bwd_dq_kernel<KT> with (launch_geometry.cuh).
 template <class KT>
 __device__ LaunchGeometry flash_bwd_dq_kernel_geometry = {DqLayout<KT>::kBytes, KT::kThreads, KT::kBlockM, KT::kBlockN};
