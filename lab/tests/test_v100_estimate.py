@@ -13,6 +13,8 @@ import pytest
 
 from volta_train.kernels import tiles
 
+import bank_model
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -230,7 +232,7 @@ def test_candidate_bwd_tiles_fit_and_are_not_the_shipped_tile(head_dim):
     for tile, dq_atomic, source in found:
         assert tile != shipped and source
         assert ve.bwd_tile_ok(head_dim, tile, dq_atomic)
-        assert tile.smem_bytes(head_dim, dq_atomic) <= 96 * 1024
+        assert bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic) <= 96 * 1024
         assert not dq_atomic or tile.dq_atomic
     if head_dim in (96, 128):  # the 8-warp 1x4 tile with K/V in smem fits (without atomics)
         tile = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True)
@@ -259,13 +261,13 @@ def test_head_dim_256_searches_the_split_tile_space():
     for tile, dq_atomic, source in found:
         assert tile != shipped and source.startswith("split space")
         assert ve.bwd_tile_ok(256, tile, dq_atomic) and tile.kv_in_smem
-        assert ve.smem_warps_per_sm(tile.smem_bytes(256, dq_atomic), tile.warps) == 4
+        assert ve.smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(tile, 256, dq_atomic), tile.warps) == 4
         assert ve.bwd_accumulator_regs(256, tile) <= ve.MAX_ACCUMULATOR_REGS
     split = dict(kv_in_smem=True, dq_atomic=False, out_split=2)
     assert (tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=16, **split), False) in pairs  # not lean
     assert (tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, **split), False) in pairs
     space = ve.split_bwd_tiles(256)
-    assert max(ve.smem_warps_per_sm(t.smem_bytes(256, a), t.warps) for t, a, _ in space) == 4
+    assert max(ve.smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(t, 256, a), t.warps) for t, a, _ in space) == 4
     assert (shipped, False) in {(t, a) for t, a, _ in space}
     # the unsplit 2x2 tile (dK/dV 256 registers per lane) and K/V in registers (256 more) are not built
     unsplit = tiles.BwdTile(quad_pair_rows=2, warps=2, block_m=16, kv_in_smem=True, dq_atomic=False)
@@ -322,7 +324,7 @@ def test_candidate_rows_pair_dkdv_tiles_with_every_dq_kernel():
 def test_candidate_fwd_tiles_allow_three_ctas():
     for tile, source in ve.candidate_fwd_tiles(128):
         assert tile.min_blocks_per_sm == 3 and source
-        smem = math.ceil(tile.smem_bytes(128) / 256) * 256
+        smem = math.ceil(bank_model.fwd_tile_smem_bytes(tile, 128) / 256) * 256
         assert (96 * 1024) // smem >= 3
 
 
