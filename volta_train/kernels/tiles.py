@@ -20,9 +20,9 @@ SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 class FwdTile:
     """Template parameters of FwdKernelTraits (csrc/kernel_traits.cuh): the forward, dQ and decoding kernels' tile."""
 
-    quad_pair_rows: int  # 4: 4x1 quad-pair arrangement (8-row quad-pairs, all keys); 2: 2x2
+    quad_pair_rows: int  # quad-pairs along query rows: 4 (4x1: 8 rows each, all keys), 2 (2x2) or 1 (1x4)
     m_tiles: int  # 8-row tiles per quad-pair
-    warps: int
+    warps: int  # per CTA
     block_n: int  # keys per block
     min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
     min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
@@ -115,8 +115,8 @@ def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, so
 class BwdTile:
     """Template parameters of BwdKernelTraits (csrc/kernel_traits.cuh): the dK/dV kernel."""
 
-    quad_pair_rows: int  # 2: 2x2 quad-pairs (16 keys per warp); 1: 1x4 (8 keys per warp)
-    warps: int
+    quad_pair_rows: int  # quad-pairs along keys: 2 (2x2, 16 keys per warp) or 1 (1x4, 8 keys per warp)
+    warps: int  # per CTA
     block_m: int  # queries per iteration
     kv_in_smem: bool = False  # K, V read from shared memory per use instead of held in registers
     min_blocks_per_sm: int = 1  # __launch_bounds__ occupancy target on sm_70
