@@ -10,6 +10,7 @@
 #pragma once
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
+#include "launch_geometry.cuh"
 #include "masking.cuh"
 #include "softcap.cuh"
 #include "tile_io.cuh"
@@ -189,3 +190,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
             store_global_16B(dq_base + (long long)(m0 + row) * bp.dq_row_stride + col, load_shared_16B(stage + KT::OStageRows::offset(row) + col));
     }
 }
+
+// What the host launches flash_bwd_dq_kernel<KT> with (launch_geometry.cuh).
+template <class KT>
+__device__ LaunchGeometry flash_bwd_dq_kernel_geometry = {DqLayout<KT>::kBytes, KT::kThreads, KT::kBlockM, KT::kBlockN};

@@ -1,4 +1,4 @@
-// FlashAttention-2 backward on Volta tensor cores: the dK/dV kernel (key blocks in parallel), with dQ added
+// The FlashAttention-2 backward's dK/dV kernel on Volta tensor cores (key blocks in parallel), with dQ added
 // into an fp32 buffer by atomics.
 //
 // A CTA keeps kBlockN keys of one (batch, kv head) and walks the query blocks of every query head of its
@@ -18,6 +18,7 @@
 #pragma once
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
+#include "launch_geometry.cuh"
 #include "masking.cuh"
 #include "mma_sm70.cuh"
 #include "softcap.cuh"
@@ -522,3 +523,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     bwd_write_key_rows<KT>(acc.dv, KT::kDropout ? prm.dropout_rescale : 1.f, g, n0, seq.seqlen_k, tid, smem, dv_base,
                            bp.dv_row_stride, out_col0);
 }
+
+// What the host launches flash_bwd_dkdv_kernel<KT> with (launch_geometry.cuh).
+template <class KT>
+__device__ LaunchGeometry flash_bwd_dkdv_kernel_geometry = {KT::kSmemBytes, KT::kThreads, KT::kBlockM, KT::kBlockN};

@@ -1,11 +1,12 @@
-// FlashAttention-2 forward on Volta (sm_70) tensor cores: mma.sync.m8n8k4 only, no ldmatrix, no cp.async.
+// The FlashAttention-2 forward kernel on Volta (sm_70) tensor cores: mma.sync.m8n8k4 only, no ldmatrix, no cp.async.
 // The pieces live by concept: warp geometry, Q operand and the two products in warp_tile.cuh, the online
 // softmax in softmax.cuh, mask and ALiBi in masking.cuh, dropout in dropout.cuh, tile movers in tile_io.cuh;
 // this file is the per-key-block step, the epilogue and the kernel.
 //
-// Per CTA: kBlockM query rows of one (batch, head). Q stays in registers for the whole kernel
-// (loaded straight from global memory into A fragments); K and V blocks pass through registers into
-// padded shared memory; S = Q K^T and P stay in registers; O accumulates in registers and leaves
+// Per CTA: kBlockM query rows of one (batch, head). Q is loaded once: with KT::kQInSmem (most tiles of the tables)
+// into a shared-memory tile whose A fragments are read per use (fewer registers, more resident warps), otherwise
+// straight from global memory into A-fragment registers held for the whole kernel. K and V blocks pass through
+// registers into padded shared memory; S = Q K^T and P stay in registers; O accumulates in registers and leaves
 // through shared memory in 16-byte rows. Two accumulation modes (SparkAttention's terms):
 //   FP32-ACC: both GEMMs accumulate in fp32; P is rounded to fp16 for the second GEMM.
 //   FP16-ACC: both GEMMs accumulate in fp16 (Q is pre-scaled by softmax_scale * log2(e) so the fp16
@@ -14,6 +15,7 @@
 #pragma once
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
+#include "launch_geometry.cuh"
 #include "masking.cuh"
 #include "softcap.cuh"
 #include "softmax.cuh"
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
 
     // A CTA whose rows see no key (seqlen_q > seqlen_k under causal or a window) writes zeros and lse = +inf
     // and touches no shared memory before the epilogue: Q is loaded only where a key block follows. (Loading
-    // it anyway raced: the Q tile in shared memory (kQInSmem) overlaps the epilogue's O staging area, and with
+    // it anyway would race: the Q tile in shared memory (kQInSmem) overlaps the epilogue's O staging area, and with
     // no key-block barrier in between, a late warp's Q store could overwrite another warp's staged O row.)
     if (n_begin < n_end) {
         QOperand<KT> q;
@@ -346,3 +348,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     }
     fwd_epilogue<KT>(prm, acc, g, tid, m0, seq.seqlen_q, reinterpret_cast<half_bits*>(smem), o_base, lse_base);
 }
+
+// What the host launches flash_fwd_kernel<KT> with (launch_geometry.cuh).
+template <class KT>
+__device__ LaunchGeometry flash_fwd_kernel_geometry = {KT::kSmemBytes, KT::kThreads, KT::kBlockM, KT::kBlockN};

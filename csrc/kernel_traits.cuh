@@ -1,6 +1,7 @@
-// Tile shapes of the forward kernel and everything derived from them.
+// Compile-time tile shapes of the kernels and their shared-memory layouts: FwdKernelTraits (the forward, dQ and
+// decoding kernels) and BwdKernelTraits (the dK/dV kernel).
 //
-// A CTA owns kBlockM query rows of one (batch, head) and walks the key blocks of kBlockN keys.
+// The forward: a CTA owns kBlockM query rows of one (batch, head) and walks the key blocks of kBlockN keys.
 // Each warp owns kRowsPerWarp consecutive rows. Inside a warp the four quad-pairs of every
 // m8n8k4 are arranged kQuadPairRows (along query rows) x kQuadPairCols (along keys in S = Q K^T,
 // along head_dim in O = P V):
@@ -27,7 +28,7 @@ __host__ __device__ constexpr int const_trailing_zeros(int n) { return n > 0 && 
 //   offset(r) = r * PITCH + GAP1 * (r >> SHIFT1) + GAP2 * (r >> SHIFT2)
 // The gaps (multiples of 8 halves, 0 for most tiles: plain padded rows) move rows that the two quad-pairs of a
 // quarter-warp read at the same chunk onto other banks (docs/performance.md, "Shared-memory bank conflicts";
-// volta_train/kernels/bank_model.py models every tile with the same formula). Every writer and reader of a tile
+// lab/bank_model.py models every tile with the same formula). Every writer and reader of a tile
 // computes its addresses with offset(); offset(a + b) == offset(a) + offset(b) whenever, for each nonzero gap,
 // (a mod 2^SHIFT) + (b mod 2^SHIFT) < 2^SHIFT (e.g. b a multiple of every 2^SHIFT), which lets a reader add the
 // offset of a compile-time step to a per-lane row base.
@@ -126,8 +127,7 @@ struct FwdKernelTraits {
     // The Q tile (the forward's; the dQ kernel's Q and dO tiles), A operands when kQInSmem: in 2x2 tiles the two
     // quad-pairs of a quarter-warp read rows 8 apart, so rows 8, 24, 40, ... start 4 chunks later (as
     // BwdKernelTraits::KvRows); other arrangements read rows 16 or more apart and keep plain rows. The split masked
-    // loop (an sm_80+ causal tile only) keeps plain rows too: the gaps' address arithmetic made its sm_90 build spill
-    // (161 -> 168 registers + 56 B at d128, causal forward 14.1 -> 11.1-12.4 TFLOP/s on an H100).
+    // loop (an sm_80+ causal tile only) keeps plain rows too: the gaps' address arithmetic makes it spill on sm_90.
     static constexpr int kQGap = kQInSmem && kQuadPairRows == 2 && !kSplitMaskedLoop ? 32 : 0;
     using QRows = TileRows<kSmemStride, 3, kQGap, 4, -kQGap>;
     static constexpr int kQTileBytes = kQInSmem ? QRows::bytes(kBlockM) : 0;  // after K and V^T
@@ -201,7 +201,7 @@ struct BwdKernelTraits {
     static constexpr int kDqTilesPerQuadPair = kDqColsPerQuadPair / 8;
 
     // Shared memory (halves; rows padded by 16 B). Layouts (TileRows, TileVector above; mirrored by
-    // volta_train/kernels/bank_model.py bwd_layouts, which tiles.py's smem_bytes uses):
+    // lab/bank_model.py bwd_layouts; the launch takes kSmemBytes from the compiled kernel, launch_geometry.cuh):
     // 1x4 tiles: the two quad-pairs of a quarter-warp read the B rows of S^T (Q, dO) 8 * S-tiles rows apart, the rows
     //   of dK's / dV's B (Q^T, dO^T) kOColsPerQuadPair rows apart at chunks S-tiles apart, lse / dsum 8 * S-tiles
     //   queries apart, and store dS 8 * S-tiles rows apart: Q / dO get 4 chunks after every 8 * S-tiles rows; lse /

@@ -1,4 +1,4 @@
-// Combine of the split-KV decoding kernel's partial results (flash_fwd_kernel with SplitKvParams and
+// The combine kernel of the split-KV decoding kernel's partial results (flash_fwd_kernel with SplitKvParams and
 // num_splits > 1, volta_train/kernels/decode.py): for every (batch, head, row) of that launch,
 //   lse = log sum_s exp(lse_s),   O = sum_s exp(lse_s - lse) * O_s,
 // written where the unsplit kernel writes (o as fp16 and lse through the params' strides); a row that no split saw a
@@ -9,6 +9,7 @@
 // per row: each lane holds the log-sum-exp of splits lane and lane + 32, then accumulates two adjacent columns per
 // 64 of the row over all splits. Named by NVRTC name expressions "flash_split_kv_combine_kernel<HEAD_DIM>"
 // (volta_train/kernels/tiles.py combine_variant).
+#include "launch_geometry.cuh"
 #include "params.cuh"
 
 constexpr int kCombineRowsPerCta = 4;  // warps per CTA, one row each (decode.py COMBINE_ROWS_PER_CTA)
@@ -78,3 +79,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combin
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
             seen ? (max2 + fast_log2(total)) * kLn2 : pos_inf();
 }
+
+// What the host launches flash_split_kv_combine_kernel<HEAD_DIM> with (launch_geometry.cuh): no tile, a warp per row.
+template <int HEAD_DIM>
+__device__ LaunchGeometry flash_split_kv_combine_kernel_geometry = {0, 32 * kCombineRowsPerCta, kCombineRowsPerCta, 0};

@@ -9,7 +9,7 @@ code is 1 when a kernel spills, needs more than 96 KB of shared memory, or canno
 Occupancy uses the V100 (sm_70) limits whatever --arch is.
 
 --cubin-dir writes <variant>.cubin, <variant>.ptxas.log and meta.jsonl (the --meta input of
-shared/tools/v100model/sass_cost.py, which needs the dynamic shared memory the cubin does not record).
+shared/tools/v100model/sass_cost.py: the dynamic shared memory the kernel exports, which ptxas does not report).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from volta_train.kernels.nvrtc import compile_program, normalize_arch, parse_ptxas_log
 from volta_train.kernels.tiles import shipped_variants
-from volta_train.kernels.variants import KernelVariant, csrc_dir
+from volta_train.kernels.variants import KernelVariant, LaunchGeometry, csrc_dir
 
 # V100 (GV100, sm_70) per-SM limits, as the CUDA occupancy calculator uses them.
 V100_REGISTERS_PER_SM = 65536
@@ -79,20 +79,23 @@ def compile_variant(variant: KernelVariant, arch: int, use_cache: bool):
     if use_cache:
         return variant.compile(arch)
     return compile_program(
-        variant.source_text(), variant.name_expressions, arch, variant.options, [csrc_dir()], variant.sources[0]
+        variant.source_text(), variant.compiled_expressions, arch, variant.options, [csrc_dir()], variant.sources[0]
     )
 
 
 def kernel_rows(variant: KernelVariant, program, compile_s: float) -> list[dict]:
     """One report row per kernel (name expression) of the variant."""
     resources = parse_ptxas_log(program.log)
+    # the launch geometry the kernel exports; a test kernel without one: no dynamic shared memory, meta's threads
+    geometry = variant.geometry_of(program) if variant.exports_geometry else LaunchGeometry(
+        0, variant.meta.get("threads", 128), 0, 0)
     rows = []
     for expression in variant.name_expressions:
         mangled = program.lowered_name(expression)
         if mangled not in resources:
             raise RuntimeError(f"no ptxas -v lines for {expression} ({mangled}) in the log of {variant.name}")
         used = resources[mangled]
-        smem = used["static_smem_bytes"] + variant.dynamic_smem_bytes
+        smem = used["static_smem_bytes"] + geometry.dynamic_smem_bytes
         rows.append(
             {
                 "name": expression,
@@ -106,9 +109,9 @@ def kernel_rows(variant: KernelVariant, program, compile_s: float) -> list[dict]
                 "stack_bytes": used["stack_bytes"],
                 "smem_bytes": smem,
                 "static_smem_bytes": used["static_smem_bytes"],
-                "dynamic_smem_bytes": variant.dynamic_smem_bytes,
-                "threads": variant.threads_per_block,
-                **v100_occupancy(used["registers"], variant.threads_per_block, smem),
+                "dynamic_smem_bytes": geometry.dynamic_smem_bytes,
+                "threads": geometry.threads,
+                **v100_occupancy(used["registers"], geometry.threads, smem),
                 "nvrtc": "%d.%d" % program.nvrtc_version,
                 "compile_s": round(compile_s, 3),
             }

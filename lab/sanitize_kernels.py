@@ -10,7 +10,7 @@ writes ``sanitizer.md`` (a table per tool and table) and ``sanitizer.json`` to -
 
 The workload launches every kernel variant the dispatcher can pick on this GPU ("default": on an H100 the
 emulated-m8n8k4 tiles) and every tile of the V100 table ("sm70", reached through the launchers' tile override),
-by the calls of ``volta_train.kernels.tiles.table_calls`` (lab/smem_conflicts.py makes them too):
+by the calls of ``lab/call_matrix.py table_calls`` (lab/smem_conflicts.py makes them too):
 forward (both tiles of each head_dim: full and causal; fp32 and fp16 accumulation; dropout on and off; logit
 soft-capping on and off), backward dK/dV (both accumulation modes, dropout, soft-capping, dQ by atomics and the
 deterministic dQ kernel) on two calls each (soft-capping: the dense call without dropout and the varlen call with it;
@@ -21,7 +21,7 @@ the forward also with the other setting, so that the causal and the full tiles e
 * variable length (3 sequences: 37/90, 150/64 and 1/17 query/key tokens), a local window (12, 15) and ALiBi.
 
 and the split-KV decoding kernel (flash_attn_with_kvcache, every head_dim, soft-capping on and off; the calls of
-``tiles.decode_calls``) on two calls each (``_decode_calls``): GQA-packed with three key splits, and unpacked with
+``call_matrix.decode_calls``) on two calls each (``_decode_calls``): GQA-packed with three key splits, and unpacked with
 one split, a causal window, cache_leftpad and ALiBi.
 
 Each call's output is also checked: finite, key-less rows exactly 0, and within 2e-2 of the reference backend.
@@ -40,6 +40,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import call_matrix  # noqa: E402  (lab/call_matrix.py: the calls that launch every variant)
 
 TOOLS = ("racecheck", "initcheck", "memcheck", "synccheck")
 TABLES = ("default", "sm70")
@@ -108,10 +111,11 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                     # soft-capping: the dense call without dropout, the varlen call with it (forward and backward);
                     # the forward alone with the other setting
                     cap = (c["cu_q"] is None) == (dropout_p == 0.0)
-                    table_calls = tiles.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
-                                                    dropout=(dropout_p > 0,), softcap=(not cap,), passes=("fwd",))
-                    table_calls += tiles.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
-                                                     dropout=(dropout_p > 0,), softcap=(cap,))
+                    table_calls = call_matrix.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
+                                                          dropout=(dropout_p > 0,), softcap=(not cap,),
+                                                          passes=("fwd",))
+                    table_calls += call_matrix.table_calls(table, arch, head_dims=(d,), causal=(c["causal"],),
+                                                           dropout=(dropout_p > 0,), softcap=(cap,))
                     # the forward in each mode, then the backward in each mode on the fp32 forward's output
                     references = {}
                     for call in table_calls:
@@ -147,7 +151,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
                             ref_grads = _reference_grads(c, prm, dout) if check else (None, None, None)
                 torch.cuda.synchronize()
                 print(f"[workload] {table} d{d} {c['name']}: done ({calls} calls so far)", flush=True)
-        for call in tiles.decode_calls(table, arch, head_dims=head_dims):
+        for call in call_matrix.decode_calls(table, arch, head_dims=head_dims):
             calls += _decode_calls(call, failures, check)
         torch.cuda.synchronize()
         print(f"[workload] {table} decoding: done ({calls} calls so far)", flush=True)
@@ -159,7 +163,7 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
 
 
 def _decode_calls(call, failures: list[str], check: bool) -> int:
-    """Two flash_attn_with_kvcache calls of one decoding variant (tiles.decode_calls), each against the reference
+    """Two flash_attn_with_kvcache calls of one decoding variant (call_matrix.decode_calls), each against the reference
     backend on copies of the caches: GQA-packed (1 query, 8 heads on 2, cache lengths 0 / full / 77, one appended
     token, cache_batch_idx, 3 key splits: partial outputs and their combine) and unpacked (5 queries, causal window
     (40, 0), cache_leftpad, ALiBi, 5 appended tokens, one split: the kernel writes out / lse itself)."""

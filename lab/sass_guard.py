@@ -4,7 +4,9 @@ Compiles, with the local NVRTC (no GPU needed), every variant the dispatcher can
 
 - ``sm_70``: the sm_70 tile tables (``shipped_fwd_variants(70)`` + ``shipped_bwd_variants(70)``) for sm_70;
 - ``sm_90``: the sm_80+ tile tables (``shipped_*_variants(90)``) for sm_90;
-- ``sm70-tiles@sm_90``: the sm_70 tile tables compiled for sm_90 (the sm_90 build of the V100 shapes).
+- ``sm70-tiles@sm_90``: the sm_70 tile tables compiled for sm_90 (the sm_90 build of the V100 shapes);
+- with ``--decode``, also the decoding kernels and split combines (``shipped_decode_variants`` and
+  ``shipped_combine_variants``) in each group.
 
 and writes a JSON mapping ``<group>/<variant name>/<name expression>`` to the sha256 of that kernel's executable
 code (the bytes of the cubin's ``.text.<mangled name>`` ELF section) and, for reference, of the whole cubin.
@@ -14,8 +16,9 @@ code (the bytes of the cubin's ``.text.<mangled name>`` ELF section) and, for re
     # ... change csrc/ ...
     python lab/sass_guard.py --out /tmp/after.json --compare /tmp/before.json
 
-The compiles bypass the kernel cache (a stale entry cannot hide a change); NVRTC releases the GIL, so
-``--jobs`` threads compile in parallel.
+Each program is compiled as the package compiles it, with the launch geometry the kernels export
+(csrc/launch_geometry.cuh); only the kernels are fingerprinted. The compiles bypass the kernel cache (a stale entry
+cannot hide a change); NVRTC releases the GIL, so ``--jobs`` threads compile in parallel.
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ GROUPS = (("sm_70", 70, 70), ("sm_90", 90, 90), ("sm70-tiles@sm_90", 70, 90))  #
 
 
 def elf_sections(image: bytes) -> dict[str, bytes]:
-    """Section name -> contents of a little-endian ELF64 image (a cubin)."""
+    """Section name -> contents of a cubin."""
+    try:
+        from volta_train.kernels.cubin import sections
+    except ImportError:  # a checkout from before the package read cubins (the guard's baseline)
+        return _elf_sections(image)
+    return sections(image)
+
+
+def _elf_sections(image: bytes) -> dict[str, bytes]:
     if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
         raise ValueError("not a little-endian ELF64 image")
     (shoff,) = struct.unpack_from("<Q", image, 0x28)
@@ -64,8 +75,10 @@ def elf_sections(image: bytes) -> dict[str, bytes]:
 
 
 def fingerprint(variant: KernelVariant, arch: int) -> dict[str, dict[str, str]]:
+    # the kernels and their exported launch geometry, as the package compiles them (older checkouts: the kernels)
+    expressions = getattr(variant, "compiled_expressions", variant.name_expressions)
     program = compile_program(
-        variant.source_text(), variant.name_expressions, arch, variant.options, [csrc_dir()], variant.sources[0]
+        variant.source_text(), expressions, arch, variant.options, [csrc_dir()], variant.sources[0]
     )
     sections = elf_sections(program.cubin)
     result = {}
@@ -82,10 +95,13 @@ def fingerprint(variant: KernelVariant, arch: int) -> dict[str, dict[str, str]]:
     return result
 
 
-def collect(jobs: int, only: str | None = None) -> dict[str, dict[str, str]]:
+def collect(jobs: int, only: str | None = None, decode: bool = False) -> dict[str, dict[str, str]]:
     work = []
     for group, table_arch, target in GROUPS:
-        for variant in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch):
+        variants = tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)
+        if decode:
+            variants += tiles.shipped_decode_variants(table_arch) + tiles.shipped_combine_variants()
+        for variant in variants:
             if only is None or only in variant.name:
                 work.append((group, variant, target))
     started = time.perf_counter()
@@ -123,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, help="an earlier --out file to compare against")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads (default: CPUs)")
     parser.add_argument("--only", help="compile only the variants whose name contains this (a quick check)")
+    parser.add_argument("--decode", action="store_true", help="also the decoding kernels and split combines")
     args = parser.parse_args(argv)
     library = find_nvrtc(90)
-    kernels = collect(args.jobs, args.only)
+    kernels = collect(args.jobs, args.only, args.decode)
     document = {"nvrtc": library.version_string, "kernels": kernels}
     args.out.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     print(f"{len(kernels)} kernels fingerprinted with NVRTC {library.version_string} -> {args.out}")

@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
-"""Offline shared-memory bank-conflict model of the sm_70 tiles (volta_train/kernels/bank_model.py; no GPU).
+"""Offline shared-memory bank-conflict model of the sm_70 tiles (lab/bank_model.py; no GPU).
 
     python lab/smem_bank_model.py                       # predicted ld / st wavefronts per ideal, every kernel
     python lab/smem_bank_model.py --validate [--md F]   # against the Nsight Compute table (default: the H100 one)
     python lab/smem_bank_model.py --validate --code --md F   # a table measured on the code as it is now
     python lab/smem_bank_model.py --sites NAME          # per access site of the variants whose name contains NAME
-    python lab/smem_bank_model.py --fixes               # the issue-16 designs not in csrc yet: code -> design
     python lab/smem_bank_model.py --plain               # plain rows (before issue 16) -> the code's layouts
 
 The workload is the profiled one (batch 1, 8 heads, seqlen 1024, non-causal). --validate compares instruction
@@ -21,7 +20,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from volta_train.kernels import bank_model as bm
+import bank_model as bm
 from volta_train.kernels import tiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,17 +112,12 @@ def main(argv=None) -> int:
                     help="--validate a table measured on the code as it is (default: plain rows, the committed table)")
     ap.add_argument("--tol", type=float, default=0.02, help="accepted relative error of instruction / ideal counts")
     ap.add_argument("--sites", metavar="NAME", help="per-site breakdown of the variants whose name contains NAME")
-    ap.add_argument("--fixes", action="store_true", help="predicted factors with the issue-16 layouts not in csrc yet")
     ap.add_argument("--plain", action="store_true",
                     help="also the factors with plain rows (the layouts before issue 16) -> the code's")
     args = ap.parse_args(argv)
     if args.validate:
         return validate(args.md, args.tol, plain=not args.code)
     variants = sm70_variants()
-    if args.fixes:
-        from volta_train.kernels import bank_fixes
-        show(variants, args.sites, args.sites is not None, bank_fixes.layouts_for_variant)
-        return 0
     show(variants, args.sites, args.sites is not None, plain_too=args.plain)
     return 0
 

@@ -5,10 +5,10 @@
     python lab/smem_conflicts.py --workload [--quick]     # the launches alone (what ncu profiles)
     python lab/smem_conflicts.py --sass-only --arch 90    # the static SASS check alone (NVRTC + cuobjdump, no GPU)
 
-The workload launches every kernel variant of the V100 tile tables (``tiles.table_calls("sm70", ...)``, the calls
+The workload launches every kernel variant of the V100 tile tables (``call_matrix.table_calls("sm70", ...)``, the calls
 lab/sanitize_kernels.py makes too; on a GPU other than a V100 through the launchers' tile overrides) once, on
 one dense non-causal call big enough that the main loop dominates (batch 1, 8 heads, seqlen 1024: 16-64 key or query
-blocks per CTA), plus one causal forward per head_dim, and first a baseline: the mma probe (csrc/probe_mma.cu), one
+blocks per CTA), plus one causal forward per head_dim, and first a baseline: the mma probe (tests/kernels/probe_mma.cu), one
 m8n8k4 per warp and a known number of shared-memory instructions. Each call runs inside an NVTX range named after it;
 the backward's forward output comes from the reference backend, so every profiled launch is one of the plan's.
 
@@ -55,6 +55,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+import call_matrix  # noqa: E402  (lab/call_matrix.py: the calls that launch every variant)
+
 GOAL = 1.05  # wavefronts per ideal (conflict-free) wavefront, ld and st
 KERNEL_REGEX = "regex:flash_|volta_probe_mma"
 PROBE_CALL = "baseline_probe_mma"
@@ -92,14 +95,14 @@ def plan_calls(arch: int, quick: bool = False) -> list:
 
     head_dims = tiles.SUPPORTED_HEAD_DIMS[1::4] if quick else tiles.SUPPORTED_HEAD_DIMS  # quick: d 32 and 96
     # soft-capping changes no shared-memory access (it is arithmetic on the scores in registers): plain variants only
-    calls = tiles.table_calls("sm70", arch, head_dims=head_dims, causal=(False,), unique=True, softcap=(False,))
-    return calls + tiles.table_calls("sm70", arch, head_dims=head_dims, causal=(True,), dropout=(False,),
-                                     accums=("fp32",), passes=("fwd",), softcap=(False,))
+    calls = call_matrix.table_calls("sm70", arch, head_dims=head_dims, causal=(False,), unique=True, softcap=(False,))
+    return calls + call_matrix.table_calls("sm70", arch, head_dims=head_dims, causal=(True,), dropout=(False,),
+                                           accums=("fp32",), passes=("fwd",), softcap=(False,))
 
 
 def launch_plan(arch: int, quick: bool = False) -> list[PlannedLaunch]:
     """Every kernel launch ncu will see, in order: the probe, then the kernels of each call."""
-    from volta_train.kernels.variants import PROBE_VARIANT
+    from probes import PROBE_VARIANT
 
     plan = [PlannedLaunch(0, PROBE_CALL, function_name(PROBE_VARIANT.name_expressions[0]), PROBE_VARIANT)]
     for call in plan_calls(arch, quick):
@@ -123,9 +126,8 @@ def _workload(quick: bool, batch: int, heads: int, seqlen: int) -> int:
     from volta_train import reference
     from volta_train.options import AttentionOptions
     from volta_train.kernels import driver, launch
-    from volta_train.kernels.params import ProbeParams
     from volta_train.kernels.precompile import compile_variants
-    from volta_train.kernels.variants import PROBE_VARIANT, PROBE_WARPS_PER_BLOCK
+    from probes import PROBE_SMEM_BYTES, PROBE_THREADS, PROBE_VARIANT, PROBE_WARPS_PER_BLOCK, ProbeParams
 
     torch.manual_seed(0)
     major, minor = torch.cuda.get_device_capability()
@@ -144,7 +146,7 @@ def _workload(quick: bool, batch: int, heads: int, seqlen: int) -> int:
     d = torch.empty_like(c)
     probe = driver.load_function(PROBE_VARIANT.compile(arch), PROBE_VARIANT.name_expressions[0])
     torch.cuda.nvtx.range_push(PROBE_CALL)
-    probe.launch((PROBE_BLOCKS,), (PROBE_VARIANT.threads_per_block,), PROBE_VARIANT.dynamic_smem_bytes,
+    probe.launch((PROBE_BLOCKS,), (PROBE_THREADS,), PROBE_SMEM_BYTES,
                  [ProbeParams(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), warps, 1.0)])
     torch.cuda.nvtx.range_pop()
 
@@ -637,7 +639,7 @@ def main() -> int:
     table = table_rows(plan, rows, metrics, args.goal)
     static = _run_static(plan, arch, out)
     probe_row = next((r for r in table if r["call"] == PROBE_CALL), None)
-    from volta_train.kernels.variants import PROBE_VARIANT, PROBE_WARPS_PER_BLOCK
+    from probes import PROBE_VARIANT, PROBE_WARPS_PER_BLOCK
 
     probe = probe_check(probe_row, static.get(PROBE_VARIANT.name), PROBE_BLOCKS * PROBE_WARPS_PER_BLOCK)
     version = subprocess.run([ncu, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

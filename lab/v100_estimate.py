@@ -68,6 +68,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import bank_model  # lab/bank_model.py: the shared memory of tiles that were never compiled
+
 REPO = Path(__file__).resolve().parent.parent
 
 # --- constants of the estimate -----------------------------------------------------------------------------------
@@ -361,7 +363,7 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
         dq_rows = tile.block_m // tile.warps // 8
         if dq_rows not in (1, 2, 4) or head_dim % (8 * (4 // dq_rows)):
             return False
-    return tile.smem_bytes(head_dim, dq_atomic) <= 96 * 1024
+    return bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic) <= 96 * 1024
 
 
 def smem_warps_per_sm(smem_bytes: int, warps: int) -> int:
@@ -405,8 +407,9 @@ def split_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
                     for out_split in SPLIT_SPACE_OUT_SPLITS:
                         for lean in (True, False):
                             for dq_atomic in ((True, False) if out_split == 1 else (False,)):
-                                tile = tiles.BwdTile(qpr, warps, block_m, kv_in_smem=kv_in_smem, dq_atomic=dq_atomic,
-                                                     lean=lean, out_split=out_split)
+                                tile = tiles.BwdTile(quad_pair_rows=qpr, warps=warps, block_m=block_m,
+                                                     kv_in_smem=kv_in_smem, dq_atomic=dq_atomic, lean=lean,
+                                                     out_split=out_split)
                                 if (bwd_accumulator_regs(head_dim, tile) <= MAX_ACCUMULATOR_REGS
                                         and bwd_tile_ok(head_dim, tile, dq_atomic)):
                                     out.append((tile, dq_atomic, f"split space (out_split {out_split})"))
@@ -429,9 +432,10 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
 
     shipped = tiles.bwd_tile(head_dim, 70)
     if shipped.out_split > 1:
-        floor = smem_warps_per_sm(shipped.smem_bytes(head_dim, False), shipped.warps)
+        floor = smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(shipped, head_dim, False), shipped.warps)
         return [(tile, dq_atomic, source) for tile, dq_atomic, source in split_bwd_tiles(head_dim)
-                if tile != shipped and smem_warps_per_sm(tile.smem_bytes(head_dim, dq_atomic), tile.warps) >= floor]
+                if tile != shipped and smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic),
+                                                         tile.warps) >= floor]
     pool: dict = {}
     for table_name in ("BWD_TILES_SM70", "BWD_TILES_EMULATED", "BWD_TILES_EMULATED_FP16"):
         for d, tile in getattr(tiles, table_name).items():
@@ -439,9 +443,11 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
             plain = replace(tile, min_blocks_per_sm=1, min_blocks_emulated=1, out_split=1)
             pool.setdefault(plain, f"{table_name}[{d}]")
     for block_m in (32, 64):
-        pool.setdefault(tiles.BwdTile(1, 8, block_m, kv_in_smem=True), "1x4 + 8 warps + K/V in smem")
+        pool.setdefault(tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=block_m, kv_in_smem=True),
+                        "1x4 + 8 warps + K/V in smem")
     for kv_in_smem in (False, True):  # the 2x2 2-warp tile of d16-112 with 16 queries per block (no table has it)
-        pool.setdefault(tiles.BwdTile(2, 2, 16, kv_in_smem=kv_in_smem, dq_atomic=False), "2x2 2 warps, block_m 16")
+        pool.setdefault(tiles.BwdTile(quad_pair_rows=2, warps=2, block_m=16, kv_in_smem=kv_in_smem, dq_atomic=False),
+                        "2x2 2 warps, block_m 16")
     emulated_here = {replace(t, min_blocks_per_sm=1, min_blocks_emulated=1)
                      for t in (tiles.bwd_tile(head_dim, 90, False), tiles.bwd_tile(head_dim, 90, True))}
     out = []
@@ -451,7 +457,7 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
         for dq_atomic in ((True, False) if tile.dq_atomic else (False,)):
             if not bwd_tile_ok(head_dim, tile, dq_atomic):
                 continue
-            warps = smem_warps_per_sm(tile.smem_bytes(head_dim, dq_atomic), tile.warps)
+            warps = smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic), tile.warps)
             if warps >= TARGET_WARPS_PER_SM or tile in emulated_here:
                 label = source + (", the emulated table's tile here" if tile in emulated_here else "")
                 out.append((tile, dq_atomic, label))
@@ -461,21 +467,14 @@ def candidate_bwd_tiles(head_dim: int) -> list[tuple[object, bool, str]]:
 def dq_tile_ok(head_dim: int, tile) -> bool:
     """The static_asserts of FwdKernelTraits and DqLayout (csrc/kernel_traits.cuh, flash_bwd_dq_kernel.cuh) for a
     dQ kernel tile, and the 96 KB limit."""
-    from volta_train.kernels.bank_model import FwdShape, dq_smem_bytes
-
     cols = 4 // tile.quad_pair_rows
     if tile.quad_pair_rows not in (1, 2, 4) or head_dim % (8 * cols) or (tile.block_n // 8) % cols or tile.block_n % 8:
         return False
-    smem = dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
-                                  tile.q_in_smem))
-    return smem <= 96 * 1024
+    return bank_model.dq_tile_smem_bytes(tile, head_dim) <= 96 * 1024
 
 
 def dq_tile_smem(head_dim: int, tile) -> int:
-    from volta_train.kernels.bank_model import FwdShape, dq_smem_bytes
-
-    return dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
-                                  tile.q_in_smem))
+    return bank_model.dq_tile_smem_bytes(tile, head_dim)
 
 
 def candidate_dq_tiles(head_dim: int) -> list[tuple[object, str]]:
@@ -494,7 +493,8 @@ def candidate_dq_tiles(head_dim: int) -> list[tuple[object, str]]:
             for warps in (2, 4, 8):
                 for block_n in (16, 32, 64):
                     for q_in_smem in (True, False):
-                        tile = tiles.FwdTile(qpr, m_tiles, warps, block_n, q_in_smem=q_in_smem)
+                        tile = tiles.FwdTile(quad_pair_rows=qpr, m_tiles=m_tiles, warps=warps, block_n=block_n,
+                                             q_in_smem=q_in_smem)
                         # dQ accumulators: head_dim / quad-pair columns per m-tile; Q and dO rows: head_dim
                         regs = m_tiles * head_dim // (4 // qpr) + (0 if q_in_smem else m_tiles * head_dim)
                         if tile == shipped or regs > MAX_ACCUMULATOR_REGS or not dq_tile_ok(head_dim, tile):
@@ -517,7 +517,7 @@ def candidate_fwd_tiles(head_dim: int) -> list[tuple[object, str]]:
         pool.setdefault(tile, "FWD_TILES_EMULATED" + ("_CAUSAL" if causal else "") + ", capped for 3 CTAs")
     out = []
     for tile, source in pool.items():
-        smem = math.ceil(tile.smem_bytes(head_dim) / 256) * 256
+        smem = math.ceil(bank_model.fwd_tile_smem_bytes(tile, head_dim) / 256) * 256
         if (96 * 1024) // smem * tile.warps >= 12:
             out.append((tile, source))
     return out

@@ -1,6 +1,6 @@
 """Loading and launching NVRTC cubins through the CUDA driver API (volta_train/kernels/driver.py).
 
-The gpu-marked tests compile the probe (csrc/probe_mma.cu: one m8n8k4 mma per warp, four independent 8x8x4
+The gpu-marked tests compile the probe (tests/kernels/probe_mma.cu: one m8n8k4 mma per warp, four independent 8x8x4
 products per warp, one per quad-pair) for the GPU present, launch it on PyTorch's stream and compare with a
 float64 matmul. The unmarked tests check argument marshalling and need no GPU.
 """
@@ -16,8 +16,8 @@ import torch
 
 from volta_train.kernels import cache, driver
 from volta_train.kernels.nvrtc import CompiledProgram, NvrtcNotFoundError
-from volta_train.kernels.params import ProbeParams
-from volta_train.kernels.variants import PROBE_VARIANT, PROBE_WARPS_PER_BLOCK
+
+from probes import PROBE_SMEM_BYTES, PROBE_THREADS, PROBE_VARIANT, PROBE_WARPS_PER_BLOCK, ProbeParams
 
 PROBE = PROBE_VARIANT.name_expressions[0]
 FLOATS_PER_WARP = 4 * 64  # four 8x8 fp32 tiles
@@ -82,8 +82,8 @@ def _blocks(num_warps: int) -> int:
 def _launch(kernel, params: ProbeParams, num_warps: int, shared_bytes: int | None = None, stream=None) -> None:
     kernel.launch(
         grid=(_blocks(num_warps),),
-        block=(PROBE_VARIANT.threads_per_block,),
-        shared_bytes=PROBE_VARIANT.dynamic_smem_bytes if shared_bytes is None else shared_bytes,
+        block=(PROBE_THREADS,),
+        shared_bytes=PROBE_SMEM_BYTES if shared_bytes is None else shared_bytes,
         args=[params],
         stream=stream,
     )
@@ -168,7 +168,7 @@ def test_probe_inside_a_cuda_graph(probe):
 def test_loaded_kernel_attributes_and_caching(probe, probe_program):
     attributes = probe.attributes
     assert attributes.num_regs > 0
-    assert attributes.max_threads_per_block == PROBE_VARIANT.threads_per_block  # __launch_bounds__
+    assert attributes.max_threads_per_block == PROBE_THREADS  # __launch_bounds__
     assert attributes.static_smem_bytes == 0 and attributes.local_bytes == 0
     if probe.param_sizes is not None:
         assert probe.param_sizes == (ctypes.sizeof(ProbeParams),)

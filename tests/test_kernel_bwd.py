@@ -213,12 +213,16 @@ def test_small_model_under_compile_and_checkpointing(mode, monkeypatch):
         assert _rel(g, r) < 1e-2
 
 
-@pytest.mark.parametrize("tile", [tiles.BwdTile(1, 4, 32), tiles.BwdTile(1, 8, 64), tiles.BwdTile(2, 4, 32),
-                                  tiles.BwdTile(1, 4, 32, kv_in_smem=True),
-                                  tiles.BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
-                                  # head_dim 64 split over two CTAs (32 dK/dV columns each; head_dim 256's design)
-                                  tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
-                                  tiles.BwdTile(1, 4, 32, kv_in_smem=True, dq_atomic=False, out_split=2)], ids=repr)
+@pytest.mark.parametrize("tile", [
+    tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32),
+    tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64),
+    tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=32),
+    tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, kv_in_smem=True),
+    tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
+    # head_dim 64 split over two CTAs (32 dK/dV columns each; head_dim 256's design)
+    tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
+    tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False, out_split=2),
+], ids=repr)
 def test_every_backward_tile(tile):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 333, 301, 4, 2, 64, gen)

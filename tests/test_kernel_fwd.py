@@ -126,15 +126,24 @@ def test_forward_accuracy(case, accum):
 
 
 ARRANGEMENTS = [  # (head_dim, tile): every quad-pair arrangement and block shape the sweep considers
-    (64, tiles.FwdTile(4, 1, 4, 32)), (64, tiles.FwdTile(2, 1, 4, 16)), (64, tiles.FwdTile(1, 1, 4, 32)),
-    (64, tiles.FwdTile(1, 1, 8, 64)), (64, tiles.FwdTile(1, 2, 4, 32)), (128, tiles.FwdTile(2, 1, 4, 16)),
-    (128, tiles.FwdTile(1, 1, 8, 32)), (96, tiles.FwdTile(1, 1, 4, 32)), (80, tiles.FwdTile(2, 1, 8, 16)),
-    (32, tiles.FwdTile(1, 1, 4, 32)), (32, tiles.FwdTile(4, 2, 4, 32)),
-    (64, tiles.FwdTile(2, 1, 4, 32, q_in_smem=True)), (128, tiles.FwdTile(2, 1, 4, 16, q_in_smem=True)),
-    (128, tiles.FwdTile(1, 1, 4, 32, q_in_smem=True)), (96, tiles.FwdTile(1, 2, 4, 32, q_in_smem=True)),
-    (64, tiles.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=True)),
-    (128, tiles.FwdTile(2, 1, 4, 16, q_in_smem=True, split_masked=True)),
-    (32, tiles.FwdTile(4, 1, 4, 32, split_masked=True)),
+    (64, tiles.FwdTile(quad_pair_rows=4, m_tiles=1, warps=4, block_n=32)),
+    (64, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16)),
+    (64, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32)),
+    (64, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=64)),
+    (64, tiles.FwdTile(quad_pair_rows=1, m_tiles=2, warps=4, block_n=32)),
+    (128, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16)),
+    (128, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=32)),
+    (96, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32)),
+    (80, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=8, block_n=16)),
+    (32, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32)),
+    (32, tiles.FwdTile(quad_pair_rows=4, m_tiles=2, warps=4, block_n=32)),
+    (64, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, q_in_smem=True)),
+    (128, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True)),
+    (128, tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32, q_in_smem=True)),
+    (96, tiles.FwdTile(quad_pair_rows=1, m_tiles=2, warps=4, block_n=32, q_in_smem=True)),
+    (64, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, q_in_smem=True, split_masked=True)),
+    (128, tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True, split_masked=True)),
+    (32, tiles.FwdTile(quad_pair_rows=4, m_tiles=1, warps=4, block_n=32, split_masked=True)),
 ]
 
 
@@ -160,7 +169,7 @@ def test_every_tile_arrangement(head_dim, tile, accum, dropout):
 def test_local_window(accum, window, split):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 300, 357, 4, 2, 64, gen)
-    tile = tiles.FwdTile(2, 1, 4, 32, q_in_smem=True, split_masked=split)
+    tile = tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, q_in_smem=True, split_masked=split)
     out, lse = _kernel_forward(q, k, v, window=window, accum=accum, tile=tile)
     ref, ref_lse = naive_attention(q, k, v, window_size=window)
     rows = ~torch.isinf(ref_lse).transpose(1, 2)

@@ -58,13 +58,3 @@ def test_only_the_v100_table_pads():
         assert kernel_d == tiles.BWD_KERNEL_HEAD_DIMS_SM70.get(head_dim, head_dim)
         assert kernel_d in tiles.SUPPORTED_HEAD_DIMS and kernel_d >= head_dim
 
-
-@pytest.mark.parametrize("accum", ["fp32", "fp16"])
-def test_backward_overrides_are_the_sm70_table_calls(accum):
-    # tiles.backward_overrides (the tests' and sweeps' tile override) and the table calls' overrides agree, per head_dim
-    for head_dim in tiles.SUPPORTED_HEAD_DIMS:
-        chosen = tiles.backward_overrides(head_dim, 70, accum == "fp16")
-        assert chosen.get("kernel_head_dim") == (128 if head_dim == 112 else None)
-        for call in tiles.table_calls("sm70", 90, head_dims=(head_dim,), causal=(False,), dropout=(False,),
-                                      accums=(accum,), passes=("bwd",), softcap=(False,)):
-            assert call.overrides == chosen, (head_dim, call.name)

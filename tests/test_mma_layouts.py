@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from volta_train.kernels import driver
-from volta_train.kernels.variants import KernelVariant
+
+from probes import MMA_LAYOUT_PROBE as PROBE
 
 pytestmark = pytest.mark.gpu
-
-PROBE = KernelVariant(name="mma_layout_probe", sources=("mma_layout_probe.cu",),
-                      name_expressions=("mma_layout_probe_kernel",), threads_per_block=32)
 
 
 def test_fragment_layouts_of_all_variants():

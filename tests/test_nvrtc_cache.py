@@ -19,7 +19,9 @@ import pytest
 from volta_train.kernels import cache, nvrtc, tiles, variants
 from volta_train.kernels.cache import CacheDirError, get_or_compile
 from volta_train.kernels.nvrtc import CompileError, NvrtcNotFoundError, compile_program, parse_ptxas_log
-from volta_train.kernels.variants import PROBE_VARIANT, KernelVariant
+from volta_train.kernels.variants import KernelVariant
+
+from probes import PROBE_VARIANT
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = PROBE_VARIANT.name_expressions[0]
@@ -467,8 +469,8 @@ def test_concurrent_processes_compile_once_and_leave_one_valid_entry(nvrtc70, ca
 def test_kernel_variant_validates_its_fields():
     with pytest.raises(TypeError, match="sequence of strings"):
         KernelVariant(name="x", sources="probe_mma.cu", name_expressions=("k",))
-    with pytest.raises(ValueError, match="threads_per_block"):
-        KernelVariant(name="x", sources=("probe_mma.cu",), name_expressions=("k",), threads_per_block=2048)
+    with pytest.raises(ValueError, match=r"name_expressions \['&g<1>'\] name variables; accepted: kernels only"):
+        KernelVariant(name="x", sources=("a.cu",), name_expressions=("k<1>", "&g<1>"))
     assert KernelVariant(name="x", sources=["a.cu"], name_expressions=["k"]).sources == ("a.cu",)
 
 
@@ -490,7 +492,7 @@ def test_precompile_all_fills_the_cache(nvrtc70, cache_dir, capsys):
 
     programs = precompile_all("sm_70", jobs=2)  # (two processes: ~190 variants on a 2-core CI machine)
     assert len(programs) == len(tiles.shipped_variants(70)) == len(_entries(cache_dir))
-    assert "probe_mma" in capsys.readouterr().out
+    assert "combine_d64" in capsys.readouterr().out
 
 
 def _load_kernel_report():
@@ -537,7 +539,7 @@ def test_kernel_report_prints_json_lines_and_exits_0(nvrtc70, tmp_path):
         assert row["threads"] > 0 and row["ctas_per_sm"] >= 1 and row["warps_per_sm"] >= 1
         assert row["smem_bytes"] == row["static_smem_bytes"] + row["dynamic_smem_bytes"]
     assert [json.loads(line) for line in json_out.read_text().splitlines()] == rows
-    assert (cubins / "probe_mma.cubin").read_bytes().startswith(ELF_MAGIC)
+    assert (cubins / "combine_d64.cubin").read_bytes().startswith(ELF_MAGIC)
     meta = [json.loads(line) for line in (cubins / "meta.jsonl").read_text().splitlines()]
     assert meta[0]["smem_bytes"] == kernels[0]["smem_bytes"] and meta[0]["threads"] == kernels[0]["threads"]
 
@@ -557,7 +559,7 @@ def test_kernel_report_fails_on_spills(nvrtc70, cache_dir, scratch_csrc, capsys)
         " for (int j = 0; j < 64; j++) a[j] = d[j * i];\n float s = 0;\n#pragma unroll\n"
         " for (int j = 0; j < 64; j++) s += a[j] * a[63 - j] * d[j + i];\n d[0] = s;\n}\n"
     )
-    spilling = KernelVariant("spill", ("spill.cu",), ("big",), options=("--maxrregcount=24",), threads_per_block=128)
+    spilling = KernelVariant("spill", ("spill.cu",), ("big",), options=("--maxrregcount=24",), exports_geometry=False)
     assert _load_kernel_report().main(["--arch", "sm_70"], variants=[spilling]) == 1
     captured = capsys.readouterr()
     assert "big spills" in captured.err
@@ -565,7 +567,10 @@ def test_kernel_report_fails_on_spills(nvrtc70, cache_dir, scratch_csrc, capsys)
 
 
 def test_kernel_report_fails_above_96_kb_of_shared_memory(nvrtc70, cache_dir, scratch_csrc, capsys):
-    (scratch_csrc / "small.cu").write_text("__global__ void small(float* d) { d[threadIdx.x] = 1.0f; }\n")
-    greedy = KernelVariant("greedy", ("small.cu",), ("small",), dynamic_smem_bytes=98304 + 256, threads_per_block=128)
+    (scratch_csrc / "small.cu").write_text(  # the shared memory the report sees is the one the kernel exports
+        "struct LaunchGeometry { int dynamic_smem_bytes, threads, block_m, block_n; };\n"
+        "__global__ void small(float* d) { d[threadIdx.x] = 1.0f; }\n"
+        "__device__ LaunchGeometry small_geometry = {98304 + 256, 128, 0, 0};\n")
+    greedy = KernelVariant("greedy", ("small.cu",), ("small",))
     assert _load_kernel_report().main(["--arch", "sm_70"], variants=[greedy]) == 1
     assert "98560 B shared memory > 98304 B" in capsys.readouterr().err

@@ -7,16 +7,29 @@ from unittest import mock
 from volta_train.kernels import tiles
 from volta_train.kernels.tiles import BwdTile, FwdTile
 
-MEASURED_FWD_SM70 = {48: FwdTile(4, 1, 4, 32), 64: FwdTile(2, 1, 4, 32), 96: FwdTile(2, 1, 4, 32),
-                     128: FwdTile(2, 1, 4, 16)}
-MEASURED_BWD_SM70 = {
-    16: BwdTile(2, 2, 32, dq_atomic=False), 32: BwdTile(1, 8, 64), 48: BwdTile(2, 2, 32, dq_atomic=False),
-    64: BwdTile(1, 8, 64), 80: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(2, 4, 32, kv_in_smem=True, lean=True), 112: BwdTile(2, 2, 32, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(2, 4, 32, kv_in_smem=True, lean=True),
+MEASURED_FWD_SM70 = {
+    48: FwdTile(quad_pair_rows=4, m_tiles=1, warps=4, block_n=32),
+    64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
+    96: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
+    128: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16),
 }
-MEASURED_DQ_SM70 = {64: FwdTile(2, 1, 4, 32), 80: FwdTile(2, 1, 4, 16, q_in_smem=True), 96: FwdTile(1, 1, 8, 32),
-                    112: FwdTile(2, 1, 4, 16, q_in_smem=True), 128: FwdTile(1, 1, 8, 32)}
+MEASURED_BWD_SM70 = {
+    16: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
+    32: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
+    48: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
+    64: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
+    80: BwdTile(quad_pair_rows=2, warps=2, block_m=32, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
+    112: BwdTile(quad_pair_rows=2, warps=2, block_m=32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
+}
+MEASURED_DQ_SM70 = {
+    64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
+    80: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True),
+    96: FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=32),
+    112: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True),
+    128: FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=32),
+}
 
 
 def measured_sm70_variants(head_dims=(16, 32, 48, 64, 80, 96, 112, 128)):

@@ -1,10 +1,10 @@
-"""The offline shared-memory bank-conflict model (volta_train/kernels/bank_model.py)."""
+"""The offline shared-memory bank-conflict model (lab/bank_model.py)."""
 
 from pathlib import Path
 
 import pytest
 
-from volta_train.kernels import bank_model as bm
+import bank_model as bm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +178,7 @@ def test_counts_match_the_measured_table():
             assert t.factor <= measured * 1.005 and measured <= t.factor * 1.08, (r["variant"], op, t.factor, measured)
 
 
-# --- the issue-16 layout designs (volta_train/kernels/bank_fixes.py) --------------------------------------------------
+# --- the code's layouts against plain rows ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", [
@@ -186,12 +186,10 @@ def test_counts_match_the_measured_table():
     "bwd_dkdv_d80_f32acc_qp2x2_n32_m32_w2_kvsmem", "bwd_dkdv_d128_f32acc_dqatomic_qp2x2_n64_m32_w4_kvsmem_lean",
     "bwd_dq_d112_f32acc_qp2x2_m64_n16_w4_qsmem",
 ])
-def test_designs_make_loads_conflict_free_within_96k(name):
-    from volta_train.kernels import bank_fixes
+def test_layouts_make_loads_conflict_free_within_96k(name):
     v = _variants()[name]
     before = bm.predict_variant(v.meta, dq_atomic="_dqatomic" in name, plain=True)
-    layouts = bank_fixes.layouts_for_variant(v)  # the code's layouts plus the designs not in csrc yet
-    after = bm.predict_variant(v.meta, dq_atomic="_dqatomic" in name, layouts=layouts)
+    after = bm.predict_variant(v.meta, dq_atomic="_dqatomic" in name)  # the code's layouts
     assert before.totals("ld").factor > 1.3
     assert after.totals("ld").factor <= 1.005
     assert after.totals("ld").inst == before.totals("ld").inst  # same accesses, other addresses
@@ -200,8 +198,7 @@ def test_designs_make_loads_conflict_free_within_96k(name):
 
 
 def test_forward_k_fill_in_groups_of_eight_rows():
-    from volta_train.kernels import bank_fixes
     v = _variants()["fwd_d16_f16acc_qp4x1_m128_n32_w4_occ1.1"]
-    after = bm.predict_variant(v.meta, layouts=bank_fixes.layouts_for_variant(v))
+    after = bm.predict_variant(v.meta)
     assert after.sites["k.fill"].factor == 1.0
     assert after.totals("st").factor < 1.06

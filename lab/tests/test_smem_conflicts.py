@@ -1,4 +1,4 @@
-"""lab/smem_conflicts.py (Nsight Compute bank conflicts of the sm_70 tiles) and tiles.table_calls, on CPU:
+"""lab/smem_conflicts.py (Nsight Compute bank conflicts of the sm_70 tiles) and lab/call_matrix.py, on CPU:
 the launch plan, the ncu raw-page CSV parsing, the table and verdicts, the static SASS walk. The ncu run itself
 needs a GPU (the gpu-marked test runs the workload alone)."""
 
@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from volta_train.kernels import tiles
-from volta_train.kernels.variants import PROBE_VARIANT
+
+import call_matrix
+from probes import PROBE_VARIANT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,22 +46,23 @@ def test_table_calls_launch_exactly_the_shipped_variants(table, arch):
     table_arch = 70 if table == "sm70" else arch
     shipped = {_key(v) for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
     for unique in (False, True):
-        calls = tiles.table_calls(table, arch, unique=unique)
+        calls = call_matrix.table_calls(table, arch, unique=unique)
         assert {_key(v) for call in calls for v in call.launches} == shipped
         names = [call.name for call in calls]
         assert len(names) == len(set(names)) and all(n.replace("_", "").isalnum() for n in names)
     # unique: no call is there for nothing
     seen = set()
-    for call in tiles.table_calls(table, arch, unique=True):
+    for call in call_matrix.table_calls(table, arch, unique=True):
         assert {_key(v) for v in call.launches} - seen, call.name
         seen |= {_key(v) for v in call.launches}
 
 
 def test_table_calls_overrides_and_backward_launches():
-    sm70 = tiles.table_calls("sm70", 90, head_dims=(64,), causal=(False,), dropout=(False,), softcap=(False,))
-    default = tiles.table_calls("default", 90, head_dims=(64,), causal=(False,), dropout=(False,), softcap=(False,))
+    sm70 = call_matrix.table_calls("sm70", 90, head_dims=(64,), causal=(False,), dropout=(False,), softcap=(False,))
+    default = call_matrix.table_calls("default", 90, head_dims=(64,), causal=(False,), dropout=(False,),
+                                      softcap=(False,))
     assert [c.pass_name for c in sm70] == ["fwd", "fwd", "bwd", "bwd", "bwd", "bwd"]
-    capped = tiles.table_calls("sm70", 90, head_dims=(64,), causal=(False,), dropout=(False,))
+    capped = call_matrix.table_calls("sm70", 90, head_dims=(64,), causal=(False,), dropout=(False,))
     assert [c.softcap for c in capped] == [False] * 6 + [True] * 6
     assert all("_softcap" in v.name for c in capped[6:] for v in c.launches)
     assert all(c.overrides == {} for c in default)
@@ -70,10 +73,10 @@ def test_table_calls_overrides_and_backward_launches():
     assert all(len(c.launches) == 2 and c.launches[1].meta["pass"] == "bwd_dq" for c in det)
     assert all(len(c.launches) == 1 and "_dqatomic" in c.launches[0].name for c in atomic)
     # a tile without the atomic path runs the dQ kernel either way
-    no_atomic = tiles.table_calls("sm70", 90, head_dims=(16,), causal=(False,), dropout=(False,), passes=("bwd",))
+    no_atomic = call_matrix.table_calls("sm70", 90, head_dims=(16,), causal=(False,), dropout=(False,), passes=("bwd",))
     assert all(len(c.launches) == 2 for c in no_atomic)
     with pytest.raises(ValueError, match="table 'v100'; accepted: default, sm70"):
-        tiles.table_calls("v100", 90)
+        call_matrix.table_calls("v100", 90)
 
 
 def test_plan_launches_every_sm70_variant_and_tile_once_plus_a_causal_forward_per_head_dim():
@@ -433,8 +436,8 @@ def test_workload_makes_the_planned_launches(tmp_path):
 
 def test_sm70_d112_backward_runs_the_d128_kernels_on_padded_inputs():
     # no d112 tile reaches 8 warps per SM on a V100: its backward runs the d128 kernels (tiles.BWD_KERNEL_HEAD_DIMS_SM70)
-    calls = tiles.table_calls("sm70", 90, head_dims=(112,), causal=(False,), dropout=(False,), softcap=(False,),
-                              passes=("bwd",))
+    calls = call_matrix.table_calls("sm70", 90, head_dims=(112,), causal=(False,), dropout=(False,),
+                                    softcap=(False,), passes=("bwd",))
     assert calls
     for call in calls:
         assert call.head_dim == 112 and call.kernel_head_dim == 128
@@ -443,8 +446,8 @@ def test_sm70_d112_backward_runs_the_d128_kernels_on_padded_inputs():
     assert not [v for v in tiles.shipped_bwd_variants(70) if v.meta["head_dim"] == 112]
     # the sm_80+ tables keep their own d112 kernels; forwards are not padded anywhere
     assert tiles.bwd_kernel_head_dim(112, 90) == 112 and tiles.bwd_kernel_head_dim(96, 70) == 96
-    for call in tiles.table_calls("default", 90, head_dims=(112,), causal=(False,), dropout=(False,),
-                                  softcap=(False,)):
+    for call in call_matrix.table_calls("default", 90, head_dims=(112,), causal=(False,), dropout=(False,),
+                                        softcap=(False,)):
         assert call.kernel_head_dim is None and "kernel_head_dim" not in call.overrides
         assert all(v.meta["head_dim"] == 112 for v in call.launches)
     assert all(v.meta["head_dim"] == 112 for v in tiles.shipped_fwd_variants(70) if "_d112_" in v.name)

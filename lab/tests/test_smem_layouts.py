@@ -1,5 +1,5 @@
 """The dK/dV kernel's shared-memory tile layouts (csrc/kernel_traits.cuh TileRows / TileVector, issue 16): the
-Python mirror (bank_model.bwd_layouts, which tiles.py's smem_bytes uses) against the C++ constants, and, per tile,
+Python mirror (lab/bank_model.py bwd_layouts / fwd_layouts) against the C++ constants, and, per tile,
 the writer's and every reader's addresses as csrc/ computes them (including the readers' per-lane base + per-tile
 step decompositions): distinct, in bounds, disjoint from the other tiles, and the readers read what the writers
 wrote."""
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from volta_train.kernels import bank_model as bm
+import bank_model as bm
 from volta_train.kernels import tiles
 
 
@@ -92,7 +92,7 @@ def test_traits_layouts_equal_the_mirror():
         L = bm.bwd_layouts(s)
         rows = bm.bwd_tile_rows(s)
         lines.append(f"using KT{n} = {traits};")
-        lines.append(f'static_assert(KT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
+        lines.append(f'static_assert(KT{n}::kSmemBytes == {bm.variant_smem_bytes(v)}, "{v.name}: kSmemBytes");')
         for name, count in rows.items():
             lay = L[name]
             lines.append(f'static_assert(KT{n}::{_OFFSETS[name]} == {lay.base}, "{v.name}: {name} base");')
@@ -106,7 +106,7 @@ def test_traits_layouts_equal_the_mirror():
         s = _dq_shape(v)
         L = bm.fwd_layouts(s, "dq")
         lines.append(f"using DT{n} = {traits};")
-        lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {v.dynamic_smem_bytes}, "{v.name}: kBytes");')
+        lines.append(f'static_assert(DqLayout<DT{n}>::kBytes == {bm.variant_smem_bytes(v)}, "{v.name}: kBytes");')
         lines += _key_tile_asserts(f"DT{n}", s, L["kt"], v.name)
         lines.append(_rows_assert(f"DT{n}::QRows", L["q"], s.block_m, f"{v.name}: Q / dO rows"))
         lines.append(_rows_assert(f"DT{n}::OStageRows", L["o_stage"], s.block_m, f"{v.name}: dQ staging rows"))
@@ -115,7 +115,7 @@ def test_traits_layouts_equal_the_mirror():
         L = bm.fwd_layouts(s, "fwd")
         lay = L["q"]
         lines.append(f"using FT{n} = {traits};")
-        lines.append(f'static_assert(FT{n}::kSmemBytes == {v.dynamic_smem_bytes}, "{v.name}: kSmemBytes");')
+        lines.append(f'static_assert(FT{n}::kSmemBytes == {bm.variant_smem_bytes(v)}, "{v.name}: kSmemBytes");')
         lines += _key_tile_asserts(f"FT{n}", s, L["vt"], v.name)
         lines.append(_rows_assert(f"FT{n}::OStageRows", L["o_stage"], s.block_m, f"{v.name}: O staging rows"))
         if s.q_in_smem:
@@ -234,7 +234,7 @@ def _reads(s, L):
 def test_readers_read_what_writers_wrote(variant, traits):
     s = _shape(variant)
     L = bm.bwd_layouts(s)
-    smem = variant.dynamic_smem_bytes
+    smem = bm.variant_smem_bytes(variant)
     writes = _writes(s, L)
     # every write in bounds, the 16-byte chunks (4-byte elements) distinct
     owner = {}
@@ -264,7 +264,8 @@ def test_plain_layout_is_the_old_one_and_1x4_layout_is_the_sm70_design():
     assert bm.bwd_smem_bytes(s, plain) == 55808  # the traits before issue 16
     L = bm.bwd_layouts(s)
     assert L["q"].gaps == ((4, 4),) and L["qt"].pitch == 10 and L["lse"].pad == 4 and L["kt"].gaps == ((3, 2),)
-    assert bm.bwd_smem_bytes(s, L) == tiles.BwdTile(1, 8, 64).smem_bytes(64, True) == 59264
+    tile = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64)
+    assert bm.bwd_smem_bytes(s, L) == bm.bwd_tile_smem_bytes(tile, 64, True) == 59264
 
 
 @pytest.mark.parametrize("variant,traits", [vt for vt in _dq_variants() + _fwd_variants() if vt[0].meta["tile"].q_in_smem],
@@ -276,7 +277,7 @@ def test_q_tiles_read_what_load_q_wrote(variant, traits):
     kernel = "fwd" if variant.meta["pass"] == "fwd" else "dq"
     L = bm.fwd_layouts(s, kernel)
     names = ("q",) if kernel == "fwd" else ("q", "do")
-    smem, cpr = variant.dynamic_smem_bytes, s.head_dim // 8
+    smem, cpr = bm.variant_smem_bytes(variant), s.head_dim // 8
     writes = {}
     for name in names:
         for chunk in range(s.block_m * cpr):

@@ -13,6 +13,8 @@ import pytest
 
 from volta_train.kernels import tiles
 
+import bank_model
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -203,16 +205,19 @@ def test_borrow_factors_prefers_measured_then_the_same_arrangement():
     own = by_name["bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8"]
     assert ve.borrow_factors(own, measured, by_name) == (measured[own.name], "measured")
     # the 2x2 4-warp K/V-in-smem tile without atomics at d80: the nearest measured 2x2 K/V-in-smem dK/dV kernel
-    candidate = tiles.bwd_variant(80, tiles.BwdTile(2, 4, 32, kv_in_smem=True), False, False, False)
+    tile = tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True)
+    candidate = tiles.bwd_variant(80, tile, False, False, False)
     factors, source = ve.borrow_factors(candidate, measured, by_name)
     assert source.startswith("borrowed from bwd_dkdv_d80_f32acc_qp2x2_n32_m32_w2_kvsmem ")
     assert factors == measured["bwd_dkdv_d80_f32acc_qp2x2_n32_m32_w2_kvsmem"]
     # 1x4 with K/V in smem: no measured kernel has both; the 1x4 tile of the nearest head_dim
-    candidate = tiles.bwd_variant(128, tiles.BwdTile(1, 8, 32, kv_in_smem=True), False, False, False)
+    tile = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True)
+    candidate = tiles.bwd_variant(128, tile, False, False, False)
     factors, source = ve.borrow_factors(candidate, measured, by_name)
     assert "bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8" in source and "other smem operands" in source
     # the forward with Q in smem borrows from the dQ kernel (same forward shape) with Q in smem
-    candidate = tiles.fwd_variant(128, tiles.FwdTile(2, 1, 4, 16, q_in_smem=True, min_blocks_per_sm=3), False, False)
+    tile = tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True, min_blocks_per_sm=3)
+    candidate = tiles.fwd_variant(128, tile, False, False)
     factors, source = ve.borrow_factors(candidate, measured, by_name)
     assert "bwd_dq_d112_f32acc_qp2x2_m64_n16_w4_qsmem" in source
     assert ve.borrow_factors(candidate, {}, by_name) == ((1.0, 1.0), "none: conflict-free assumed")
@@ -227,17 +232,20 @@ def test_candidate_bwd_tiles_fit_and_are_not_the_shipped_tile(head_dim):
     for tile, dq_atomic, source in found:
         assert tile != shipped and source
         assert ve.bwd_tile_ok(head_dim, tile, dq_atomic)
-        assert tile.smem_bytes(head_dim, dq_atomic) <= 96 * 1024
+        assert bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic) <= 96 * 1024
         assert not dq_atomic or tile.dq_atomic
     if head_dim in (96, 128):  # the 8-warp 1x4 tile with K/V in smem fits (without atomics)
-        assert (tiles.BwdTile(1, 8, 32, kv_in_smem=True), False) in {(t, a) for t, a, _ in found}
+        tile = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True)
+        assert (tile, False) in {(t, a) for t, a, _ in found}
 
 
 def test_bwd_tile_ok_mirrors_the_kernel_asserts():
-    assert not ve.bwd_tile_ok(112, tiles.BwdTile(1, 4, 32), False)  # 1x4 needs head_dim % 32 == 0
-    assert not ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 32), True)  # 4 dQ rows per warp: no quad-pair layout
-    assert ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 32), False)
-    assert not ve.bwd_tile_ok(128, tiles.BwdTile(1, 8, 64, kv_in_smem=True), False)  # 107008 B > 96 KB
+    one_by_four = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32)
+    assert not ve.bwd_tile_ok(112, tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32), False)  # needs d % 32 == 0
+    assert not ve.bwd_tile_ok(128, one_by_four, True)  # 4 dQ rows per warp: no quad-pair layout
+    assert ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32), False)
+    big = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True)
+    assert not ve.bwd_tile_ok(128, big, False)  # 107008 B > 96 KB
     for head_dim in tiles.SUPPORTED_HEAD_DIMS:  # every shipped tile passes (at the head_dim its kernels are built for)
         kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
         tile = tiles.bwd_tile(kernel_d, 70)
@@ -253,26 +261,31 @@ def test_head_dim_256_searches_the_split_tile_space():
     for tile, dq_atomic, source in found:
         assert tile != shipped and source.startswith("split space")
         assert ve.bwd_tile_ok(256, tile, dq_atomic) and tile.kv_in_smem
-        assert ve.smem_warps_per_sm(tile.smem_bytes(256, dq_atomic), tile.warps) == 4
+        assert ve.smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(tile, 256, dq_atomic), tile.warps) == 4
         assert ve.bwd_accumulator_regs(256, tile) <= ve.MAX_ACCUMULATOR_REGS
-    assert (tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, out_split=2), False) in pairs  # not lean
-    assert (tiles.BwdTile(1, 4, 32, kv_in_smem=True, dq_atomic=False, out_split=2), False) in pairs
+    split = dict(kv_in_smem=True, dq_atomic=False, out_split=2)
+    assert (tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=16, **split), False) in pairs  # not lean
+    assert (tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, **split), False) in pairs
     space = ve.split_bwd_tiles(256)
-    assert max(ve.smem_warps_per_sm(t.smem_bytes(256, a), t.warps) for t, a, _ in space) == 4
+    assert max(ve.smem_warps_per_sm(bank_model.bwd_tile_smem_bytes(t, 256, a), t.warps) for t, a, _ in space) == 4
     assert (shipped, False) in {(t, a) for t, a, _ in space}
     # the unsplit 2x2 tile (dK/dV 256 registers per lane) and K/V in registers (256 more) are not built
-    assert ve.bwd_accumulator_regs(256, tiles.BwdTile(2, 2, 16, kv_in_smem=True, dq_atomic=False)) == 256
-    assert ve.bwd_accumulator_regs(256, tiles.BwdTile(1, 4, 32, dq_atomic=False, out_split=2)) == 64 + 256
+    unsplit = tiles.BwdTile(quad_pair_rows=2, warps=2, block_m=16, kv_in_smem=True, dq_atomic=False)
+    assert ve.bwd_accumulator_regs(256, unsplit) == 256
+    kv_in_registers = tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, dq_atomic=False, out_split=2)
+    assert ve.bwd_accumulator_regs(256, kv_in_registers) == 64 + 256
     assert all(t.out_split > 1 or t.quad_pair_rows == 1 for t, _, _ in space)
 
 
 def test_candidate_dq_tiles_of_head_dim_256():
     shipped = tiles.dq_tile(256, 70)
     found = ve.candidate_dq_tiles(256)
-    assert [t for t, _ in found] == [tiles.FwdTile(1, 1, 4, 32, q_in_smem=True)]  # the only other 4-warp fit
+    only_other = tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32, q_in_smem=True)
+    assert [t for t, _ in found] == [only_other]  # the only other 4-warp fit
     assert ve.dq_tile_ok(256, shipped) and ve.dq_tile_smem(256, shipped) == 97280
-    assert not ve.dq_tile_ok(256, tiles.FwdTile(1, 1, 4, 16, q_in_smem=True))  # 2 key groups over 4 quad-pairs
-    assert not ve.dq_tile_ok(256, tiles.FwdTile(1, 1, 8, 32, q_in_smem=True))  # 127,344 B > 96 KB
+    one_by_four = dict(quad_pair_rows=1, m_tiles=1, q_in_smem=True)
+    assert not ve.dq_tile_ok(256, tiles.FwdTile(warps=4, block_n=16, **one_by_four))  # 2 key groups, 4 quad-pairs
+    assert not ve.dq_tile_ok(256, tiles.FwdTile(warps=8, block_n=32, **one_by_four))  # 127,344 B > 96 KB
     assert ve.candidate_dq_tiles(128) is not None  # other head dims: the same rules, no crash
 
 
@@ -284,12 +297,13 @@ def _fake_kernel(variant, role, tensor, instructions, util, warps=4):
 
 
 def test_candidate_rows_pair_dkdv_tiles_with_every_dq_kernel():
-    split2 = tiles.BwdTile(2, 4, 16, kv_in_smem=True, dq_atomic=False, out_split=2)
+    split2 = tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, out_split=2)
+    only_other = tiles.FwdTile(quad_pair_rows=1, m_tiles=1, warps=4, block_n=32, q_in_smem=True)
     kernels = [
         _fake_kernel(tiles.bwd_variant(256, tiles.bwd_tile(256, 70), False, False, False), "shipped", 1536, 1374, 0.5),
         _fake_kernel(tiles.bwd_variant(256, split2, False, False, False), "candidate", 1536, 1223, 0.5),
         _fake_kernel(tiles.dq_variant(256, tiles.dq_tile(256, 70), False, False), "shipped", 1536, 1109, 0.5),
-        _fake_kernel(tiles.dq_variant(256, tiles.FwdTile(1, 1, 4, 32, q_in_smem=True), False, False), "candidate",
+        _fake_kernel(tiles.dq_variant(256, only_other, False, False), "candidate",
                      1536, 1220, 0.5),
     ]
     intervals = (3.0, 5.4, 8.0)
@@ -310,7 +324,7 @@ def test_candidate_rows_pair_dkdv_tiles_with_every_dq_kernel():
 def test_candidate_fwd_tiles_allow_three_ctas():
     for tile, source in ve.candidate_fwd_tiles(128):
         assert tile.min_blocks_per_sm == 3 and source
-        smem = math.ceil(tile.smem_bytes(128) / 256) * 256
+        smem = math.ceil(bank_model.fwd_tile_smem_bytes(tile, 128) / 256) * 256
         assert (96 * 1024) // smem >= 3
 
 

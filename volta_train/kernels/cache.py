@@ -12,11 +12,11 @@ Directory: ``$VOLTA_TRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/volta_train/kernel
 One entry per compiled program, ``<key>.entry``, key = sha256 over the source (and every header it includes
 from the include dirs, recursively), the name expressions, the options, the architecture, the NVRTC version
 and :data:`CACHE_FORMAT_VERSION`. An entry is ``MAGIC``, a 4-byte little-endian header length, a JSON header
-(key, arch, NVRTC version, lowered names, log, cubin size and sha256), the cubin, and a sha256 of all of that.
-Entries are written to a temporary file in the same directory, flushed, fsynced and renamed over the entry
-(``os.replace``), so readers see either no entry or a whole one. Every load checks magic, checksum, header, key
-and cubin sha256; a bad entry is logged in one line and recompiled, never loaded. A cache directory that cannot
-be written (read-only) still serves its entries; new compiles are then used uncached, with a warning.
+(key, arch, NVRTC version, lowered names, exported variables' bytes, log, cubin size and sha256), the cubin, and a
+sha256 of all of that. Entries are written to a temporary file in the same directory, flushed, fsynced and renamed
+over the entry (``os.replace``), so readers see either no entry or a whole one. Every load checks magic, checksum,
+header, key and cubin sha256; a bad entry is logged in one line and recompiled, never loaded. A cache directory that
+cannot be written (read-only) still serves its entries; new compiles are then used uncached, with a warning.
 
 Concurrent processes (e.g. the ranks of one node) serialise the compile of one key on ``<key>.lock`` (fcntl
 flock): one compiles, the others wait and then load its entry. After ``$VOLTA_TRAIN_CACHE_LOCK_TIMEOUT``
@@ -50,7 +50,7 @@ logger = logging.getLogger("volta_train")
 CACHE_DIR_ENV = "VOLTA_TRAIN_CACHE_DIR"
 LOCK_TIMEOUT_ENV = "VOLTA_TRAIN_CACHE_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = 600.0
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the header holds the exported variables' bytes
 MAGIC = b"VTCUBIN\x00"
 _HEADER_LENGTH = struct.Struct("<I")
 _DIGEST_BYTES = 32  # sha256 of everything before it
@@ -198,6 +198,7 @@ def encode_entry(key: str, program: CompiledProgram) -> bytes:
         "arch": program.arch,
         "nvrtc_version": list(program.nvrtc_version),
         "lowered_names": program.lowered_names,
+        "variables": {expression: data.hex() for expression, data in program.variables.items()},
         "log": program.log,
         "cubin_bytes": len(program.cubin),
         "cubin_sha256": program.cubin_sha256,
@@ -208,7 +209,8 @@ def encode_entry(key: str, program: CompiledProgram) -> bytes:
 
 
 _HEADER_TYPES = {
-    "format": int, "key": str, "arch": int, "nvrtc_version": list, "lowered_names": dict, "log": str,
+    "format": int, "key": str, "arch": int, "nvrtc_version": list, "lowered_names": dict, "variables": dict,
+    "log": str,
     "cubin_bytes": int, "cubin_sha256": str,
 }
 
@@ -242,12 +244,17 @@ def decode_entry(data: bytes, key: str) -> CompiledProgram:
     cubin = body[start + header_length :]
     if len(cubin) != header["cubin_bytes"] or hashlib.sha256(cubin).hexdigest() != header["cubin_sha256"]:
         raise ValueError("cubin size or sha256 differs from the header")
+    try:
+        variables = {expression: bytes.fromhex(data) for expression, data in header["variables"].items()}
+    except (TypeError, ValueError):
+        raise ValueError("header field 'variables' is not a map of name expressions to hex bytes") from None
     return CompiledProgram(
         cubin=cubin,
         lowered_names=header["lowered_names"],
         log=header["log"],
         nvrtc_version=tuple(header["nvrtc_version"]),
         arch=header["arch"],
+        variables=variables,
     )
 
 

@@ -169,12 +169,12 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         prm.o_partial, prm.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
 
     variant = tiles.decode_variant(d, tile, options.softcap > 0)
-    _kernel(variant, device).launch(grid + (splits,), tile.threads, variant.dynamic_smem_bytes, [prm])
+    _kernel(variant, device).launch(grid + (splits,), [prm])
     if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
         combine = tiles.combine_variant(d)
         row_blocks = -(-rows_k // tiles.COMBINE_ROWS_PER_CTA)
         # grid x: one per (batch, kernel head), the partials' second axis (not the kernel's CTAs: query blocks too)
-        _kernel(combine, device).launch((batch * heads_k, row_blocks, 1), combine.threads_per_block, 0, [prm])
+        _kernel(combine, device).launch((batch * heads_k, row_blocks, 1), [prm])
     if d != head_dim:
         out.copy_(out_full[..., :head_dim])
     return out, lse

@@ -8,8 +8,8 @@ import torch
 
 from .. import philox
 from ..options import AttentionOptions
-from . import driver, tiles
 from . import head_dim as head_dims
+from . import tiles
 from .params import BackwardKernelParams, KernelParams
 
 LOG2E = 1.0 / math.log(2.0)
@@ -21,8 +21,8 @@ def _arch(device: torch.device) -> int:
 
 
 def _kernel(variant, device: torch.device):
-    compiled = variant.compile(_arch(device))
-    return driver.load_function(compiled, variant.name_expressions[0], device)
+    """The variant's kernel on device, launched with the threads and shared memory its compiled traits export."""
+    return variant.load(device, _arch(device))
 
 
 def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -115,7 +115,7 @@ def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     prm = KernelParams()
     grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                        tile.block_m, alibi_slopes)
-    kernel.launch(grid, tile.threads, variant.dynamic_smem_bytes, [prm])
+    kernel.launch(grid, [prm])
     return out, lse
 
 
@@ -197,12 +197,12 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
-    _kernel(variant, q.device).launch(grid, tile.threads, variant.dynamic_smem_bytes, [bp])
+    _kernel(variant, q.device).launch(grid, [bp])
     if use_atomics:
         return (dq_accum * options.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                        dq_tile.block_m, alibi_slopes)
     dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0)
-    _kernel(dq_var, q.device).launch(grid, dq_tile.threads, dq_var.dynamic_smem_bytes, [bp])
+    _kernel(dq_var, q.device).launch(grid, [bp])
     return dq, dk, dv

@@ -30,7 +30,9 @@ import re
 import sys
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from . import cubin as cubin_image
 
 logger = logging.getLogger("volta_train")
 
@@ -81,6 +83,8 @@ class CompiledProgram:
     log: str  # NVRTC program log, including the ptxas -v lines
     nvrtc_version: tuple[int, int]
     arch: int = 0
+    # name expression ("&variable<...>") -> the initial bytes of that __device__ variable in the cubin
+    variables: dict[str, bytes] = field(default_factory=dict)
 
     @functools.cached_property
     def cubin_sha256(self) -> str:
@@ -93,6 +97,20 @@ class CompiledProgram:
             raise KeyError(
                 f"name expression {name_expression!r} was not compiled; compiled: {sorted(self.lowered_names)}"
             ) from None
+
+    def variable(self, name_expression: str) -> bytes:
+        """The initial bytes of the __device__ variable named by name_expression ("&variable<...>")."""
+        try:
+            return self.variables[name_expression]
+        except KeyError:
+            raise KeyError(
+                f"variable {name_expression!r} was not compiled; compiled variables: {sorted(self.variables)}"
+            ) from None
+
+
+def is_variable_expression(name_expression: str) -> bool:
+    """Whether a name expression names a __device__ variable ("&name<...>") rather than a kernel."""
+    return name_expression.lstrip().startswith("&")
 
 
 class NvrtcLibrary:
@@ -379,12 +397,16 @@ def compile_program(
     program_name: str = "volta_train.cu",
     library: NvrtcLibrary | None = None,
 ) -> CompiledProgram:
-    """Compile source to an sm_<arch> cubin; name_expressions (e.g. "kernel<64, true>") get lowered names."""
+    """Compile source to an sm_<arch> cubin; name_expressions (e.g. "kernel<64, true>") get lowered names, and
+    those of __device__ variables ("&variable<64>") their initial bytes too."""
     target = normalize_arch(arch)
     library = library or find_nvrtc(target)
     full_options = compile_options(target, options, include_dirs)
     cubin, lowered, log = library.compile(source, list(name_expressions), full_options, program_name)
-    return CompiledProgram(cubin=cubin, lowered_names=lowered, log=log, nvrtc_version=library.version, arch=target)
+    variables = {expression: cubin_image.variable_bytes(cubin, lowered[expression])
+                 for expression in name_expressions if is_variable_expression(expression)}
+    return CompiledProgram(cubin=cubin, lowered_names=lowered, log=log, nvrtc_version=library.version, arch=target,
+                           variables=variables)
 
 
 # --- ptxas -v ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """ctypes mirrors of the kernels' parameter structs in csrc/params.cuh (``AttentionParams``, ``SplitKvParams``,
-``BackwardParams``) and of the probe's ``ProbeParams`` (csrc/probe_mma.cu): same fields, same order."""
+``BackwardParams``): same fields, same order."""
 
 from __future__ import annotations
 
@@ -72,15 +72,3 @@ class BackwardKernelParams(ctypes.Structure):
 
 assert ctypes.sizeof(BackwardKernelParams) == 248 + 6 * 8 + 12 * 8 + 8, "BackwardKernelParams must match BackwardParams in csrc/params.cuh"
 
-
-class ProbeParams(ctypes.Structure):
-    """ctypes mirror of ``ProbeParams`` in csrc/probe_mma.cu, passed by value."""
-
-    _fields_ = [
-        ("a", ctypes.c_void_p),
-        ("b", ctypes.c_void_p),
-        ("c", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("num_warps", ctypes.c_int),
-        ("alpha", ctypes.c_float),
-    ]

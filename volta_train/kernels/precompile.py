@@ -65,8 +65,8 @@ def _compile_into_cache(task: tuple[list[KernelVariant], int]) -> int:
 
 def compile_variants(variants: Iterable[KernelVariant], arch: int | str, processes: int | None = None) -> int:
     """Compile variants for arch into the kernel cache, e.g. another arch's tile table for this GPU, in ``processes``
-    worker processes (default: one per CPU, at most 32; NVRTC 13 holds the GIL, so threads compiled one at a time:
-    7 minutes for ~450 variants on 16 cores, 47 s in processes); returns how many distinct variants there were."""
+    worker processes (default: one per CPU, at most 32; processes, not threads, because NVRTC 13 holds the GIL);
+    returns how many distinct variants there were."""
     if processes is not None and processes < 1:
         raise ValueError(f"processes={processes}; accepted: 1 or more (or None: one per CPU)")
     target = normalize_arch(arch)

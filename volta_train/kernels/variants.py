@@ -2,22 +2,23 @@
 
 A :class:`KernelVariant` is one NVRTC program (one or more csrc/ files compiled as one translation unit, with
 ``csrc/`` on the include path) and the kernels taken from it (name expressions such as
-``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). The attention
+``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). Its launch geometry
+(dynamic shared memory, threads per block, block sizes) is not computed here: each kernel exports it from its C++
+traits (csrc/launch_geometry.cuh) and :meth:`KernelVariant.geometry` reads it from the compiled cubin. The attention
 kernels' variants are built from the tile tables in :mod:`volta_train.kernels.tiles`, whose
-:func:`~volta_train.kernels.tiles.shipped_variants` is what ``precompile_all`` and ``lab/kernel_report.py``
-compile; this module does not import that one.
+:func:`~volta_train.kernels.tiles.shipped_variants` is what ``precompile_all`` compiles; this module does not import
+that one.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import resources
 from .cache import get_or_compile, memoized
-from .nvrtc import CompiledProgram, normalize_arch
-
-MAX_THREADS_PER_BLOCK = 1024
+from .nvrtc import CompiledProgram, is_variable_expression, normalize_arch
 
 
 def csrc_dir() -> Path:
@@ -26,13 +27,38 @@ def csrc_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class LaunchGeometry:
+    """A kernel's ``LaunchGeometry`` (csrc/launch_geometry.cuh, same fields in the same order), read from its cubin."""
+
+    dynamic_smem_bytes: int
+    threads: int
+    block_m: int
+    block_n: int
+
+    _LAYOUT = struct.Struct("<4i")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LaunchGeometry:
+        if len(data) != cls._LAYOUT.size:
+            raise ValueError(f"a LaunchGeometry is {cls._LAYOUT.size} bytes (4 ints); the variable holds {len(data)}")
+        return cls(*cls._LAYOUT.unpack(data))
+
+
+def geometry_expression(kernel_expression: str) -> str:
+    """The name expression of the LaunchGeometry a kernel exports: "name<ARGS>" -> "&name_geometry<ARGS>"."""
+    name, bracket, arguments = kernel_expression.partition("<")
+    return f"&{name.strip()}_geometry{bracket}{arguments}"
+
+
+@dataclass(frozen=True)
 class KernelVariant:
     name: str
-    sources: tuple[str, ...]  # file names under csrc/, concatenated in this order
+    sources: tuple[str, ...]  # file names under source_dir, concatenated in this order
     name_expressions: tuple[str, ...]  # kernels (template instantiations) to take from the program
     options: tuple[str, ...] = ()  # extra NVRTC options, e.g. ("-DHEAD_DIM=64",)
-    dynamic_smem_bytes: int = 0
-    threads_per_block: int = 128
+    # the first kernel exports its LaunchGeometry (csrc/launch_geometry.cuh); False for kernels without one (tests)
+    exports_geometry: bool = True
+    source_dir: Path | None = None  # where the sources are (default: csrc_dir()); csrc/ is on the include path
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -43,16 +69,25 @@ class KernelVariant:
             object.__setattr__(self, attribute, tuple(value))
         if not self.sources or not self.name_expressions:
             raise ValueError(f"KernelVariant {self.name!r} needs at least one source and one name expression")
-        if not 1 <= self.threads_per_block <= MAX_THREADS_PER_BLOCK:
-            raise ValueError(
-                f"KernelVariant {self.name!r}: threads_per_block={self.threads_per_block}; accepted: 1..1024"
-            )
-        if self.dynamic_smem_bytes < 0:
-            raise ValueError(f"KernelVariant {self.name!r}: dynamic_smem_bytes={self.dynamic_smem_bytes} < 0")
+        variables = [e for e in self.name_expressions if is_variable_expression(e)]
+        if variables:
+            raise ValueError(f"KernelVariant {self.name!r}: name_expressions {variables} name variables; accepted: "
+                             "kernels only (the launch geometry's variable is added by exports_geometry)")
+
+    @property
+    def geometry_expression(self) -> str | None:
+        """The name expression of the first kernel's exported LaunchGeometry, or None."""
+        return geometry_expression(self.name_expressions[0]) if self.exports_geometry else None
+
+    @property
+    def compiled_expressions(self) -> tuple[str, ...]:
+        """Everything the program is compiled with: the kernels, then the exported geometry."""
+        geometry = self.geometry_expression
+        return self.name_expressions + ((geometry,) if geometry else ())
 
     def source_text(self) -> str:
         """The sources, each after a #line directive so NVRTC messages name the right file and line."""
-        directory = csrc_dir()
+        directory = self.source_dir or csrc_dir()
         return "".join(f'#line 1 "{name}"\n{(directory / name).read_text()}\n' for name in self.sources)
 
     def compile(self, arch: int | str) -> CompiledProgram:
@@ -61,18 +96,39 @@ class KernelVariant:
         return memoized(
             (self, target),
             lambda: get_or_compile(
-                self.source_text(), self.name_expressions, target, self.options, [csrc_dir()], self.sources[0]
+                self.source_text(), self.compiled_expressions, target, self.options, [csrc_dir()], self.sources[0]
             ),
         )
 
+    def geometry(self, arch: int | str) -> LaunchGeometry:
+        """The first kernel's launch geometry as its compiled traits export it (compiles through the cache)."""
+        self._check_exports_geometry()
+        return self.geometry_of(self.compile(arch))
 
-PROBE_WARPS_PER_BLOCK = 2
-PROBE_VARIANT = KernelVariant(
-    name="probe_mma",
-    sources=("probe_mma.cu",),
-    name_expressions=(f"volta_probe_mma_kernel<{PROBE_WARPS_PER_BLOCK}>",),
-    dynamic_smem_bytes=PROBE_WARPS_PER_BLOCK * 4 * 64 * 4,  # 4 quad-pair tiles of 8x8 fp32 per warp
-    threads_per_block=32 * PROBE_WARPS_PER_BLOCK,
-    meta={"warps_per_block": PROBE_WARPS_PER_BLOCK, "purpose": "compile/cache/launch pipeline probe"},
-)
+    def geometry_of(self, program: CompiledProgram) -> LaunchGeometry:
+        """The first kernel's launch geometry in program, this variant compiled with ``compiled_expressions``."""
+        self._check_exports_geometry()
+        return LaunchGeometry.from_bytes(program.variable(self.geometry_expression))
 
+    def _check_exports_geometry(self) -> None:
+        if not self.exports_geometry:
+            raise ValueError(f"KernelVariant {self.name!r} exports no launch geometry (exports_geometry=False); "
+                             "launch it with driver.load_function and explicit threads / shared memory")
+
+    def load(self, device, arch: int | str) -> LoadedKernel:
+        """The first kernel compiled for arch and loaded on device (a torch.device), with its launch geometry."""
+        from . import driver  # (needs torch and libcuda; compiling does not)
+
+        function = driver.load_function(self.compile(arch), self.name_expressions[0], device)
+        return LoadedKernel(function, self.geometry(arch))
+
+
+@dataclass(frozen=True)
+class LoadedKernel:
+    """A loaded kernel launched with the threads and dynamic shared memory its compiled traits export."""
+
+    function: object  # driver.KernelFunction
+    geometry: LaunchGeometry
+
+    def launch(self, grid, args, stream=None) -> None:
+        self.function.launch(grid, self.geometry.threads, self.geometry.dynamic_smem_bytes, args, stream)

@@ -1,4 +1,4 @@
-// Test kernel (not used by the attention kernels): one warp runs the four m8n8k4 variants the kernels use,
+// Test kernel of csrc/mma_sm70.cuh (not shipped): one warp runs the four m8n8k4 variants the kernels use,
 // loading A/B fragments and storing C/D fragments with the layout formulas of mma_sm70.cuh. If a formula is
 // wrong, tests/test_mma_layouts.py sees a wrong product.
 #include "mma_sm70.cuh"

@@ -15,7 +15,7 @@ Sources for the rules: NVIDIA developer forums, "Clarification: bank_conflicts m
 LDS.128" (forums.developer.nvidia.com/t/359822: LDS.128 minimum 4 wavefronts of 128 bytes, bank conflicts = the
 wavefronts beyond it) and "Unexpected shared memory bank conflict" (t/77228: the pair rule on CC 7.0-7.5); the
 half-/quarter-warp phases are the usual reading of those (a phase moves at most 128 bytes). They are checked against
-the Nsight Compute counts of docs/bench/smem_conflicts_sm70_tiles_h100.md by tests/test_smem_bank_model.py and
+the Nsight Compute counts of docs/bench/smem_conflicts_sm70_tiles_h100.md by lab/tests/test_smem_bank_model.py and
 ``lab/smem_bank_model.py --validate``.
 
 Workload weights: the profiled one (batch 1, 8 heads, seqlen 1024, non-causal, every block full), so every CTA
@@ -23,8 +23,9 @@ runs every main-loop iteration alike and the model costs one CTA's warps per ite
 
 Tile layouts (``RowLayout``): a tile is rows of 16-byte chunks; row r starts at chunk
 ``r * pitch + sum(gap * (r >> shift))`` (csrc/kernel_traits.cuh TileRows; plain padded rows: pitch = chunks per
-row + 1, no gaps). ``bwd_layouts`` and ``fwd_layouts`` describe the kernels' code as it is; the issue-16 designs not
-in the code yet are in bank_fixes.py. Every reader and writer of a tile goes through the same layout.
+row + 1, no gaps). ``bwd_layouts`` and ``fwd_layouts`` describe the kernels' code as it is. Every reader and writer
+of a tile goes through the same layout. The layouts also give the shared memory of candidate tiles that were never
+compiled (lab/v100_estimate.py); the package launches with the size each compiled kernel exports instead.
 """
 
 from __future__ import annotations
@@ -358,7 +359,7 @@ def fwd_layouts(s: FwdShape, kernel: str, plain: bool = False) -> dict:
             "o_stage": o_stage, "fill_groups8": groups8, "row_fragments": not plain, "staging_lanes": not plain}
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of the frozen shape; every launch asks (KernelVariant's smem)
+@functools.lru_cache(maxsize=None)  # a pure function of the frozen shape
 def fwd_smem_bytes(s: FwdShape) -> int:
     """FwdKernelTraits::kSmemBytes (kernel_traits.cuh) for fwd_layouts(s, "fwd")."""
     L = fwd_layouts(s, "fwd")
@@ -629,7 +630,7 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def bwd_shape_smem_bytes(s: BwdShape) -> int:
-    """BwdKernelTraits::kSmemBytes of the shape's own layouts (bwd_layouts(s)); cached, as every launch asks."""
+    """BwdKernelTraits::kSmemBytes of the shape's own layouts (bwd_layouts(s))."""
     return bwd_smem_bytes(s, bwd_layouts(s))
 
 
@@ -760,6 +761,40 @@ def with_layouts(base: dict, **changes) -> dict:
     return {**base, **changes}
 
 
+# --- shared memory of a tile (volta_train/kernels/tiles.py FwdTile / BwdTile) ---------------------------------------
+
+
+def fwd_tile_smem_bytes(tile, head_dim: int) -> int:
+    """FwdKernelTraits::kSmemBytes of a forward or decoding tile."""
+    return fwd_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                   tile.q_in_smem, tile.split_masked))
+
+
+def dq_tile_smem_bytes(tile, head_dim: int) -> int:
+    """DqLayout::kBytes of a dQ kernel tile."""
+    return dq_smem_bytes(FwdShape(head_dim, tile.quad_pair_rows, tile.m_tiles, tile.warps, tile.block_n, False,
+                                  tile.q_in_smem))
+
+
+def bwd_tile_smem_bytes(tile, head_dim: int, dq_atomic: bool) -> int:
+    """BwdKernelTraits::kSmemBytes of a dK/dV tile."""
+    return bwd_shape_smem_bytes(BwdShape(head_dim, tile.quad_pair_rows, tile.warps, tile.block_m, dq_atomic=dq_atomic,
+                                         kv_in_smem=tile.kv_in_smem, lean=tile.lean, out_split=tile.out_split))
+
+
+def variant_smem_bytes(variant) -> int:
+    """The modelled dynamic shared memory of a tile-table KernelVariant (0 for the split combine)."""
+    meta = variant.meta
+    if meta["pass"] in ("fwd", "decode"):
+        return fwd_tile_smem_bytes(meta["tile"], meta["head_dim"])
+    if meta["pass"] == "bwd_dq":
+        return dq_tile_smem_bytes(meta["tile"], meta["head_dim"])
+    if meta["pass"] == "bwd_dkdv":
+        return bwd_tile_smem_bytes(meta["tile"], meta["head_dim"], "_dqatomic" in variant.name)
+    return 0
+
+
 __all__ = ["wavefronts", "RowLayout", "VectorLayout", "FwdShape", "BwdShape", "Prediction", "SiteCost",
            "predict_fwd", "predict_dq", "predict_dkdv", "predict_variant", "fwd_layouts", "bwd_layouts",
-           "bwd_smem_bytes", "replace"]
+           "bwd_smem_bytes", "fwd_tile_smem_bytes", "dq_tile_smem_bytes", "bwd_tile_smem_bytes", "variant_smem_bytes",
+           "replace"]

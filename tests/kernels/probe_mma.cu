@@ -1,4 +1,4 @@
-// Probe kernel for the run-time compilation / cache / launch pipeline (volta_train/kernels/{nvrtc,cache,driver}.py).
+// Test kernel of the run-time compile / cache / launch pipeline (volta_train/kernels/{nvrtc,cache,driver}.py).
 //
 // Every warp runs ONE mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32, i.e. four independent 8x8x4 products,
 // one per quad-pair q = 0..3 (lanes 4q..4q+3 and 4q+16..4q+19), so a test of the output checks the fragment
