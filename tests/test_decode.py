@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import types
 
 import pytest
 import torch
@@ -332,6 +333,7 @@ class _EmulatedKernel:
     def __init__(self, variant):
         meta = variant.meta
         self.d, self.block_n, self.softcap = meta["head_dim"], meta["tile"].block_n, meta["softcap"]
+        self.geometry = types.SimpleNamespace(block_m=meta["tile"].block_m, block_n=meta["tile"].block_n)
 
     def launch(self, grid, args):  # (threads and shared memory: the compiled kernel's own, LoadedKernel)
         (p,) = args

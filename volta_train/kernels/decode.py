@@ -144,9 +144,10 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         lse_k, run = lse, options
     rows_k, heads_k = qk.shape[1], qk.shape[2]
 
+    kernel = _kernel(tiles.decode_variant(d, tile, options.softcap > 0), device)
     prm = SplitKvKernelParams()
-    grid = fill_common(prm, qk, kc, vc, out_k, lse_k, None, None, rows_k, longest, run, tile.block_m, alibi)
-    key_blocks = -(-longest // tile.block_n)
+    grid = fill_common(prm, qk, kc, vc, out_k, lse_k, None, None, rows_k, longest, run, kernel.geometry.block_m, alibi)
+    key_blocks = -(-longest // kernel.geometry.block_n)
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         splits, per_split = split_plan(grid[0] * grid[1], key_blocks, sm_count)
@@ -168,8 +169,7 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         o_partial, lse_partial = fill(shape + (d,)), fill(shape)
         prm.o_partial, prm.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
 
-    variant = tiles.decode_variant(d, tile, options.softcap > 0)
-    _kernel(variant, device).launch(grid + (splits,), [prm])
+    kernel.launch(grid + (splits,), [prm])
     if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
         combine = tiles.combine_variant(d)
         row_blocks = -(-rows_k // tiles.COMBINE_ROWS_PER_CTA)

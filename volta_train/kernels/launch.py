@@ -114,7 +114,7 @@ def _run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     kernel = _kernel(variant, q.device)
     prm = KernelParams()
     grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
-                       tile.block_m, alibi_slopes)
+                       kernel.geometry.block_m, alibi_slopes)
     kernel.launch(grid, [prm])
     return out, lse
 
@@ -177,16 +177,18 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     dsum = (dout.float() * out.float()).sum(-1)
     dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()
 
+    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
+    kernel = _kernel(variant, q.device)
     bp = BackwardKernelParams()
     fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
-                tile.block_m, alibi_slopes)
+                kernel.geometry.block_m, alibi_slopes)
     bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
     for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
         _set_strides(bp, name, t, varlen)
     bp.softmax_scale = options.softmax_scale
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     nheads_kv = k.shape[-2]
-    bp.num_n_blocks = -(-max_seqlen_k // tile.block_n)
+    bp.num_n_blocks = -(-max_seqlen_k // kernel.geometry.block_n)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if use_atomics else None
     dq = None if use_atomics else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dq_target = dq_accum if use_atomics else dq
@@ -194,15 +196,14 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     bp.dq = dq.data_ptr() if dq is not None else None
     _set_strides(bp, "dq", dq_target, varlen)
 
-    variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
-    _kernel(variant, q.device).launch(grid, [bp])
+    kernel.launch(grid, [bp])
     if use_atomics:
         return (dq_accum * options.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
+    dq_kernel = _kernel(tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0), q.device)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
-                       dq_tile.block_m, alibi_slopes)
-    dq_var = tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0)
-    _kernel(dq_var, q.device).launch(grid, [bp])
+                       dq_kernel.geometry.block_m, alibi_slopes)
+    dq_kernel.launch(grid, [bp])
     return dq, dk, dv
