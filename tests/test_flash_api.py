@@ -937,22 +937,93 @@ def test_sinks_errors_name_the_argument():
         volta_train.flash_attn_func(q, q, q, sinks=torch.zeros(3))
 
 
-def test_kernel_support_names_sinks_and_large_head_dims():
+def test_kernel_support_names_large_head_dims():
     from volta_train import kernels
     from volta_train.options import AttentionOptions
 
     options = AttentionOptions(softmax_scale=0.1)
-    q, v = torch.empty(1, 4, 2, 64, device="meta"), torch.empty(1, 4, 2, 512, device="meta")
-    call = kernels.describe(q, q, q, options, varlen=False, alibi=False, sinks=True)
+    q = torch.empty(1, 4, 2, 64, device="meta")
+    call = kernels.describe(q, q, q, options, varlen=False, alibi=False)
     assert "the Volta kernel needs a CUDA GPU" in kernels.unsupported_reason(call)  # device first
     cuda_call = dataclasses.replace(call, device=torch.device("cuda", 0), dtype=torch.float16, aligned=True)
     with mock.patch.object(torch.cuda, "get_device_capability", return_value=(7, 0)):
-        assert kernels.unsupported_reason(cuda_call) == "attention sinks: the Volta kernels have no sink logits yet"
-        wide = dataclasses.replace(cuda_call, sinks=False, value_head_dim=512)
+        wide = dataclasses.replace(cuda_call, value_head_dim=512)
         assert "head_dim 512: the Volta kernels run head_dim 1 to 256" in kernels.unsupported_reason(wide)
-        mla = dataclasses.replace(cuda_call, sinks=False, head_dim=192, value_head_dim=128)
+        mla = dataclasses.replace(cuda_call, head_dim=192, value_head_dim=128)
         assert mla.kernel_head_dim == 256
     assert volta_train.kernel_head_dim(192, 128) == 256 and volta_train.kernel_head_dim(512) is None
+
+
+def test_sinks_on_rows_that_see_no_key():
+    """More queries than keys, causal: the first rows see no key; with sinks they output 0, their lse is the sink's,
+    and every gradient stays finite and equals float64 eager attention's (which gives those rows only the sink)."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 9, 2, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    k = torch.randn(1, 4, 2, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    v = torch.randn(1, 4, 2, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    sinks = torch.randn(2, generator=generator).requires_grad_()
+    out, lse, _ = volta_train.flash_attn_func(q, k, v, causal=True, sinks=sinks, return_attn_probs=True)
+    assert not out[:, :5].any()  # rows 0-4 see no key
+    assert torch.equal(lse[0, :, :5], sinks.detach().double().view(2, 1).expand(2, 5))
+    expected = _eager_attention(q, k, v, True, sinks)
+    torch.testing.assert_close(out[:, 5:], expected[:, 5:])
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=generator)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    assert all(torch.isfinite(g).all() for g in got)
+    want = torch.autograd.grad(expected[:, 5:], (q, k, v, sinks), dout[:, 5:])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(g.dtype), atol=1e-6, rtol=1e-5)
+
+
+def test_sinks_run_on_the_kernel_path(fake_kernel, rng):
+    """The kernels compute attention without sinks and the dispatcher folds them in (volta_train/sinks.py); the
+    backward runs on the kernels with the folded output and log-sum-exp."""
+    q, k, v = _qkv(rng, 2, 11, 13, 4, 2, 32)
+    sinks = torch.randn(4, generator=rng).requires_grad_()
+    out = volta_train.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+    expected = _eager_attention(q, k, v, True, sinks)
+    torch.testing.assert_close(out, expected)
+    dout = torch.randn(out.shape, dtype=out.dtype, generator=rng)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    want = torch.autograd.grad(expected, (q, k, v, sinks), dout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(g.dtype), atol=1e-6, rtol=1e-5)
+    assert [c[0] for c in fake_kernel] == ["forward", "backward"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_on_the_kernel_meet_the_standard(causal):
+    """fp16 on the Volta kernels with sinks: output and gradients (the sinks' too) within twice PyTorch fp16's max-abs
+    error against float64 eager attention with the sinks in the denominator."""
+    generator = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 300, h, 64, generator=generator) for h in (8, 2, 2))
+    sinks = torch.randn(8, generator=generator)
+    dout = torch.randn(2, 300, 8, 64, generator=generator)
+    q64, k64, v64, s64 = (t.double().requires_grad_() for t in (q, k, v, sinks))
+    truth = _eager_attention(q64, k64, v64, causal, s64)
+    want = torch.autograd.grad(truth, (q64, k64, v64, s64), dout.double())
+    q16, k16, v16 = (t.cuda().half().requires_grad_() for t in (q, k, v))
+    s32 = sinks.cuda().requires_grad_()
+    with mock.patch.dict("os.environ", {"VOLTA_TRAIN_BACKEND": "kernel"}):
+        out = volta_train.flash_attn_func(q16, k16, v16, causal=causal, sinks=s32)
+        got = torch.autograd.grad(out, (q16, k16, v16, s32), dout.cuda().half())
+    # the yardstick: PyTorch fp16 attention with the sink as an extra column, same inputs
+    qy, ky, vy = (t.cuda().half().requires_grad_() for t in (q, k, v))
+    sy = sinks.cuda().half().requires_grad_()
+    group = 4
+    kr, vr = ky.repeat_interleave(group, 2), vy.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qy, kr) * 64**-0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(300, 300, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+    cat = torch.cat([scores, sy.view(1, -1, 1, 1).expand(2, 8, 300, 1)], -1)
+    yard = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(cat.float(), -1).half()[..., :-1], vr)
+    yard_grads = torch.autograd.grad(yard, (qy, ky, vy, sy), dout.cuda().half())
+    for name, g, y, w in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + got, (yard,) + yard_grads,
+                             (truth,) + want):
+        err = (g.double().cpu() - w.detach()).abs().max().item()
+        bound = 2 * (y.double().cpu() - w.detach()).abs().max().item() + 2**-14 * w.abs().max().item()
+        assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
 
 
 @pytest.mark.gpu

@@ -346,9 +346,7 @@ def test_attention_sinks_match_eager(caplog):
                 module.sinks.normal_()
     ids, mask = tokens(), padding_mask("right")
     ref_logits, ref_grads = run(model, ids, mask)
-    with caplog.at_level(logging.INFO, logger="volta_train"):
-        volta_train.patch(model)
-    assert any("attention sinks" in r.getMessage() for r in caplog.records)
+    volta_train.patch(model)
     logits, grads = run(model, ids, mask)
     assert any("sinks" in name for name in grads)
     assert_close(logits, ref_logits, "logits")

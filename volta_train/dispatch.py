@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cutlass_backward, kernels, reference
+from . import sinks as attention_sinks
 from .options import AttentionOptions
 
 logger = logging.getLogger("volta_train")
@@ -120,17 +121,18 @@ def attention_forward(
     varlen = cu_seqlens_q is not None
     if q.numel() == 0 or k.numel() == 0:
         return _empty_forward(q, v, varlen)
-    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, sinks=sinks is not None)
+    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None)
     choice = choose_backend(call)
     _log_choice(choice, "forward", q.is_cuda)
     shape = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if choice.backend == "kernel":
         out, lse = kernels.forward(q, k, v, *shape, options, alibi_slopes)
     elif varlen:
-        out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, alibi_slopes,
-                                                      sinks)
+        out, lse = reference.reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options, alibi_slopes)
     else:
-        out, lse = reference.reference_forward(q, k, v, options, alibi_slopes, sinks=sinks)
+        out, lse = reference.reference_forward(q, k, v, options, alibi_slopes)
+    if sinks is not None:
+        out, lse = attention_sinks.fold(out, lse, sinks, varlen)
     # Contiguous whatever the backend computed: the fake promises these strides, and torch.compile plans from it.
     return out.contiguous(), lse.contiguous()
 
@@ -161,12 +163,12 @@ def attention_backward(
     """(dq, dk, dv, dsinks); dsinks is empty without sinks (a custom op returns tensors, not None)."""
     options = AttentionOptions.unpack(options_f, options_i)
     varlen = cu_seqlens_q is not None
-    dsinks = (reference.sinks_backward(dout, out, lse, sinks, varlen) if sinks is not None
+    dsinks = (attention_sinks.backward(dout, out, lse, sinks, varlen) if sinks is not None
               else q.new_zeros((0,), dtype=torch.float32))
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dsinks
-    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, sinks=sinks is not None,
-                            backward=True, extra=(dout, out))
+    call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, backward=True,
+                            extra=(dout, out))
     choice = choose_backend(call)
     _log_choice(choice, "backward", q.is_cuda)
     shape = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -23,8 +23,8 @@ Differences from flash-attn, all explicit:
   raises on fp32 inputs instead).
 * ``sinks`` (keyword-only, flash_attn_func and flash_attn_varlen_func): one fp32 logit per
   query head that joins every row's softmax denominator with no value (gpt-oss's attention
-  sinks), differentiable; flash-attn 2 has no such argument. The reference backend runs
-  calls with sinks (the Volta kernels have none yet).
+  sinks), differentiable; flash-attn 2 has no such argument. Either backend computes the
+  attention and the sinks are folded into its output (:mod:`volta_train.sinks`).
 
 The positional order is flash-attn's since 2.6 (``softcap`` before ``alibi_slopes``).
 Any head_dim from 1 to 512 is accepted, and v may have a head_dim of its own (q and k

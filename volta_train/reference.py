@@ -13,10 +13,6 @@ It implements exactly the semantics of the Volta kernels:
   becomes ``softcap * tanh(x / softcap)`` before ALiBi and masks (``softcap = 0``: off).
 * rows with no visible key give ``out = 0`` and ``lse = +inf`` (so that
   ``exp(s - lse) = 0`` in the backward), never NaN.
-* attention sinks (``sinks``: one fp32 logit per query head, as gpt-oss's ``s_aux``) join
-  every row's softmax denominator without a value: ``lse`` includes them, a row with no
-  visible key then gives ``out = 0`` and ``lse = sink``; their gradient,
-  ``dsink_h = -sum over rows of exp(sink_h - lse) * rowsum(dO * O)``, is :func:`sinks_backward`.
 * the log-sum-exp is fp32, or fp64 for fp64 inputs (so fp64 gradients are not limited
   by an fp32 log-sum-exp at large scores).
 * dropout from :func:`volta_train.philox.dropout_keep_mask`, a pure function of
@@ -112,11 +108,6 @@ def _dropout_scale(params, batch_index, nheads, q_shape, rows, cols, device, dty
     return keep.to(dtype) / (1.0 - params.dropout_p)
 
 
-def _shape_heads(per_head: torch.Tensor, nheads_kv: int) -> torch.Tensor:
-    """A [H] per-head tensor as [Hkv, G, 1, 1], to broadcast with the scores' [B, Hkv, G, Nq, bk]."""
-    return per_head.reshape(nheads_kv, -1, 1, 1)
-
-
 def _shape_alibi(alibi_slopes: torch.Tensor | None, nheads_kv: int) -> torch.Tensor | None:
     """[H] or [B, H] slopes -> [Hkv, G, 1, 1] or [B, Hkv, G, 1, 1] to broadcast with the scores."""
     if alibi_slopes is None:
@@ -143,7 +134,6 @@ def reference_forward(
     params: AttentionOptions,
     alibi_slopes: torch.Tensor | None = None,
     batch_index: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocked FlashAttention-2 forward. Returns out [B, Nq, H, Dv] (q's dtype) and lse [B, H, Nq].
 
@@ -184,13 +174,6 @@ def reference_forward(
         acc = acc * rescale + torch.matmul(p, vh[..., col0:col1, :])
         row_max = new_max
 
-    if sinks is not None:  # one more term in each row's denominator, with no value
-        sink = _shape_heads(sinks, kh.shape[1]).to(cdt)
-        new_max = torch.maximum(row_max, sink)
-        rescale = torch.exp(row_max - new_max)
-        row_sum = row_sum * rescale + torch.exp(sink - new_max)
-        acc = acc * rescale
-        row_max = new_max
     empty = row_sum == 0
     out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(row_sum), row_sum))
     lse = torch.where(
@@ -212,10 +195,7 @@ def reference_backward(
     alibi_slopes: torch.Tensor | None = None,
     batch_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 backward with recompute from the saved log-sum-exp. Returns dq, dk, dv.
-
-    With sinks the saved log-sum-exp includes them, so the recomputed probabilities are right as they are; their
-    own gradient is :func:`sinks_backward`."""
+    """FlashAttention-2 backward with recompute from the saved log-sum-exp. Returns dq, dk, dv."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     cdt = _compute_dtype(q.dtype)
@@ -261,22 +241,6 @@ def reference_backward(
     return dq, dk, dv
 
 
-def sinks_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
-                   varlen: bool) -> torch.Tensor:
-    """The gradient of the sink logits [H], whichever backend ran the call.
-
-    A sink's probability in row i is ``exp(sink - lse_i)``; it carries no value, so its score gradient is
-    ``-p_sink * rowsum(dO * O)``, summed over the rows of its head. lse is [B, H, Nq] (dense) or [H, total_q]
-    (varlen); rows with lse = +inf contribute 0.
-    """
-    cdt = _compute_dtype(out.dtype)
-    delta = (dout.to(cdt) * out.to(cdt)).sum(dim=-1)  # [B, Nq, H] or [total_q, H]
-    lse = lse.to(cdt)
-    per_row = torch.exp(sinks.to(cdt).view(-1, 1) - (lse if varlen else lse.transpose(0, 1).reshape(lse.shape[1], -1)))
-    delta = delta.t() if varlen else delta.permute(2, 0, 1).reshape(delta.shape[2], -1)
-    return -(per_row * delta).sum(dim=1).to(sinks.dtype)
-
-
 def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
@@ -284,7 +248,7 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
         yield index, starts_q[index], starts_q[index + 1], starts_k[index], starts_k[index + 1]
 
 
-def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None, sinks=None):
+def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None):
     """Packed [total, H, D] forward, one sequence at a time. lse is [H, total_q] (fp32; fp64 for fp64 inputs)."""
     out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=_compute_dtype(q.dtype), device=q.device)
@@ -293,7 +257,7 @@ def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_
             continue
         bidx = torch.tensor([index], device=q.device)
         seq_alibi = alibi_slopes[index : index + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        o, l = reference_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], params, seq_alibi, bidx, sinks)
+        o, l = reference_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], params, seq_alibi, bidx)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse

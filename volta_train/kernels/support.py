@@ -25,7 +25,6 @@ class CallDescription:
     value_head_dim: int | None = None  # v's head_dim, when it differs from head_dim
     varlen: bool = False
     alibi: bool = False
-    sinks: bool = False  # per-head sink logits in the softmax's denominator
     backward: bool = False
     kvcache: bool = False
     aligned: bool = True  # 16-byte aligned pointers and strides that are multiples of 8 elements
@@ -65,7 +64,7 @@ def tensors_aligned(*tensors: torch.Tensor | None) -> bool:
 
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *, varlen: bool,
-             alibi: bool, backward: bool = False, kvcache: bool = False, sinks: bool = False,
+             alibi: bool, backward: bool = False, kvcache: bool = False,
              extra: tuple[torch.Tensor, ...] = ()) -> CallDescription:
     """The call as the kernels would run it. Padded copies are fresh, hence aligned; a call at a kernel head_dim is
     run on its own tensors, which must then be aligned."""
@@ -73,7 +72,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     padded = head_dims.forward_head_dim(head_dim) != head_dim or v.shape[-1] != head_dim
     return CallDescription(
         device=q.device, dtype=q.dtype, head_dim=head_dim, options=options,
-        value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi, sinks=sinks,
+        value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi,
         backward=backward, kvcache=kvcache,
         aligned=q.is_cuda and (kvcache or padded or tensors_aligned(q, k, v, *extra)),
     )
@@ -109,8 +108,6 @@ def unsupported_reason(call: CallDescription) -> str | None:
     if call.kernel_head_dim is None:
         return (f"head_dim {call.widest_head_dim}: the Volta kernels run head_dim 1 to {max(SUPPORTED_HEAD_DIMS)} (a "
                 "larger tile does not fit the V100's 96 KiB of shared memory per block)")
-    if call.sinks:
-        return "attention sinks: the Volta kernels have no sink logits yet"
     if not call.aligned:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"
     if call.options.softmax_scale <= 0:

@@ -351,10 +351,6 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
     for module in modules:
         config = getattr(module, "config", None) or model.config
         owner = getattr(config, "model_type", None) or model_type
-        kind = type(module).__name__
-        if isinstance(getattr(module, "sinks", None), nn.Parameter):
-            logger.info("volta_train.patch: %s attention sinks (%s.sinks) run on the reference backend: the Volta "
-                        "kernels have no sink logits yet", owner, kind)
         chunk = getattr(config, "attention_chunk_size", None)
         if chunk is not None:
             raise NotImplementedError(
