@@ -331,7 +331,7 @@ def test_head_dim_beyond_the_api_is_refused():
         volta_train.patch(model)
 
 
-def test_attention_sinks_match_eager(caplog):
+def test_attention_sinks_match_eager():
     """gpt-oss's sinks (s_aux) run as the API's sinks on the reference backend: logits and every gradient (the sinks'
     included) equal eager's, with padding."""
     config = transformers.GptOssConfig(**_decoder(

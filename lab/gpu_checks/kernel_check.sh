@@ -13,7 +13,7 @@ dest=${OUT:-kernel_check_out}; mkdir -p "$dest"
 out=$(mktemp -d /tmp/kernel_check.XXXXXX); mkdir -p "$out/logs"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export VOLTA_TRAIN_CACHE_DIR=${VOLTA_TRAIN_CACHE_DIR:-/tmp/volta_train_cache}
-tests=${1:-"tests -m gpu"}
+tests=${1:-"tests lab/tests -m gpu"}
 began=$(date +%s)
 stamp() { echo "[kernel_check +$(( $(date +%s) - began )) s] $*"; }
 
