@@ -50,7 +50,7 @@ def why_not(call: CallDescription) -> str | None:
     o = call.options
     for flag, reason in ((call.varlen, "varlen (cu_seqlens)"), (o.dropout_p > 0.0, "dropout (the forward's Philox mask)"),
                          (o.softcap > 0.0, "softcap"), (call.alibi, "ALiBi"),
-                         (call.value_head_dim is not None, "v's own head_dim"), (call.sinks, "sinks"),
+                         (call.value_head_dim is not None, "v's own head_dim"),
                          (o.window != (-1, -1), "a local window"),
                          (o.deterministic, "deterministic=True")):
         if flag:
