@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -209,6 +210,44 @@ def search(model, args, device: torch.device, bar, deadline: float) -> dict:
     return {"longest": good, "first_fail": bad, "stopped_by_time": stopped, "probes": probes}
 
 
+def step_time(model, length: int, warmup: int, steps: int, vocab: int, device: torch.device) -> float:
+    """Median seconds of ``steps`` synchronised training steps at ``length`` tokens, after ``warmup`` steps."""
+    optimizer, scaler, step = bench.training_step(model, 1, length, vocab, device)
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        step("chunked")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+    del optimizer, scaler
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Longest trained sequence per variant, and step time against the baseline where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].bar([r["variant"] for r in rows], [r["longest"] for r in rows], color="tab:blue")
+    axes[0].set_ylabel("longest trained sequence (tokens)")
+    axes[0].set_title(f"{summary['model']}, cap {summary['memory_gb']:g} GiB")
+    timed = [r for r in rows if r.get("step_seconds")]
+    axes[1].bar([r["variant"] for r in timed], [r["step_seconds"] for r in timed], color="tab:orange")
+    axes[1].set_ylabel(f"s/step at {summary['args']['step_time']:,} tokens" if timed else "(no step time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama1b", choices=list(bench.LLAMA), help="bench_train's Llama shapes")
@@ -224,6 +263,11 @@ def main(argv=None) -> dict:
                    help="block: causal SDPA within --attention-block tokens (same memory); sdpa: full attention")
     p.add_argument("--attention-block", type=int, default=4096)
     p.add_argument("--time-budget-min", type=float, default=7.0, help="start no probe after this many minutes")
+    p.add_argument("--step-time", type=int, default=0,
+                   help="also time a training step at this many tokens per variant (median of --timed-steps)")
+    p.add_argument("--timed-steps", type=int, default=5)
+    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                   help="search the longest sequence (--no-search: step time only)")
     p.add_argument("--smoke", action="store_true", help="CPU, llama-nano, 64-512 tokens: the code path only")
     p.add_argument("--out", default="out/long_context_probe")
     args = p.parse_args(argv)
@@ -252,7 +296,10 @@ def main(argv=None) -> dict:
         tiled_mlp.tile_mlps(model, args.tile_tokens, "on" if tiled else "off")
         offloader = activation_offload.enable(model, min_bytes=1 if args.smoke else None) if offload else None
         bar.set_description(f"long_context_probe {variant}")
-        found = search(model, args, device, bar, deadline)
+        found = search(model, args, device, bar, deadline) if args.search else {
+            "longest": 0, "first_fail": None, "stopped_by_time": False, "probes": []}
+        if args.step_time:
+            found["step_seconds"] = step_time(model, args.step_time, 2, args.timed_steps, args.vocab, device)
         cap = args.memory_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30
                                  if device.type == "cuda" else 0.0)
         found.update(variant=variant, tiled_mlp=tiled, activation_offload=offload,
@@ -271,6 +318,7 @@ def main(argv=None) -> dict:
     (out / "long_context_probe.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     md = table(summary)
     (out / "long_context_probe.md").write_text(md, encoding="utf-8")
+    plot(summary, out / "long_context_probe.png")
     print(md, flush=True)
     return summary
 
@@ -281,8 +329,12 @@ def table(summary: dict) -> str:
              f"{summary['probe_steps']} training steps per probe (bench_train: fp16 autocast, fp32 AdamW, chunked "
              f"loss, activation checkpointing), attention {summary['attention']}; predicted = docs/long_context.md's "
              "memory model (unverified until this table is)", "",
-             "| variant | longest trained | first failing | peak reserved GiB at longest | predicted | probes | s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"step time: median of {summary['args']['timed_steps']} steps after 2 warm-up steps at "
+             f"{summary['args']['step_time']:,} tokens, and its ratio to the first variant's", "",
+             "| variant | longest trained | first failing | peak reserved GiB at longest | predicted | probes | s | "
+             "s/step | vs first |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    first = summary["results"][0].get("step_seconds") if summary["results"] else None
     for r in summary["results"]:
         at = next((p for p in r["probes"] if p["length"] == r["longest"] and p["status"] == "ok"), {})
         peak = at.get("peak_reserved_gib")
@@ -290,7 +342,9 @@ def table(summary: dict) -> str:
                      f"{'-' if r['first_fail'] is None else format(r['first_fail'], ',')} | "
                      f"{'-' if peak is None else format(peak, '.2f')} | "
                      f"{'-' if r['predicted'] is None else format(r['predicted'], ',')} | {len(r['probes'])} | "
-                     f"{sum(p['seconds'] for p in r['probes']):.0f} |")
+                     f"{sum(p['seconds'] for p in r['probes']):.0f} | "
+                     + (f"{r['step_seconds']:.3f} | {r['step_seconds'] / first:.3f} |" if r.get("step_seconds") and first
+                        else "- | - |"))
     return "\n".join(lines) + "\n"
 
 
