@@ -570,13 +570,18 @@ def test_family_transformers_does_not_declare_flash_capable_is_refused():
     assert _PATCH_ATTR not in model.__dict__
 
 
-def test_gptj_is_refused_with_the_reason():
+def test_gptj_patches_and_matches_eager():
+    """GPT-J runs through transformers' attention interface, so patch() takes it like any other family."""
     torch.manual_seed(0)
     config = GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=HEADS, rotary_dim=4, n_positions=64)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with pytest.raises(hf.UnsupportedModelError, match="'gptj'.*cannot patch.*never calls transformers' attention"):
-        volta_train.patch(model)
-    assert model.config._attn_implementation == "eager"
+    ids, mask = tokens(), padding_mask("right")
+    want_logits, want_grads = run(model, ids, mask)
+    volta_train.patch(model)
+    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    logits, grads = run(model, ids, mask)
+    assert_close(logits, want_logits, "logits")
+    assert_grads_close(grads, want_grads)
 
 
 def test_load_time_implementation_on_unsupported_family_refuses_to_run():
@@ -651,11 +656,15 @@ def test_transformers_without_mask_interface_is_refused(monkeypatch):
         hf.register()
 
 
-def test_head_dim_outside_the_kernel_range_is_refused():
+def test_head_dim_the_kernels_pad_matches_sdpa():
+    """head_dim 12 is no kernel head_dim: the API takes it (the kernels zero-pad it to 16), so patch() does too."""
     model = build("llama", head_dim=12)
-    with pytest.raises(ValueError, match=r"llama: head_dim is 12 \(LlamaAttention.head_dim\).*multiple of 8"):
-        volta_train.patch(model)
-    assert model.config._attn_implementation == "sdpa"
+    ids, mask = tokens(), padding_mask("right")
+    want_logits, want_grads = run(model, ids, mask)
+    volta_train.patch(model)
+    logits, grads = run(model, ids, mask)
+    assert_close(logits, want_logits, "logits")
+    assert_grads_close(grads, want_grads)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -753,7 +762,7 @@ def test_gqa_and_cached_queries(causal, window):
     torch.testing.assert_close(dense_out.double(), explicit_attention(q, k, v, allowed, 0.3), **TOL)
 
 
-@pytest.mark.parametrize("name, value", [("s_aux", torch.zeros(2)), ("head_mask", torch.ones(2))])
+@pytest.mark.parametrize("name, value", [("head_mask", torch.ones(2)), ("position_bias", torch.zeros(1, 2, 4, 4))])
 def test_unsupported_kwargs_are_refused(name, value):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=name):
@@ -761,7 +770,7 @@ def test_unsupported_kwargs_are_refused(name, value):
 
 
 def test_softcap_kwarg_is_applied():
-    """Gemma-2's logit soft-capping reaches the API (the reference backend runs it until the kernel has it)."""
+    """Gemma-2's logit soft-capping reaches the API."""
     q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
     out, _ = hf.hf_attention_forward(fake_module(is_causal=True), q, k, v, None, scaling=0.3, softcap=2.0)
     s = 2.0 * torch.tanh(torch.einsum("bhid,bhjd->bhij", q, k) * 0.3 / 2.0)
