@@ -112,14 +112,14 @@ def test_window_and_alibi_match_float64(window, rng):
 def test_score_blocks_never_exceed_block_k(monkeypatch, rng):
     """The reference must stay O(seqlen x block): no score tile wider than BLOCK_K columns."""
     seen = []
-    original = reference._scores
+    original = reference.scores
 
     def spy(q, k_blk, *args):
         s, cap_slope = original(q, k_blk, *args)
         seen.append(s.shape[-1])
         return s, cap_slope
 
-    monkeypatch.setattr(reference, "_scores", spy)
+    monkeypatch.setattr(reference, "scores", spy)
     q, k, v = _inputs((1, 40, 3 * reference.BLOCK_K + 5, 2, 2, 16), torch.float32, rng, requires_grad=True)
     volta_train.flash_attn_func(q, k, v).sum().backward()
     assert seen and max(seen) <= reference.BLOCK_K
@@ -128,8 +128,8 @@ def test_score_blocks_never_exceed_block_k(monkeypatch, rng):
 
 def test_causal_skips_fully_masked_key_blocks(monkeypatch, rng):
     calls = []
-    original = reference._scores
-    monkeypatch.setattr(reference, "_scores", lambda *a: calls.append(1) or original(*a))
+    original = reference.scores
+    monkeypatch.setattr(reference, "scores", lambda *a: calls.append(1) or original(*a))
     n = 2 * reference.BLOCK_K
     q, k, v = _inputs((1, 10, n, 1, 1, 16), torch.float32, rng)
     # seqlen_q=10 rows sit at the bottom-right: only the last key block is visible

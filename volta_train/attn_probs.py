@@ -15,7 +15,7 @@ probability is ``|S_dmask| * exp(m_i(J) - lse_i)`` with the returned log-sum-exp
 as ``S_dmask >= 0``.
 
 volta_train computes the same tensor in PyTorch for either backend, from q, k and the call's options: the scores as
-the reference backend forms them (:func:`volta_train.reference._scores`: the kernels' masks, ALiBi and softcap) and
+the reference backend forms them (:func:`volta_train.reference.scores`: the kernels' masks, ALiBi and softcap) and
 the keep bits from :func:`volta_train.philox.dropout_keep_mask` with the call's Philox seed and offset, the function
 the kernels evaluate (csrc/philox.cuh). Every element of the unpadded part carries its dropout bit in the sign, the
 masked ones too (``-0.0`` where dropped), so ``torch.signbit`` recovers the whole mask even where a probability
@@ -78,7 +78,7 @@ def _fill_dense(
     # the reference backend's layout: query heads as [Hkv, G] so that K is never repeated
     qh = q.to(cdt).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, head_dim)
     kh = k.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
-    slopes = reference._shape_alibi(alibi_slopes, nheads_kv)
+    slopes = reference.shape_alibi(alibi_slopes, nheads_kv)
     rows = torch.arange(seqlen_q, device=device)
     batch_head = (batch_index.view(-1, 1) * nheads + torch.arange(nheads, device=device).view(1, -1)).reshape(-1)
     running_max = torch.full((batch, nheads_kv, group, seqlen_q, 1), float("-inf"), dtype=cdt, device=device)
@@ -87,7 +87,7 @@ def _fill_dense(
     for col0 in range(last_block, -1, -BLOCK_N):
         col1 = min(col0 + BLOCK_N, seqlen_k)
         cols = torch.arange(col0, col1, device=device)
-        s, _ = reference._scores(qh, kh[..., col0:col1, :], options, rows, cols, seqlen_q, seqlen_k, slopes)
+        s, _ = reference.scores(qh, kh[..., col0:col1, :], options, rows, cols, seqlen_q, seqlen_k, slopes)
         running_max = torch.maximum(running_max, s.amax(dim=-1, keepdim=True))
         # a row that has seen no visible key yet: every s is -inf, exp(-inf - 0) = 0
         safe_max = torch.where(torch.isneginf(running_max), torch.zeros_like(running_max), running_max)

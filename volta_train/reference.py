@@ -76,7 +76,7 @@ def _block_is_empty(params: AttentionOptions, col0: int, col1: int, seqlen_q: in
     return False
 
 
-def _scores(q, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes):
+def scores(q, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes):
     """Scaled, soft-capped, biased and masked scores of one key block: [B, Hkv, G, Nq, bk].
 
     Returns (scores, cap_slope): cap_slope is d(capped)/d(scaled) = 1 - tanh^2 with
@@ -108,7 +108,7 @@ def _dropout_scale(params, batch_index, nheads, q_shape, rows, cols, device, dty
     return keep.to(dtype) / (1.0 - params.dropout_p)
 
 
-def _shape_alibi(alibi_slopes: torch.Tensor | None, nheads_kv: int) -> torch.Tensor | None:
+def shape_alibi(alibi_slopes: torch.Tensor | None, nheads_kv: int) -> torch.Tensor | None:
     """[H] or [B, H] slopes -> [Hkv, G, 1, 1] or [B, Hkv, G, 1, 1] to broadcast with the scores."""
     if alibi_slopes is None:
         return None
@@ -148,7 +148,7 @@ def reference_forward(
     cdt = _compute_dtype(q.dtype)
     device = q.device
     qh, kh, vh = _split_heads(q, k, v, cdt)
-    alibi_slopes = _shape_alibi(alibi_slopes, kh.shape[1])
+    alibi_slopes = shape_alibi(alibi_slopes, kh.shape[1])
     if batch_index is None:
         batch_index = torch.arange(batch, device=device)
     rows = torch.arange(seqlen_q, device=device)
@@ -163,7 +163,7 @@ def reference_forward(
         if _block_is_empty(params, col0, col1, seqlen_q, seqlen_k):
             continue
         cols = torch.arange(col0, col1, device=device)
-        s, _ = _scores(qh, kh[..., col0:col1, :], params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        s, _ = scores(qh, kh[..., col0:col1, :], params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         safe_max = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max)
@@ -202,7 +202,7 @@ def reference_backward(
     device = q.device
     qh, kh, vh = _split_heads(q, k, v, cdt)
     nheads_kv, group = qh.shape[1], qh.shape[2]
-    alibi_slopes = _shape_alibi(alibi_slopes, nheads_kv)
+    alibi_slopes = shape_alibi(alibi_slopes, nheads_kv)
     if batch_index is None:
         batch_index = torch.arange(batch, device=device)
     rows = torch.arange(seqlen_q, device=device)
@@ -220,7 +220,7 @@ def reference_backward(
             continue
         cols = torch.arange(col0, col1, device=device)
         k_blk, v_blk = kh[..., col0:col1, :], vh[..., col0:col1, :]
-        s, cap_slope = _scores(qh, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
+        s, cap_slope = scores(qh, k_blk, params, rows, cols, seqlen_q, seqlen_k, alibi_slopes)
         p = torch.exp(s - lse_h)  # lse = +inf on empty rows gives 0
         dp = torch.matmul(do_h, v_blk.transpose(-1, -2))
         if params.dropout_p > 0.0:
