@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
-from .models import auto_precision, padded_vocab, read_model_config  # noqa: F401  (gpt.<name> for older imports)
+from .models import auto_precision, padded_vocab, read_model_config
 from .models import layers_and_hidden
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
