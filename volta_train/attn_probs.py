@@ -109,27 +109,18 @@ def s_dmask(
     k: torch.Tensor,
     options: AttentionOptions,
     alibi_slopes: torch.Tensor | None = None,
+    *,
+    always: bool = False,
 ) -> torch.Tensor:
-    """S_dmask of a dense call (q [B, Nq, H, D], k [B, Nk, Hkv, D]), as flash-attn returns it (module docstring).
+    """S_dmask of a dense call (q [B, Nq, H, D], k [B, Nk, Hkv, D]), as flash-attn returns it (module docstring):
+    [B, H, round_up(Nq, 128), round_up(Nk, 128)].
 
-    ``options`` must be the call's own (its Philox seed and offset pick the dropout mask). Returns the empty ``(0,)``
-    tensor when ``options.dropout_p == 0``, as flash-attn does; :func:`s_dmask_values` computes it regardless.
+    ``options`` must be the call's own (its Philox seed and offset pick the dropout mask). Without dropout it is the
+    empty ``(0,)`` tensor, as flash-attn returns it, unless ``always`` (then every sign is +).
     """
     _check_options(options)
-    if options.dropout_p == 0.0:
+    if options.dropout_p == 0.0 and not always:
         return q.new_empty((0,))
-    return s_dmask_values(q, k, options, alibi_slopes)
-
-
-@torch.no_grad()
-def s_dmask_values(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    options: AttentionOptions,
-    alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The [B, H, round_up(Nq, 128), round_up(Nk, 128)] tensor of :func:`s_dmask`, also without dropout (all signs +)."""
-    _check_options(options)
     batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k = k.shape[1]
     out = q.new_zeros((batch, nheads, round_multiple(seqlen_q, SEQLEN_MULTIPLE), round_multiple(seqlen_k, SEQLEN_MULTIPLE)))
@@ -149,32 +140,18 @@ def s_dmask_varlen(
     max_seqlen_k: int,
     options: AttentionOptions,
     alibi_slopes: torch.Tensor | None = None,
+    *,
+    always: bool = False,
 ) -> torch.Tensor:
     """S_dmask of a varlen call (q [total_q, H, D], k [total_k, Hkv, D]), as flash-attn returns it.
 
     [B, H, round_up(max_seqlen_q, 128), round_up(max_seqlen_k, 128)], B = len(cu_seqlens_q) - 1; sequence b's block
-    is ``[b, :, :len_q, :len_k]`` (its dropout mask is the dense one of batch entry b), the rest is 0. The empty
-    ``(0,)`` tensor when ``options.dropout_p == 0``; :func:`s_dmask_varlen_values` computes it regardless.
+    is ``[b, :, :len_q, :len_k]`` (its dropout mask is the dense one of batch entry b), the rest is 0. Without
+    dropout the empty ``(0,)`` tensor unless ``always``, as in :func:`s_dmask`.
     """
     _check_options(options)
-    if options.dropout_p == 0.0:
+    if options.dropout_p == 0.0 and not always:
         return q.new_empty((0,))
-    return s_dmask_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes)
-
-
-@torch.no_grad()
-def s_dmask_varlen_values(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The tensor of :func:`s_dmask_varlen`, also without dropout (all signs +)."""
-    _check_options(options)
     batch = cu_seqlens_q.numel() - 1
     shape = (batch, q.shape[1], round_multiple(int(max_seqlen_q), SEQLEN_MULTIPLE),
              round_multiple(int(max_seqlen_k), SEQLEN_MULTIPLE))
