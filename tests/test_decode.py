@@ -556,7 +556,8 @@ def test_decode_paged_bitwise_equals_contiguous(case, table, page_size):
 
 @pytest.mark.gpu
 def test_decode_paged_long_cache_many_splits():
-    """20,000 keys in 80 shuffled pages of 256, GQA 4 packed: paged == contiguous bitwise over many splits."""
+    """Logical caches of 20,480 keys in 40 pages of 512 each (80 pages, shuffled), GQA 4 packed, rotary: paged ==
+    contiguous bitwise over the split rule's many splits."""
     _gpu()
     c = _case(2, 1, 32, 8, 128, seqlen_cache=40 * 512, new=1, seqlens=[40 * 512 - 1, 12345], rotary="neox")
     _check_paged(c, _options(c, causal=True), 512, what="long paged")

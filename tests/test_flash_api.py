@@ -1015,6 +1015,28 @@ def test_kvcache_under_torch_compile_checks_on_the_device():
         compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
 
 
+@pytest.mark.slow
+def test_kvcache_paged_under_torch_compile():
+    """A paged call compiled with fullgraph: the block table's page check runs on the device (no graph break), the
+    appends land in the same pages as eagerly, the output is the eager one, a page out of range is refused."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    pool_k, pool_v = torch.randn(5, 32, 2, 16), torch.randn(5, 32, 2, 16)
+    seqlens = torch.tensor([31, 5], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k, v, table):
+        return volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                   block_table=table, causal=True)
+
+    table = torch.tensor([[3, 1], [0, 4]], dtype=torch.int32)
+    compiled = torch.compile(step, fullgraph=True)
+    k1, v1, k2, v2 = pool_k.clone(), pool_v.clone(), pool_k.clone(), pool_v.clone()
+    want = step(q, k1, v1, k, v, table)
+    assert torch.equal(compiled(q, k2, v2, k, v, table), want)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k2[3, 31], k[0, 0]) and torch.equal(k2[0, 5], k[1, 0])
+    with pytest.raises(RuntimeError, match="block_table"):
+        compiled(q, pool_k.clone(), pool_v.clone(), k, v, torch.tensor([[3, 1], [9, 4]], dtype=torch.int32))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # v with its own head_dim (multi-head latent attention), attention sinks, head_dim up to 512
 # ---------------------------------------------------------------------------------------------------------
