@@ -1015,6 +1015,47 @@ def test_kvcache_under_torch_compile_checks_on_the_device():
         compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("page_size, causal, window", [(32, True, (-1, -1)), (64, False, (5, 3)), (256, True, (-1, -1))])
+def test_varlen_paged_kv_matches_float64_attention_over_the_gathered_keys(page_size, causal, window, rng):
+    """flash_attn_varlen_func with a block_table (flash-attn 2.8's paged varlen): sequence b's keys are its first
+    cu_seqlens_k lengths of logical positions through the table; GQA, odd lengths, a sequence spanning pages, an empty
+    one; gradients reach the pages."""
+    lens_q, lens_k = [3, 1, 7, 2], [2 * page_size + 5, 9, 0, page_size]
+    hk, h, d, pages_per_seq = 2, 6, 24, 3
+    pool_k = _randn(4 * pages_per_seq + 2, page_size, hk, d, rng=rng, requires_grad=True)
+    pool_v = _randn(4 * pages_per_seq + 2, page_size, hk, d, rng=rng)
+    table = torch.randperm(pool_k.shape[0], generator=rng)[: 4 * pages_per_seq].view(4, pages_per_seq).to(torch.int32)
+    q = _randn(sum(lens_q), h, d, rng=rng)
+    cu_q = torch.tensor([0] + np.cumsum(lens_q).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + np.cumsum(lens_k).tolist(), dtype=torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                             window_size=window, block_table=table)
+    for b in range(4):
+        k_b = pool_k[table[b].long()].flatten(0, 1)[: lens_k[b]]
+        v_b = pool_v[table[b].long()].flatten(0, 1)[: lens_k[b]]
+        q_b = q[cu_q[b] : cu_q[b + 1]]
+        ref, _ = naive_attention(q_b[None], k_b[None], v_b[None], causal=causal, window_size=window)
+        assert torch.allclose(out[cu_q[b] : cu_q[b + 1]], ref[0], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), b
+    out.sum().backward()
+    unused = sorted(set(range(pool_k.shape[0])) - set(table.flatten().tolist()))
+    assert pool_k.grad is not None and not pool_k.grad[unused].any()
+
+
+def test_varlen_paged_kv_validation_names_the_argument(rng):
+    q = _randn(4, 2, 16, rng=rng)
+    pool = _randn(3, 32, 2, 16, rng=rng)
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    call = lambda cu_k, t=table: volta_train.flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 2, 64, block_table=t)
+    call(torch.tensor([0, 64, 70], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k gives sequence 1 65 keys.*accepted"):
+        call(torch.tensor([0, 3, 68], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] is 3; accepted: cache pages 0 to 2"):
+        call(torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([[0, 1], [3, 0]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table has shape \(1, 2\)"):
+        call(torch.tensor([0, 3, 6], dtype=torch.int32), table[:1])
+
+
 @pytest.mark.slow
 def test_kvcache_paged_under_torch_compile():
     """A paged call compiled with fullgraph: the block table's page check runs on the device (no graph break), the

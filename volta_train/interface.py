@@ -19,7 +19,7 @@ Differences from flash-attn, all explicit:
   keyword-only and ignored by the reference backend, which always accumulates in fp32
   (fp64 for fp64 inputs).
 * A paged KV cache (``block_table``) runs in flash_attn_with_kvcache (the decoding kernel reads
-  K/V through the table); flash_attn_varlen_func with a ``block_table`` raises NotImplementedError.
+  K/V through the table); flash_attn_varlen_func gathers the pages into packed k/v first.
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
 * ``sinks`` (keyword-only, flash_attn_func and flash_attn_varlen_func): one fp32 logit per
@@ -42,7 +42,7 @@ import logging
 
 import torch
 
-from . import attn_probs, dispatch, validation
+from . import attn_probs, dispatch, kvcache, validation
 
 Window = tuple[int, int]
 logger = logging.getLogger("volta_train")
@@ -146,14 +146,17 @@ def flash_attn_varlen_func(
     ``max_seqlen_q``/``max_seqlen_k``: ints (Python, NumPy or 0-d tensors) >= every
     length. The other arguments mean what they mean in :func:`flash_attn_func`; the
     dropout mask of sequence ``b`` is the dense mask of batch entry ``b``.
-    ``block_table`` (paged KV) must be None here (flash_attn_with_kvcache takes one).
+
+    Paged k/v (flash-attn 2.8): with ``block_table`` (int32 [batch, max_num_blocks_per_seq]) k/v are page pools
+    [num_blocks, page_block_size, kv_heads, head_dim] and sequence b's keys are the logical positions
+    [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages (as in flash_attn_with_kvcache). They are gathered into
+    packed k/v in PyTorch (a copy; cu_seqlens_k read on the host) and the call runs as a packed one, on either
+    backend: the varlen kernel does not read pages itself.
     """
     _require_tensors(q=q, k=k, v=v)
     if block_table is not None:
-        raise NotImplementedError(
-            "flash_attn_varlen_func: block_table (a paged KV cache) is not implemented here; accepted: block_table=None "
-            "with packed k/v [total_k, heads, head_dim] (flash_attn_with_kvcache takes a block_table)"
-        )
+        lengths = validation.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
+        k, v = kvcache.gather_paged_varlen(k, v, block_table, lengths)
     q, k, v = _autocast_inputs(q, k, v)
     max_seqlen_q, max_seqlen_k = validation.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k

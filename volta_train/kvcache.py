@@ -57,3 +57,20 @@ def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
         )
         q = rotate_at(q, rotary_cos, rotary_sin, starts.view(-1, 1) + offsets.view(1, -1), rotary_interleaved)
     return q, rows, starts + seqlen_new
+
+
+def gather_paged_varlen(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                        lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_varlen_func's paged k/v ([num_blocks, page_size, kv_heads, D]) as packed k/v [sum(lengths),
+    kv_heads, D]: sequence b's logical keys [0, lengths[b]) gathered from its pages (:func:`page_slots`), in sequence
+    order, so that cu_seqlens_k indexes the result. A copy (differentiable: gradients flow back into the pages)."""
+    device = k_pages.device
+    batch = len(lengths)
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
+    starts = torch.cumsum(counts, 0) - counts
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), counts)  # [total_k]: the sequence of each key
+    positions = torch.arange(int(counts.sum()), device=device) - starts[seq]  # its logical position
+    page_size = k_pages.shape[1]
+    table = block_table.to(device=device, dtype=torch.long)
+    rows = table[seq, torch.div(positions, page_size, rounding_mode="floor")] * page_size + positions % page_size
+    return k_pages.flatten(0, 1)[rows], v_pages.flatten(0, 1)[rows]

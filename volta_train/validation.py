@@ -328,6 +328,40 @@ def check_block_table_values(block_table: torch.Tensor, num_pages: int, page_siz
                         f"block_table: accepted: cache pages 0 to {num_pages - 1} in every used entry")
 
 
+def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table) -> list[int]:
+    """flash_attn_varlen_func with a block_table: k/v are page pools [num_blocks, page_block_size, kv_heads, head_dim]
+    (v may have its own head_dim), block_table int32 [batch, max_num_blocks_per_seq] as for flash_attn_with_kvcache,
+    sequence b's keys the logical positions [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages. Returns the key
+    lengths (read on the host: the gather needs them)."""
+    for name, t in (("k", k), ("v", v)):
+        require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [num_blocks, page_block_size, kv_heads, head_dim] with a block_table, "
+                             f"got {t.dim()}-D ({_describe(t)})")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k is {tuple(k.shape)} and v {tuple(v.shape)}: with a block_table their num_blocks, "
+                         "page_block_size and kv_heads must be equal")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        require_tensor(name, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} is {_describe(cu)}; accepted: int32 [batch + 1], batch >= 1")
+    batch = cu_seqlens_q.numel() - 1
+    page_size = check_block_table(block_table, k, batch, q.device)
+    if cu_seqlens_k.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries and cu_seqlens_q {batch + 1}: both must "
+                         "have batch + 1")
+    cu = cu_seqlens_k.tolist()
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    capacity = block_table.shape[1] * page_size
+    for b, n in enumerate(lengths):
+        if cu[0] != 0 or not 0 <= n <= capacity:
+            raise ValueError(f"cu_seqlens_k gives sequence {b} {n} keys (cu_seqlens_k[0] = {cu[0]}); accepted: "
+                             f"cu_seqlens_k[0] = 0 and 0 <= length <= max_num_blocks_per_seq * page_block_size "
+                             f"({capacity})")
+    check_block_table_values(block_table, k.shape[0], page_size, lengths, on_host=True)
+    return lengths
+
+
 KVCACHE_CHECK_ENV = "VOLTA_TRAIN_KVCACHE_CHECK"
 KVCACHE_CHECK_MODES = ("host", "device")
 
