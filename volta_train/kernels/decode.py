@@ -131,6 +131,9 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
     leftpad = _int32(cache_leftpad)
     paged = block_table is not None
+    if paged and (cache_batch_idx is not None or cache_leftpad is not None):  # (validation refuses them first)
+        raise ValueError("block_table with cache_batch_idx or cache_leftpad; accepted: a block_table alone (SplitKvParams "
+                         "reads k_batch_index / leftpad_k only for contiguous caches)")
     page_size = k_cache.shape[1] if paged else 0
     logical_len = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # keys one entry may hold
     if key_end < 0 or longest < 0:  # not read on the host: plan for the whole cache (no device read here)
