@@ -8,7 +8,8 @@ rows that see no key exactly 0 with lse +inf), per-batch cache lengths including
 and not), causal masks, left and right windows, soft-capping, ALiBi, cache_leftpad, padded head dims; outputs and
 the split partials poisoned with NaN; bitwise-repeatable calls; a 20,000-key cache over many splits; both tile
 tables ("sm70" through the launcher's tile override); the caches bit-equal to the reference backend's after the
-append.
+append. Paged caches (block_table): the emulated kernel (CPU) and the GPU kernel read K/V through a shuffled block
+table and give outputs bit-identical to the same logical cache held contiguous, the appends crossing pages.
 """
 
 from __future__ import annotations
@@ -471,7 +472,7 @@ def test_decode_python_side_with_an_emulated_kernel(case, emulated_kernel):
         _check(c, prm, "default", num_splits, what=f"emulated num_splits={num_splits} extent={extent}", extent=extent)
 
 
-# --- paged KV cache (block_table) --------------------------------------------------------------------------------------
+# --- paged KV cache (block_table) -------------------------------------------------------------------------------------
 
 def _paginate(cache, page_size, spare_pages, gen):
     """A contiguous cache [B, L, Hk, D] (L a multiple of page_size) as a shuffled page pool [B * L / page_size +
@@ -519,7 +520,7 @@ def test_decode_paged_python_side_with_an_emulated_kernel(case, page_size, emula
     as csrc/params.cuh key_block_base does: bit-identical to the same cache contiguous, appends crossing pages."""
     b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
     c = _case(b, sq, h, hk, d, seqlen_cache=3 * page_size, new=new, rotary=rotary, alibi=alibi, device="cpu",
-              seqlens=([page_size - 1, 0, 3 * page_size - max(new, sq)] * 2)[:b])  # an append across the first page's end
+              seqlens=([page_size - 1, 0, 3 * page_size - max(new, sq)] * 2)[:b])  # appends across page 0's end
     prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
     snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
     for num_splits, extent in ((1, True), (3, True), (None, False), (3, False)):

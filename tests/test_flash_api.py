@@ -527,7 +527,8 @@ def test_kvcache_paged_validation_names_the_argument(mode, monkeypatch):
     with pytest.raises(ValueError, match=r"block_table has shape \(1, 2\); accepted: \[batch=2"):
         call(block_table=good[:1])
     with pytest.raises(ValueError, match="page_block_size 48.*accepted: a multiple of 32"):
-        call(k_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64), v_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64))
+        call(k_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64),
+             v_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="cache_batch_idx is given with a block_table"):
         call(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_leftpad is given with a block_table"):
@@ -1015,7 +1016,8 @@ def test_kvcache_under_torch_compile_checks_on_the_device():
         compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("page_size, causal, window", [(32, True, (-1, -1)), (64, False, (5, 3)), (256, True, (-1, -1))])
+@pytest.mark.parametrize("page_size, causal, window",
+                         [(32, True, (-1, -1)), (64, False, (5, 3)), (256, True, (-1, -1))])
 def test_varlen_paged_kv_matches_float64_attention_over_the_gathered_keys(page_size, causal, window, rng):
     """flash_attn_varlen_func with a block_table (flash-attn 2.8's paged varlen): sequence b's keys are its first
     cu_seqlens_k lengths of logical positions through the table; GQA, odd lengths, a sequence spanning pages, an empty
@@ -1073,7 +1075,8 @@ def test_kvcache_paged_under_torch_compile():
     k1, v1, k2, v2 = pool_k.clone(), pool_v.clone(), pool_k.clone(), pool_v.clone()
     want = step(q, k1, v1, k, v, table)
     assert torch.equal(compiled(q, k2, v2, k, v, table), want)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k2[3, 31], k[0, 0]) and torch.equal(k2[0, 5], k[1, 0])
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(k2[3, 31], k[0, 0]) and torch.equal(k2[0, 5], k[1, 0])  # pages 3 (row 31) and 0 (row 5)
     with pytest.raises(RuntimeError, match="block_table"):
         compiled(q, pool_k.clone(), pool_v.clone(), k, v, torch.tensor([[3, 1], [9, 4]], dtype=torch.int32))
 

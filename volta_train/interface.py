@@ -331,8 +331,10 @@ def flash_attn_with_kvcache(
     caches are [num_blocks, page_block_size, kv_heads, head_dim] and logical position p of entry b is row
     ``p % page_block_size`` of page ``block_table[b, p // page_block_size]``, for reads and appends alike; an entry's
     logical cache holds ``max_num_blocks_per_seq * page_block_size`` positions. page_block_size: a multiple of 32
-    (flash-attn: of 256). Not with ``cache_batch_idx`` or ``cache_leftpad`` (as in flash-attn). No backward, as in flash-attn: the output carries no gradient (logged once when an
-    input requires one). Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
+    (flash-attn: of 256). Not with ``cache_batch_idx`` or ``cache_leftpad`` (as in flash-attn).
+
+    No backward, as in flash-attn: the output carries no gradient (logged once when an input requires one). Returns
+    out, or (out, softmax_lse [batch, heads, seqlen_q]).
     """
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
     extent = validation.check_kvcache(
