@@ -197,7 +197,7 @@ struct FwdBlockState {
     const FwdWarpGeometry<KT>& g;
     const VisibleKeys& vis;
     const DropoutRng& rng;
-    const AttentionParams& prm;
+    const typename KT::Params& prm;  // SplitKvParams in the decoding kernel: key_block_base reads its block table
     const SequenceExtent& seq;
     int tid;
     float alibi_log2;
@@ -237,7 +237,8 @@ struct KeyBlockOrder {
 template <class KT, bool MAY_MASK, bool SKIP_EMPTY_WARPS>
 __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block, int next_block, bool needs_mask) {
     const int key0 = n_block * KT::kBlockN;
-    load_v_block<KT>(st.v_base, st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
+    load_v_block<KT>(key_block_base(st.prm, st.v_base, st.prm.v_batch_stride, st.prm.v_row_stride, st.seq.batch, key0),
+                     st.prm.v_row_stride, key0, st.seq.seqlen_k, st.tid, st.stage);
     // sm_80+ also skips empty warp tiles in the single loop: each emulated m8n8k4 costs ~100 instructions
     // there. sm_70 keeps the single loop's tensor-core work branch-free (the diagonal waste is a few %).
     // The split-KV decoding kernel skips them everywhere: its CTAs often hold fewer rows than kBlockM.
@@ -253,8 +254,12 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
                                 st.prm.softcap_log2, st.alibi_log2, st.rng, st.acc, p_own, p_partner);
     __syncthreads();  // every warp is done with this K block and the previous V block
     store_vt_block<KT>(st.v_tile, st.tid, st.stage);
-    if (next_block >= 0)
-        load_kv_block<KT>(st.k_base, st.prm.k_row_stride, next_block * KT::kBlockN, st.seq.seqlen_k, st.tid, st.stage);
+    if (next_block >= 0) {
+        const int next_key0 = next_block * KT::kBlockN;
+        load_kv_block<KT>(key_block_base(st.prm, st.k_base, st.prm.k_batch_stride, st.prm.k_row_stride, st.seq.batch,
+                                         next_key0),
+                          st.prm.k_row_stride, next_key0, st.seq.seqlen_k, st.tid, st.stage);
+    }
     __syncthreads();  // V visible
     if (warp_active) accumulate_rows_times_transposed_tile<KT>(p_own, p_partner, st.v_tile, st.g, st.acc.o);
     if (next_block >= 0) store_kv_block<KT>(st.k_tile, st.tid, st.stage);
@@ -263,7 +268,7 @@ __device__ __forceinline__ void fwd_key_block(FwdBlockState<KT>& st, int n_block
 
 // The kernel. KT::Params is AttentionParams, or with SPLIT_KV the decoding kernel's SplitKvParams (volta_train/kernels/
 // decode.py; grid (query blocks, batch * heads, splits) or (batch * heads, query blocks, splits)), whose overloads of
-// SequenceExtent, kv_batch_of and split_key_blocks read its extra fields.
+// SequenceExtent, kv_batch_of, key_block_base (paged caches) and split_key_blocks read its extra fields.
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_kernel(const typename KT::Params prm) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -318,7 +323,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
         const int full_end = KT::kSplitMaskedLoop ? max(full_begin, min(n_end, vis.end_full_block(m0, KT::kBlockN))) : n_begin;
         const KeyBlockOrder order{n_begin, full_begin, full_end, n_end};
         u32x4 stage[KT::kChunksPerThread];
-        load_kv_block<KT>(k_base, prm.k_row_stride, order.first() * KT::kBlockN, seq.seqlen_k, tid, stage);
+        const int first_key0 = order.first() * KT::kBlockN;
+        load_kv_block<KT>(key_block_base(prm, k_base, prm.k_batch_stride, prm.k_row_stride, batch, first_key0),
+                          prm.k_row_stride, first_key0, seq.seqlen_k, tid, stage);
         store_kv_block<KT>(k_tile, tid, stage);
         __syncthreads();
         FwdBlockState<KT> st{q, acc, stage, k_tile, v_tile, k_base, v_base, g, vis, rng, prm, seq, tid,

@@ -61,6 +61,10 @@ struct BackwardParams {
 // no key), contiguous fp32 arrays indexed by (split, batch * nheads + head, row[, column]):
 //   o_partial   [num_splits, B, nheads, seqlen_q, head_dim],   lse_partial [num_splits, B, nheads, seqlen_q];
 // volta_train/kernels/decode.py combines them. With num_splits == 1 it writes o / lse like the forward kernel.
+// Paged KV cache (block_table not null): K/V are [num_pages, page_block_size, kv_heads, head_dim] (k/v_batch_stride
+// is the page stride) and logical key j of entry b is row j % page_block_size of page
+// block_table[b * block_table_batch_stride + j / page_block_size]; page_block_size is a multiple of the tile's kBlockN
+// (decode.py checks), so a key block lies in one page (key_block_base). Not with k_batch_index or leftpad_k (null).
 struct SplitKvParams : AttentionParams {
     const int* seqused_k;      // [B] one past the last key of entry b; null: seqlen_k
     const int* k_batch_index;  // [B] K/V batch of entry b (cache_batch_idx); null: b
@@ -69,12 +73,36 @@ struct SplitKvParams : AttentionParams {
     float* lse_partial;
     int num_splits;            // = gridDim.z
     int blocks_per_split;      // key blocks (of the tile's kBlockN keys) per split
+    const int* block_table;    // [B, max_pages] int32 pages of each entry; null: contiguous K/V (no paging)
+    int block_table_batch_stride;
+    int page_block_size;       // keys per page
 };
 
-// The K/V batch of batch entry b: b itself, or the decoding kernel's k_batch_index[b].
+// The K/V batch of batch entry b: b itself, or the decoding kernel's k_batch_index[b]; 0 with a paged cache, whose
+// page (the K/V batch axis) is looked up per key block (key_block_base).
 __device__ __forceinline__ int kv_batch_of(const AttentionParams&, int batch) { return batch; }
 __device__ __forceinline__ int kv_batch_of(const SplitKvParams& p, int batch) {
+    if (p.block_table != nullptr) return 0;
     return p.k_batch_index != nullptr ? p.k_batch_index[batch] : batch;
+}
+
+// The pointer the K/V tile loaders index with row key0 + r (r < kBlockN) for the key block starting at logical key
+// key0: `base` itself for contiguous K/V; for a paged cache, base moved to the block's page, less the page's first
+// logical row, so that key0 + r lands on row (key0 + r) % page_block_size of it. One table read per key block (the
+// same address in every lane); the block never leaves its page (page_block_size % kBlockN == 0, key0 % kBlockN == 0).
+// The forward kernel's overload is the identity: its code does not change. The decoding kernel branches at run time
+// on block_table (uniform across the grid), so that one compiled variant serves contiguous and paged caches.
+__device__ __forceinline__ const half_bits* key_block_base(const AttentionParams&, const half_bits* base, long long,
+                                                           long long, int, int) {
+    return base;
+}
+__device__ __forceinline__ const half_bits* key_block_base(const SplitKvParams& p, const half_bits* base,
+                                                           long long page_stride, long long row_stride, int batch,
+                                                           int key0) {
+    if (p.block_table == nullptr) return base;
+    const int page = key0 / p.page_block_size;
+    const int physical = p.block_table[batch * p.block_table_batch_stride + page];
+    return base + ((long long)physical * page_stride - (long long)page * p.page_block_size * row_stride);
 }
 
 // ALiBi slope of (batch, head) times log2(e): the bias -slope * |i + sk - sq - j| in the log2 domain. 0 = none.

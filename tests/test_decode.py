@@ -8,7 +8,8 @@ rows that see no key exactly 0 with lse +inf), per-batch cache lengths including
 and not), causal masks, left and right windows, soft-capping, ALiBi, cache_leftpad, padded head dims; outputs and
 the split partials poisoned with NaN; bitwise-repeatable calls; a 20,000-key cache over many splits; both tile
 tables ("sm70" through the launcher's tile override); the caches bit-equal to the reference backend's after the
-append.
+append. Paged caches (block_table): the emulated kernel (CPU) and the GPU kernel read K/V through a shuffled block
+table and give outputs bit-identical to the same logical cache held contiguous, the appends crossing pages.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def _options(c, causal=False, window=(-1, -1), softcap=0.0, scale=None):
 _ARGS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad")
 
 
-def _kernel(c, prm, table="default", num_splits=None, poison=True, extent=True):
+def _kernel(c, prm, table="default", num_splits=None, poison=True, extent=True, block_table=None):
     """decode.forward_with_kvcache on c's own caches (appended in place), outputs and partials NaN-poisoned.
 
     extent: pass the cache extent (key_end, longest) as the API does after reading the lengths on the host; False:
@@ -231,7 +232,8 @@ def _kernel(c, prm, table="default", num_splits=None, poison=True, extent=True):
                        lse=torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device),
                        partial_fill=float("nan"))
     return decode.forward_with_kvcache(q, c["k_cache"], c["v_cache"], *(c[a] for a in _ARGS), prm, c["alibi_slopes"],
-                                       c["rotary_interleaved"], num_splits=num_splits, **tile, **buffers)
+                                       c["rotary_interleaved"], num_splits=num_splits, block_table=block_table,
+                                       **tile, **buffers)
 
 
 def _kernel_d(q) -> int:
@@ -351,20 +353,36 @@ class _EmulatedKernel:
         q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, rows, heads))
         n_kv = heads // p.heads_per_kv
         kv_rows, kv_batches = max(used), max(kv_batch) + 1
+        pages = None
+        if p.block_table:  # paged (csrc/params.cuh key_block_base): one table read per key block, which is in one page
+            page = p.page_block_size
+            assert page % bn == 0 and not p.k_batch_index and not p.leftpad_k
+            pages = _flat(p.block_table, torch.int32, batch * p.block_table_batch_stride).view(batch, -1).long()
+            used_pages = torch.cat([pages[b, : -(-used[b] // page)] for b in range(batch)])
+            assert not used_pages.numel() or int(used_pages.min()) >= 0
+            kv_rows, kv_batches = page, int(used_pages.max()) + 1 if used_pages.numel() else 1
+
+        def key_rows(b, keys, batch_stride, row_stride):
+            """The element offsets of logical keys [n, 1] of entry b (the kernel's k_base / key_block_base)."""
+            if pages is None:
+                return kv_batch[b] * batch_stride + (pad[b] + keys) * row_stride
+            logical_page = (keys // bn) * bn // page  # the page of each key's block
+            return pages[b][logical_page] * batch_stride + (keys - logical_page * page) * row_stride
+
         k, v = (_flat(ptr, torch.float16, span(b, r, h, kv_batches, kv_rows, n_kv))
                 for ptr, b, r, h in ((p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride),
                                      (p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride)))
         scale = p.scale_log2 / decode_log2e()
         cols = torch.arange(d)
         for b in range(batch):
-            seqlen_k, k0 = used[b] - pad[b], pad[b]
+            seqlen_k = used[b] - pad[b]
             shift = seqlen_k - rows
             for h in range(heads):
                 kvh, bh = h // p.heads_per_kv, b * heads + h
                 qi = b * p.q_batch_stride + h * p.q_head_stride + torch.arange(rows).view(-1, 1) * p.q_row_stride + cols
                 keys = torch.arange(seqlen_k).view(-1, 1)
-                kb = kv_batch[b] * p.k_batch_stride + kvh * p.k_head_stride + (k0 + keys) * p.k_row_stride + cols
-                vb = kv_batch[b] * p.v_batch_stride + kvh * p.v_head_stride + (k0 + keys) * p.v_row_stride + cols
+                kb = key_rows(b, keys, p.k_batch_stride, p.k_row_stride) + kvh * p.k_head_stride + cols
+                vb = key_rows(b, keys, p.v_batch_stride, p.v_row_stride) + kvh * p.v_head_stride + cols
                 s_all = q[qi].double() @ k[kb].double().T * scale
                 if self.softcap:
                     cap = p.softcap_log2 / decode_log2e()
@@ -452,6 +470,127 @@ def test_decode_python_side_with_an_emulated_kernel(case, emulated_kernel):
     for num_splits, extent in ((1, True), (3, True), (None, False), (3, False)):  # (the rule gives 1 on 77 keys)
         c.update({k: v.clone() for k, v in snapshot.items()})
         _check(c, prm, "default", num_splits, what=f"emulated num_splits={num_splits} extent={extent}", extent=extent)
+
+
+# --- paged KV cache (block_table) -------------------------------------------------------------------------------------
+
+def _paginate(cache, page_size, spare_pages, gen):
+    """A contiguous cache [B, L, Hk, D] (L a multiple of page_size) as a shuffled page pool [B * L / page_size +
+    spare_pages, page_size, Hk, D] (the spare pages, never referenced, hold NaN: a read of one shows) and the block
+    table (int32 [B, L / page_size]); the same layout for every call with the same generator state."""
+    batch, length = cache.shape[:2]
+    n = length // page_size
+    perm = torch.randperm(batch * n + spare_pages, generator=gen)[: batch * n]
+    pool = torch.full((batch * n + spare_pages, page_size) + tuple(cache.shape[2:]), float("nan"), dtype=cache.dtype,
+                      device=cache.device)
+    table = perm.view(batch, n).to(device=cache.device, dtype=torch.int32)
+    pool[table.long()] = cache.unflatten(1, (n, page_size))
+    return pool, table
+
+
+def _unpaginate(pool, table):
+    return pool[table.long()].flatten(1, 2)
+
+
+def _check_paged(c, prm, page_size, table="default", num_splits=None, extent=True, spare=3, what=""):
+    """The same logical cache contiguous (checked against float64 by _check) and paged through a shuffled block table:
+    outputs and lse bit-identical, the appended caches equal page for page."""
+    gen = torch.Generator().manual_seed(page_size * 1000 + (num_splits or 0))
+    pool_k, block_table = _paginate(c["k_cache"], page_size, spare, gen)
+    pool_v = torch.full_like(pool_k, float("nan"))
+    pool_v[block_table.long()] = c["v_cache"].unflatten(1, (-1, page_size))
+    paged = dict(c, k_cache=pool_k, v_cache=pool_v)
+    out_c, lse_c = _check(c, prm, table, num_splits, what=what, extent=extent)
+    out_p, lse_p = _kernel(paged, prm, table, num_splits, extent=extent, block_table=block_table)
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c), f"{what}: paged != contiguous"
+    assert torch.equal(_unpaginate(pool_k, block_table), c["k_cache"]), f"{what}: k pages after the append"
+    assert torch.equal(_unpaginate(pool_v, block_table), c["v_cache"]), f"{what}: v pages after the append"
+    untouched = sorted(set(range(pool_k.shape[0])) - set(block_table.flatten().tolist()))
+    assert torch.isnan(pool_k[untouched]).all() and torch.isnan(pool_v[untouched]).all(), f"{what}: spare pages written"
+
+
+# the CASES without cache_batch_idx / cache_leftpad (flash-attn refuses them with a block table)
+PAGED_CASES = [c[:11] + (False, False) for c in CASES if not (c[11] and c[12])]
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=_case_id)
+def test_decode_paged_python_side_with_an_emulated_kernel(case, page_size, emulated_kernel):
+    """decode.forward_with_kvcache with a block table against the emulated kernel, which reads K/V through the table
+    as csrc/params.cuh key_block_base does: bit-identical to the same cache contiguous, appends crossing pages."""
+    b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
+    c = _case(b, sq, h, hk, d, seqlen_cache=3 * page_size, new=new, rotary=rotary, alibi=alibi, device="cpu",
+              seqlens=([page_size - 1, 0, 3 * page_size - max(new, sq)] * 2)[:b])  # appends across page 0's end
+    prm = _options(c, causal, window, cap, scale=d**-0.5 * random.uniform(0.7, 1.3))
+    snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
+    for num_splits, extent in ((1, True), (3, True), (None, False), (3, False)):
+        c.update({k: v.clone() for k, v in snapshot.items()})
+        _check_paged(c, prm, page_size, "default", num_splits, extent, what=f"paged emulated {num_splits} {extent}")
+
+
+def test_decode_paged_refuses_a_page_size_the_tile_splits(emulated_kernel):
+    c = _case(1, 1, 4, 2, 128, seqlen_cache=64, device="cpu")
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    pool = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="page_block_size 8.*accepted: a multiple of 16"):
+        decode.forward_with_kvcache(c["q"], pool, pool.clone(), None, None, None, None, c["cache_seqlens"].clamp(max=8),
+                                    None, None, _options(c), None, True, block_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [256, 64])
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=_case_id)
+def test_decode_paged_bitwise_equals_contiguous(case, table, page_size):
+    """On the GPU kernel: a paged cache gives bit-identical outputs to the same logical cache held contiguous (which
+    _check holds to the float64 standard), unsplit, split by the rule and split 5 ways, with the extent known or not."""
+    _gpu()
+    b, sq, h, hk, d, new, causal, window, cap, alibi, rotary, idx, pad = case
+    c = _case(b, sq, h, hk, d, seqlen_cache=2 * page_size, new=new, rotary=rotary, alibi=alibi,
+              seqlens=([page_size - 2, 0, 2 * page_size - max(new, sq)] * 2)[:b])
+    prm = _options(c, causal, window, cap)
+    snapshot = {k: c[k].clone() for k in ("k_cache", "v_cache")}
+    for num_splits, extent in ((1, True), (None, True), (5, True), (None, False)):
+        c.update({k: v.clone() for k, v in snapshot.items()})
+        _check_paged(c, prm, page_size, table, num_splits, extent, what=f"{table} splits={num_splits} {extent}")
+
+
+@pytest.mark.gpu
+def test_decode_paged_long_cache_many_splits():
+    """Logical caches of 20,480 keys in 40 pages of 512 each (80 pages, shuffled), GQA 4 packed, rotary: paged ==
+    contiguous bitwise over the split rule's many splits."""
+    _gpu()
+    c = _case(2, 1, 32, 8, 128, seqlen_cache=40 * 512, new=1, seqlens=[40 * 512 - 1, 12345], rotary="neox")
+    _check_paged(c, _options(c, causal=True), 512, what="long paged")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", ["host", "device"])
+def test_decode_paged_through_the_api_matches_the_reference_backend(monkeypatch, check):
+    """volta_train.flash_attn_with_kvcache with a block_table on the kernel and on the reference backend (pages of 256,
+    flash-attn's size; an append crossing a page; rotary; GQA packed): bit-equal pages, outputs and lse within the
+    tolerance of the contiguous API test."""
+    _gpu()
+    monkeypatch.setenv("VOLTA_TRAIN_KVCACHE_CHECK", check)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").half()  # noqa: E731
+    pool_k, pool_v = rnd(9, 256, 2, 64), rnd(9, 256, 2, 64)
+    table = torch.tensor([[4, 1, 7], [0, 8, 2]], dtype=torch.int32, device="cuda")
+    q, k, v = rnd(2, 1, 8, 64), rnd(2, 3, 2, 64), rnd(2, 3, 2, 64)
+    lens = torch.tensor([254, 700], dtype=torch.int32, device="cuda")  # entry 0 appends across pages 4 -> 1
+    angle = torch.rand(1024, 16, generator=gen, device="cuda") * 2 * math.pi
+    cases = {}
+    for backend in ("kernel", "reference"):
+        monkeypatch.setenv("VOLTA_TRAIN_BACKEND", backend)
+        k_pages, v_pages = pool_k.clone(), pool_v.clone()
+        out, lse = volta_train.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, angle.cos(), angle.sin(),
+                                                       cache_seqlens=lens, block_table=table, causal=True,
+                                                       rotary_interleaved=False, return_softmax_lse=True)
+        cases[backend] = (out, lse, k_pages, v_pages)
+    (out, lse, k1, v1), (ref, ref_lse, k2, v2) = cases["kernel"], cases["reference"]
+    assert torch.equal(k1, k2) and torch.equal(v1, v2), "the append is shared: bit-equal pages"
+    assert (out.double() - ref.double()).abs().max().item() <= 1e-2 * max(1.0, ref.double().abs().max().item())
+    assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

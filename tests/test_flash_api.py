@@ -219,10 +219,11 @@ def fake_kernel(monkeypatch):
 
     def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, options, alibi, rotary_interleaved, *, key_end=-1,
-                             longest=-1):  # kernels.decode's signature
+                             longest=-1, block_table=None):  # kernels.decode's signature
         calls.append(("forward_with_kvcache", q.shape[-1], options, key_end, longest))
         return reference.reference_kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                                    cache_batch_idx, cache_leftpad, options, alibi, rotary_interleaved)
+                                                    cache_batch_idx, cache_leftpad, options, alibi, rotary_interleaved,
+                                                    block_table)
 
     monkeypatch.setattr(launch, "_run_forward", run_forward)
     monkeypatch.setattr(launch, "_run_backward", run_backward)
@@ -423,6 +424,143 @@ def test_kvcache_matches_naive_attention_over_the_appended_cache(
     assert torch.equal(case["v_cache"], ref_v_cache)  # v is never rotated: untouched rows and values bit-equal
     assert out.shape == case["q"].shape and lse.shape == (3, 4, seqlen_q) and lse.dtype == torch.float64
     assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
+
+
+def _paginate(cache, page_size, spare_pages, rng):
+    """A contiguous cache [B, L, Hk, D] (L a multiple of page_size) as a shuffled page pool [B * L / page_size +
+    spare_pages, page_size, Hk, D] and its block table: logical page i of entry b is pool page table[b, i]; the spare
+    pages (never referenced) hold garbage."""
+    batch, length = cache.shape[:2]
+    pages = length // page_size
+    perm = torch.randperm(batch * pages + spare_pages, generator=rng)[: batch * pages]
+    pool = torch.randn((batch * pages + spare_pages, page_size) + tuple(cache.shape[2:]), generator=rng,
+                       dtype=cache.dtype) * 1e3
+    table = perm.view(batch, pages).to(torch.int32)
+    for b in range(batch):
+        for i in range(pages):
+            pool[table[b, i]] = cache[b, i * page_size : (i + 1) * page_size]
+    return pool, table
+
+
+def _unpaginate(pool, table):
+    """The logical contiguous cache [B, pages * page_size, Hk, D] of a page pool (a plain gather, for the checks)."""
+    return pool[table.long()].flatten(1, 2)
+
+
+@pytest.mark.parametrize("page_size, pages_per_seq, spare", [(32, 3, 0), (64, 2, 5), (96, 1, 2), (256, 1, 1)])
+@pytest.mark.parametrize(
+    "seqlen_q, new, rotary_dim, interleaved, causal, window, softcap, alibi",
+    [
+        (1, 1, 0, True, True, (-1, -1), 0.0, False),
+        (3, 7, 16, True, True, (-1, -1), 0.0, False),
+        (5, 19, 32, False, True, (6, 0), 0.0, True),
+        (2, 2, 8, False, False, (-1, -1), 5.0, False),
+        (4, 0, 0, True, False, (3, 2), 2.0, True),
+    ],
+)
+def test_kvcache_paged_matches_float64_attention_over_the_gathered_cache(
+    page_size, pages_per_seq, spare, seqlen_q, new, rotary_dim, interleaved, causal, window, softcap, alibi, rng
+):
+    """A paged cache (shuffled physical pages, spare pages of garbage) gives what the same logical cache gives
+    contiguous: appends land in the right pages (crossing page boundaries), the gathered cache matches, the output
+    matches float64 attention over it."""
+    batch, h, hk, d = 3, 4, 2, 32
+    length = page_size * pages_per_seq
+    q = _randn(batch, seqlen_q, h, d, rng=rng)
+    k_cache, v_cache = _randn(batch, length, hk, d, rng=rng), _randn(batch, length, hk, d, rng=rng)
+    k_new = _randn(batch, new, hk, d, rng=rng) if new else None
+    v_new = _randn(batch, new, hk, d, rng=rng) if new else None
+    span = max(new, seqlen_q)
+    # lengths near a page boundary so that appends cross it, and one entry at the very start
+    seqlens = torch.tensor([0, max(0, min(length - span, page_size - new // 2 - 1)), length - span], dtype=torch.int32)
+    cos = sin = None
+    if rotary_dim:
+        angle = torch.rand(length, rotary_dim // 2, generator=rng, dtype=torch.float64) * 2 * math.pi
+        cos, sin = angle.cos(), angle.sin()
+    slopes = torch.rand(batch, h, generator=rng) if alibi else None
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                cache_seqlens=seqlens, cache_batch_idx=None, cache_leftpad=None, causal=causal, window_size=window,
+                softcap=softcap, rotary_interleaved=interleaved, alibi_slopes=slopes)
+    ref, ref_k_cache, ref_v_cache = _kvcache_oracle(case)
+    k_pool, table = _paginate(k_cache, page_size, spare, rng)
+    v_pool = torch.randn(k_pool.shape, generator=rng, dtype=k_pool.dtype)  # the same page layout as k_pool
+    v_pool[table.long()] = v_cache.unflatten(1, (pages_per_seq, page_size))
+    untouched = [p for p in range(k_pool.shape[0]) if p not in set(table.flatten().tolist())]
+    spare_k = k_pool[untouched].clone()
+    paged = dict(case, k_cache=k_pool, v_cache=v_pool, block_table=table)
+    out, lse = volta_train.flash_attn_with_kvcache(**paged, return_softmax_lse=True)
+    assert torch.allclose(_unpaginate(k_pool, table), ref_k_cache, rtol=1e-12, atol=1e-12)
+    assert torch.equal(_unpaginate(v_pool, table), ref_v_cache)
+    assert torch.equal(k_pool[untouched], spare_k)  # pages outside the table are never written
+    assert torch.allclose(out, ref, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), rng.initial_seed()
+    # and bit-identical to the same logical cache held contiguous
+    out_c, lse_c = volta_train.flash_attn_with_kvcache(**case, return_softmax_lse=True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+def test_kvcache_paged_unused_table_entries_are_not_read(rng):
+    """Table entries past an entry's last used page may hold anything (e.g. -1): they are neither checked nor read."""
+    q = _randn(2, 1, 2, 16, rng=rng)
+    pool = _randn(4, 32, 2, 16, rng=rng)
+    table = torch.tensor([[2, -1, 99], [0, 3, -7]], dtype=torch.int32)
+    seqlens = torch.tensor([20, 40], dtype=torch.int32)
+    out = volta_train.flash_attn_with_kvcache(q, pool, pool.clone(), cache_seqlens=seqlens, block_table=table)
+    k0 = pool[2, :20]
+    ref0, _ = naive_attention(q[:1], k0[None], k0[None])
+    assert torch.allclose(out[:1], ref0, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_kvcache_paged_validation_names_the_argument(mode, monkeypatch):
+    monkeypatch.setenv(validation.KVCACHE_CHECK_ENV, mode)
+    q = torch.randn(2, 1, 2, 16, dtype=torch.float64)
+    pool = torch.randn(4, 32, 2, 16, dtype=torch.float64)
+    good = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([10, 40], dtype=torch.int32)
+    call = lambda **kw: volta_train.flash_attn_with_kvcache(**dict(dict(q=q, k_cache=pool, v_cache=pool.clone(),
+                                                                         cache_seqlens=lens, block_table=good), **kw))
+    call()
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        call(block_table=good.long())
+    with pytest.raises(ValueError, match=r"block_table has shape \(2,\); accepted: \[batch=2"):
+        call(block_table=good[0])
+    with pytest.raises(ValueError, match=r"block_table has shape \(1, 2\); accepted: \[batch=2"):
+        call(block_table=good[:1])
+    with pytest.raises(ValueError, match="page_block_size 48.*accepted: a multiple of 32"):
+        call(k_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64),
+             v_cache=torch.randn(4, 48, 2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cache_batch_idx is given with a block_table"):
+        call(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad is given with a block_table"):
+        call(cache_leftpad=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError if mode == "host" else RuntimeError,
+                       match=r"cache_seqlens\[.\] is .* accepted: 0 <= cache_seqlens <= 64"):
+        call(cache_seqlens=torch.tensor([1, 65], dtype=torch.int32))  # the logical cache: 2 pages of 32
+    if mode == "host":
+        with pytest.raises(ValueError, match=r"block_table\[1, 1\] is 4; accepted: cache pages 0 to 3"):
+            call(block_table=torch.tensor([[0, 9], [2, 4]], dtype=torch.int32))  # [0, 1]: unused (10 keys), fine
+        with pytest.raises(ValueError, match=r"block_table\[0, 0\] is -1"):
+            call(block_table=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32))
+    else:
+        with pytest.raises(RuntimeError, match="block_table: accepted: cache pages 0 to 3"):
+            call(block_table=torch.tensor([[0, 9], [2, 4]], dtype=torch.int32))
+
+
+def test_kvcache_paged_decode_loop_crosses_pages_and_equals_causal_attention(rng):
+    """Decode one token at a time through 3 pages of 32 (shuffled): every step equals causal attention over the
+    tokens so far."""
+    heads, hk, d, steps = 4, 2, 16, 70
+    q = _randn(1, steps, heads, d, rng=rng)
+    k = _randn(1, steps, hk, d, rng=rng)
+    v = _randn(1, steps, hk, d, rng=rng)
+    pool, vpool = torch.zeros(5, 32, hk, d, dtype=q.dtype), torch.zeros(5, 32, hk, d, dtype=q.dtype)
+    table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    full, _ = naive_attention(q, k, v, causal=True)
+    for t in range(steps):
+        out = volta_train.flash_attn_with_kvcache(q[:, t : t + 1], pool, vpool, k[:, t : t + 1], v[:, t : t + 1],
+                                                  cache_seqlens=t, block_table=table, causal=True)
+        assert torch.allclose(out[0, 0], full[0, t], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), t
+    assert torch.equal(_unpaginate(pool, table)[:, :steps], k)
 
 
 def test_kvcache_decode_loop_equals_full_causal_attention(rng):
@@ -876,6 +1014,71 @@ def test_kvcache_under_torch_compile_checks_on_the_device():
     assert torch.equal(compiled(q, k_cache.clone(), v_cache.clone(), k, v, seqlens), want)
     with pytest.raises(RuntimeError, match="cache_seqlens"):
         compiled(q, k_cache.clone(), v_cache.clone(), k, v, torch.tensor([3, 10], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("page_size, causal, window",
+                         [(32, True, (-1, -1)), (64, False, (5, 3)), (256, True, (-1, -1))])
+def test_varlen_paged_kv_matches_float64_attention_over_the_gathered_keys(page_size, causal, window, rng):
+    """flash_attn_varlen_func with a block_table (flash-attn 2.8's paged varlen): sequence b's keys are its first
+    cu_seqlens_k lengths of logical positions through the table; GQA, odd lengths, a sequence spanning pages, an empty
+    one; gradients reach the pages."""
+    lens_q, lens_k = [3, 1, 7, 2], [2 * page_size + 5, 9, 0, page_size]
+    hk, h, d, pages_per_seq = 2, 6, 24, 3
+    pool_k = _randn(4 * pages_per_seq + 2, page_size, hk, d, rng=rng, requires_grad=True)
+    pool_v = _randn(4 * pages_per_seq + 2, page_size, hk, d, rng=rng)
+    table = torch.randperm(pool_k.shape[0], generator=rng)[: 4 * pages_per_seq].view(4, pages_per_seq).to(torch.int32)
+    q = _randn(sum(lens_q), h, d, rng=rng)
+    cu_q = torch.tensor([0] + np.cumsum(lens_q).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + np.cumsum(lens_k).tolist(), dtype=torch.int32)
+    out = volta_train.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                             window_size=window, block_table=table)
+    for b in range(4):
+        k_b = pool_k[table[b].long()].flatten(0, 1)[: lens_k[b]]
+        v_b = pool_v[table[b].long()].flatten(0, 1)[: lens_k[b]]
+        q_b = q[cu_q[b] : cu_q[b + 1]]
+        ref, _ = naive_attention(q_b[None], k_b[None], v_b[None], causal=causal, window_size=window)
+        assert torch.allclose(out[cu_q[b] : cu_q[b + 1]], ref[0], rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL), b
+    out.sum().backward()
+    unused = sorted(set(range(pool_k.shape[0])) - set(table.flatten().tolist()))
+    assert pool_k.grad is not None and not pool_k.grad[unused].any()
+
+
+def test_varlen_paged_kv_validation_names_the_argument(rng):
+    q = _randn(4, 2, 16, rng=rng)
+    pool = _randn(3, 32, 2, 16, rng=rng)
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    call = lambda cu_k, t=table: volta_train.flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 2, 64, block_table=t)
+    call(torch.tensor([0, 64, 70], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k gives sequence 1 65 keys.*accepted"):
+        call(torch.tensor([0, 3, 68], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] is 3; accepted: cache pages 0 to 2"):
+        call(torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([[0, 1], [3, 0]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table has shape \(1, 2\)"):
+        call(torch.tensor([0, 3, 6], dtype=torch.int32), table[:1])
+
+
+@pytest.mark.slow
+def test_kvcache_paged_under_torch_compile():
+    """A paged call compiled with fullgraph: the block table's page check runs on the device (no graph break), the
+    appends land in the same pages as eagerly, the output is the eager one, a page out of range is refused."""
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    pool_k, pool_v = torch.randn(5, 32, 2, 16), torch.randn(5, 32, 2, 16)
+    seqlens = torch.tensor([31, 5], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k, v, table):
+        return volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                   block_table=table, causal=True)
+
+    table = torch.tensor([[3, 1], [0, 4]], dtype=torch.int32)
+    compiled = torch.compile(step, fullgraph=True)
+    k1, v1, k2, v2 = pool_k.clone(), pool_v.clone(), pool_k.clone(), pool_v.clone()
+    want = step(q, k1, v1, k, v, table)
+    assert torch.equal(compiled(q, k2, v2, k, v, table), want)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(k2[3, 31], k[0, 0]) and torch.equal(k2[0, 5], k[1, 0])  # pages 3 (row 31) and 0 (row 5)
+    with pytest.raises(RuntimeError, match="block_table"):
+        compiled(q, pool_k.clone(), pool_v.clone(), k, v, torch.tensor([[3, 1], [9, 4]], dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------------------

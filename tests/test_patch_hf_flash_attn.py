@@ -89,7 +89,7 @@ def test_with_kvcache_matches_full_attention():
     assert torch.equal(k_cache[:, 6], k_all[:, 6])  # written in place
     expected = volta_train.flash_attn_func(q, k_all, v_all, causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(TypeError, match="block_table must be int32"):
         volta_train.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=torch.zeros(1))
 
 

@@ -53,11 +53,12 @@ def test_dropout_out_of_range(p):
         volta_train.flash_attn_func(*qkv(), dropout_p=p)
 
 
-def test_paged_kv_cache_raises_not_implemented_naming_block_table():
+def test_paged_kv_cache_refusals_name_block_table():
     q, k, v, cu, m = _packed([3, 4])
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="k must be 4-D \\[num_blocks, page_block_size"):
         volta_train.flash_attn_varlen_func(q, k, v, cu, cu, m, m, block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="block_table"):
+    # a page size it does not accept is named
+    with pytest.raises(ValueError, match="page_block_size 4 .*accepted: a multiple of 32"):
         volta_train.flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16),
                                             block_table=torch.zeros(1, 1, dtype=torch.int32))
     # None is flash-attn's default and accepted

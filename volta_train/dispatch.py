@@ -247,8 +247,10 @@ def attention_with_kvcache_eager(
     rotary_interleaved: bool,
     key_end: int = -1,
     longest: int = -1,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache: appends k/v into the caches in place, returns (out, lse [B, H, Nq]). No backward.
+    ``block_table``: a paged cache (int32 [B, max_pages]; the caches [num_pages, page_size, kv_heads, D]).
 
     ``key_end`` / ``longest``: the cache extent when the validation read the lengths on the host
     (``validation.KvCacheExtent``), so that the kernel path need not read them again; -1: unknown (the whole cache).
@@ -263,9 +265,9 @@ def attention_with_kvcache_eager(
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
     if choice.backend == "kernel":
         out, lse = kernels.forward_with_kvcache(*args, options, alibi_slopes, rotary_interleaved, key_end=key_end,
-                                                longest=longest)
+                                                longest=longest, block_table=block_table)
     else:
-        out, lse = reference.reference_kvcache_forward(*args, options, alibi_slopes, rotary_interleaved)
+        out, lse = reference.reference_kvcache_forward(*args, options, alibi_slopes, rotary_interleaved, block_table)
     return out.contiguous(), lse.contiguous()
 
 

@@ -18,7 +18,8 @@ Differences from flash-attn, all explicit:
   accum="fp16" is for inference (with gradients it warns once: docs/accuracy.md). Both are
   keyword-only and ignored by the reference backend, which always accumulates in fp32
   (fp64 for fp64 inputs).
-* A paged KV cache (``block_table`` not None) raises NotImplementedError.
+* A paged KV cache (``block_table``) runs in flash_attn_with_kvcache (the decoding kernel reads
+  K/V through the table); flash_attn_varlen_func gathers the pages into packed k/v first.
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
 * ``sinks`` (keyword-only, flash_attn_func and flash_attn_varlen_func): one fp32 logit per
@@ -41,7 +42,7 @@ import logging
 
 import torch
 
-from . import attn_probs, dispatch, validation
+from . import attn_probs, dispatch, kvcache, validation
 
 Window = tuple[int, int]
 logger = logging.getLogger("volta_train")
@@ -145,10 +146,17 @@ def flash_attn_varlen_func(
     ``max_seqlen_q``/``max_seqlen_k``: ints (Python, NumPy or 0-d tensors) >= every
     length. The other arguments mean what they mean in :func:`flash_attn_func`; the
     dropout mask of sequence ``b`` is the dense mask of batch entry ``b``.
-    ``block_table`` (paged KV) must be None.
+
+    Paged k/v (flash-attn 2.8): with ``block_table`` (int32 [batch, max_num_blocks_per_seq]) k/v are page pools
+    [num_blocks, page_block_size, kv_heads, head_dim] and sequence b's keys are the logical positions
+    [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages (as in flash_attn_with_kvcache). They are gathered into
+    packed k/v in PyTorch (a copy; cu_seqlens_k read on the host) and the call runs as a packed one, on either
+    backend: the varlen kernel does not read pages itself.
     """
     _require_tensors(q=q, k=k, v=v)
-    validation.check_block_table(block_table)
+    if block_table is not None:
+        lengths = validation.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
+        k, v = kvcache.gather_paged_varlen(k, v, block_table, lengths)
     q, k, v = _autocast_inputs(q, k, v)
     max_seqlen_q, max_seqlen_k = validation.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
@@ -317,15 +325,21 @@ def flash_attn_with_kvcache(
     ``rotary_cos``/``rotary_sin`` ([seqlen_ro, rotary_dim / 2]) rotate the first rotary_dim features of the new
     keys at positions ``cache_seqlens[b] + j``, and of q at ``cache_seqlens[b] + i`` when causal or windowed, at
     ``cache_seqlens[b]`` otherwise; ``rotary_interleaved`` pairs features (0, 1), (2, 3)... (True) or
-    (i, i + rotary_dim / 2) (False, GPT-NeoX). ``num_splits`` is accepted and ignored; ``block_table`` (paged
-    KV cache) must be None. No backward, as in flash-attn: the output carries no gradient (logged once when an
-    input requires one). Returns out, or (out, softmax_lse [batch, heads, seqlen_q]).
+    (i, i + rotary_dim / 2) (False, GPT-NeoX). ``num_splits`` is accepted and ignored.
+
+    Paged KV cache (flash-attn 2.8's semantics): with ``block_table`` (int32 [batch, max_num_blocks_per_seq]) the
+    caches are [num_blocks, page_block_size, kv_heads, head_dim] and logical position p of entry b is row
+    ``p % page_block_size`` of page ``block_table[b, p // page_block_size]``, for reads and appends alike; an entry's
+    logical cache holds ``max_num_blocks_per_seq * page_block_size`` positions. page_block_size: a multiple of 32
+    (flash-attn: of 256). Not with ``cache_batch_idx`` or ``cache_leftpad`` (as in flash-attn).
+
+    No backward, as in flash-attn: the output carries no gradient (logged once when an input requires one). Returns
+    out, or (out, softmax_lse [batch, heads, seqlen_q]).
     """
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
-    validation.check_block_table(block_table)
     extent = validation.check_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        causal, window_size,
+        causal, window_size, block_table,
     )
     validation.as_int("num_splits", num_splits)
     options = validation.attention_options(
@@ -344,6 +358,6 @@ def flash_attn_with_kvcache(
     op = dispatch.attention_with_kvcache if torch.compiler.is_compiling() else dispatch.attention_with_kvcache_eager
     out, lse = op(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, extent.cache_seqlens, cache_batch_idx, cache_leftpad,
-        alibi_slopes, *options.pack(), bool(rotary_interleaved), extent.key_end, extent.longest,
+        alibi_slopes, *options.pack(), bool(rotary_interleaved), extent.key_end, extent.longest, block_table,
     )
     return (out, lse) if return_softmax_lse else out

@@ -280,27 +280,34 @@ def reference_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def reference_kvcache_forward(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, params,
-    alibi_slopes=None, rotary_interleaved=True,
+    alibi_slopes=None, rotary_interleaved=True, block_table=None,
 ):
     """flash_attn_with_kvcache on the reference backend: out [B, Nq, H, D], lse [B, H, Nq].
 
     New k/v (rotated when rotary_cos is given) are written into cache row ``cache_batch_idx[b]`` at positions
     ``cache_seqlens[b]..`` (:func:`volta_train.kvcache.append`); entry b then attends to that row's keys ``[cache_leftpad[b],
     cache_seqlens[b] + seqlen_new)`` with masks aligned to the bottom right. The caches are read as views (no copy).
+    With a ``block_table`` (paged cache) entry b's keys are gathered from its pages ``block_table[b, :ceil(end /
+    page_size)]`` into a contiguous copy first.
     """
     batch, seqlen_q = q.shape[0], q.shape[1]
     device = q.device
     q, rows, ends = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   params, rotary_interleaved)
+                                   params, rotary_interleaved, block_table)
     ends = ends.tolist()
     first = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=device)
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=_compute_dtype(q.dtype), device=device)
+    page_size = k_cache.shape[1]
     for b, row in enumerate(rows.tolist()):
         slopes = alibi_slopes[b : b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         keys = slice(first[b], ends[b])
-        o, l = reference_forward(
-            q[b : b + 1], k_cache[row, keys].unsqueeze(0), v_cache[row, keys].unsqueeze(0), params, slopes
-        )
+        if block_table is None:
+            k_b, v_b = k_cache[row, keys], v_cache[row, keys]
+        else:  # gather the entry's pages, in logical order, into one contiguous [pages * page_size, Hkv, D]
+            pages = block_table[b, : -(-ends[b] // page_size)].to(device=k_cache.device, dtype=torch.long)
+            k_b = k_cache[pages].flatten(0, 1)[keys]
+            v_b = v_cache[pages].flatten(0, 1)[keys]
+        o, l = reference_forward(q[b : b + 1], k_b.unsqueeze(0), v_b.unsqueeze(0), params, slopes)
         out[b], lse[b] = o[0], l[0]
     return out, lse

@@ -270,12 +270,96 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
-def check_block_table(block_table) -> None:
-    if block_table is not None:
-        raise NotImplementedError(
-            "block_table (a paged KV cache) is not implemented in volta_train; pass block_table=None with "
-            "contiguous caches [batch, seqlen, heads, head_dim]"
+# Page sizes of a paged KV cache (block_table): flash-attn 2.8 takes multiples of 256; volta_train takes any multiple
+# of 32, the largest key block of the decoding kernel's tiles (tiles.DECODE_TILES_*), so that every key block the
+# kernel loads lies in one page and costs one block-table lookup. 256, 512... are multiples of it.
+PAGE_SIZE_MULTIPLE = 32
+
+
+def check_block_table(block_table, k_cache: torch.Tensor, batch: int, device: torch.device, *,
+                      cache_batch_idx=None, cache_leftpad=None) -> int:
+    """A paged KV cache's metadata (no values read): block_table int32 [batch, max_pages] on q's device, the caches
+    [num_pages, page_size, kv_heads, head_dim] with page_size a multiple of PAGE_SIZE_MULTIPLE, and neither
+    cache_batch_idx nor cache_leftpad (as in flash-attn 2.8: the table already maps each entry to its pages).
+    Returns the page size."""
+    require_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32 (as flash-attn), got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; accepted: [batch={batch}, "
+                         "max_num_blocks_per_seq >= 1], the cache pages of each batch entry in logical order")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}: they must be on the same device")
+    page_size = k_cache.shape[1]
+    if page_size < 1 or page_size % PAGE_SIZE_MULTIPLE:
+        raise ValueError(
+            f"k_cache has page_block_size {page_size} (k_cache.shape[1]) with a block_table; accepted: a multiple of "
+            f"{PAGE_SIZE_MULTIPLE} (flash-attn takes multiples of 256), caches [num_blocks, page_block_size, kv_heads, "
+            "head_dim]"
         )
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx is given with a block_table; accepted: one of them (as in flash-attn, a paged "
+                         "cache maps each batch entry to its pages through block_table alone)")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is given with a block_table; accepted: one of them (flash-attn 2.8 does not "
+                         "combine a paged cache with left padding either)")
+    return page_size
+
+
+def check_block_table_values(block_table: torch.Tensor, num_pages: int, page_size: int, ends, on_host: bool) -> None:
+    """Every page an entry reads or appends to (``block_table[b, :ceil(ends[b] / page_size)]``) is a page of the
+    cache, 0 <= page < num_pages. ``ends``: host ints (then the used part of the table is read in one copy) or a long
+    [B] tensor (then a device assert, no host read). Entries past an entry's last page are not read and may hold
+    anything (e.g. -1)."""
+    if on_host:
+        needed = [-(-e // page_size) for e in ends]
+        width = max(needed, default=0)
+        if width == 0:
+            return
+        rows = block_table[:, :width].tolist()
+        for b, (row, n) in enumerate(zip(rows, needed)):
+            for i, page in enumerate(row[:n]):
+                if not 0 <= page < num_pages:
+                    raise ValueError(f"block_table[{b}, {i}] is {page}; accepted: cache pages 0 to {num_pages - 1} "
+                                     f"(entry {b} uses its first {n} pages)")
+        return
+    used = torch.arange(block_table.shape[1], device=block_table.device).view(1, -1) * page_size < ends.view(-1, 1)
+    torch._assert_async((~used | ((block_table >= 0) & (block_table < num_pages))).all(),
+                        f"block_table: accepted: cache pages 0 to {num_pages - 1} in every used entry")
+
+
+def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table) -> list[int]:
+    """flash_attn_varlen_func with a block_table: k/v are page pools [num_blocks, page_block_size, kv_heads, head_dim]
+    (v may have its own head_dim), block_table int32 [batch, max_num_blocks_per_seq] as for flash_attn_with_kvcache,
+    sequence b's keys the logical positions [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages. Returns the key
+    lengths (read on the host: the gather needs them)."""
+    for name, t in (("k", k), ("v", v)):
+        require_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [num_blocks, page_block_size, kv_heads, head_dim] with a block_table, "
+                             f"got {t.dim()}-D ({_describe(t)})")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k is {tuple(k.shape)} and v {tuple(v.shape)}: with a block_table their num_blocks, "
+                         "page_block_size and kv_heads must be equal")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        require_tensor(name, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} is {_describe(cu)}; accepted: int32 [batch + 1], batch >= 1")
+    batch = cu_seqlens_q.numel() - 1
+    page_size = check_block_table(block_table, k, batch, q.device)
+    if cu_seqlens_k.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries and cu_seqlens_q {batch + 1}: both must "
+                         "have batch + 1")
+    cu = cu_seqlens_k.tolist()
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    capacity = block_table.shape[1] * page_size
+    for b, n in enumerate(lengths):
+        if cu[0] != 0 or not 0 <= n <= capacity:
+            raise ValueError(f"cu_seqlens_k gives sequence {b} {n} keys (cu_seqlens_k[0] = {cu[0]}); accepted: "
+                             f"cu_seqlens_k[0] = 0 and 0 <= length <= max_num_blocks_per_seq * page_block_size "
+                             f"({capacity})")
+    check_block_table_values(block_table, k.shape[0], page_size, lengths, on_host=True)
+    return lengths
 
 
 KVCACHE_CHECK_ENV = "VOLTA_TRAIN_KVCACHE_CHECK"
@@ -330,10 +414,14 @@ def _read_int_vectors(vectors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
 
 def check_kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, causal,
-    window_size,
+    window_size, block_table=None,
 ) -> KvCacheExtent:
     """Checks a flash_attn_with_kvcache call. The integer vectors' values are checked on the host when
-    :func:`kvcache_checks_read_values` says so (all read in one copy), else on the device."""
+    :func:`kvcache_checks_read_values` says so (all read in one copy), else on the device.
+
+    With a ``block_table`` (paged cache, :func:`check_block_table`) the caches are [num_pages, page_size, kv_heads,
+    head_dim] and every entry's logical cache holds ``max_num_blocks_per_seq * page_size`` positions, as in
+    flash-attn; the pages it uses are checked by :func:`check_block_table_values`."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {t.dim()}-D ({_describe(t)})")
@@ -349,6 +437,11 @@ def check_kvcache(
         )
     batch, seqlen_q = q.shape[0], q.shape[1]
     batch_cache, seqlen_cache, nheads_kv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    page_size = 0
+    if block_table is not None:
+        page_size = check_block_table(block_table, k_cache, batch, q.device, cache_batch_idx=cache_batch_idx,
+                                      cache_leftpad=cache_leftpad)
+        seqlen_cache = block_table.shape[1] * page_size  # each entry's logical cache
     if (k is None) != (v is None):
         raise ValueError("k and v go together: pass both new keys and values to append, or neither")
     seqlen_new = 0
@@ -375,7 +468,7 @@ def check_kvcache(
         seqlens = [as_int("cache_seqlens", cache_seqlens, f"{INT_LIKE} or an integer [batch] tensor")] * batch
     if cache_batch_idx is not None:
         vectors["cache_batch_idx"] = _int_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
-    elif batch > batch_cache:
+    elif batch > batch_cache and block_table is None:
         raise ValueError(
             f"q has batch {batch} but k_cache holds {batch_cache} rows: pass cache_batch_idx or a cache with >= {batch}"
         )
@@ -417,6 +510,9 @@ def check_kvcache(
     given = vectors.get("cache_seqlens")  # .to returns the tensor itself when it is int32 already: no copy
     lengths = (given.to(torch.int32) if given is not None
                else torch.full((batch,), seqlens[0], dtype=torch.int32, device=q.device))
+    if block_table is not None:
+        check_block_table_values(block_table, k_cache.shape[0], page_size,
+                                 ends if on_host else lengths.to(torch.long) + seqlen_new, on_host)
     return KvCacheExtent(lengths, key_end, longest)
 
 

@@ -99,9 +99,16 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
                          cache_leftpad, options: AttentionOptions, alibi_slopes, rotary_interleaved: bool, *,
                          tile: tiles.FwdTile | None = None, num_splits: int | None = None,
                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                         partial_fill: float | None = None, key_end: int = -1, longest: int = -1):
+                         partial_fill: float | None = None, key_end: int = -1, longest: int = -1,
+                         block_table: torch.Tensor | None = None):
     """flash_attn_with_kvcache on the decoding kernel: returns out [B, Nq, H, D] (q's dtype) and lse [B, H, Nq] (fp32),
     and appends k/v into the caches in place, like ``reference.reference_kvcache_forward``.
+
+    Paged cache (``block_table`` int32 [B, max_pages], caches [num_pages, page_size, kv_heads, D]): the appends go
+    through the table (:func:`volta_train.kvcache.append`) and the kernel reads K/V through it (SplitKvParams
+    ``block_table``; one lookup per key block, which the page size, a multiple of the tile's key block, keeps in one
+    page): the pages are never gathered here. The whole page pool is handed to the kernel (it is only copied where
+    head_dim needs zero padding, as a contiguous cache's keys are).
 
     Test and sweep hooks: ``tile`` overrides the tile table, ``num_splits`` the split rule (its blocks are dealt as
     :func:`split_plan` deals them); ``out``/``lse`` take caller buffers (e.g. NaN-poisoned); ``partial_fill`` fills
@@ -114,7 +121,7 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     changes how the key blocks are dealt to splits.
     """
     q, rows, ends = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   options, rotary_interleaved)
+                                   options, rotary_interleaved, block_table)
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k_cache.shape[2]
     device = q.device
@@ -123,13 +130,22 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     if lse is None:
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
     leftpad = _int32(cache_leftpad)
+    paged = block_table is not None
+    if paged and (cache_batch_idx is not None or cache_leftpad is not None):  # (validation refuses them first)
+        raise ValueError("block_table with cache_batch_idx or cache_leftpad; accepted: a block_table alone (SplitKvParams "
+                         "reads k_batch_index / leftpad_k only for contiguous caches)")
+    page_size = k_cache.shape[1] if paged else 0
+    logical_len = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # keys one entry may hold
     if key_end < 0 or longest < 0:  # not read on the host: plan for the whole cache (no device read here)
-        key_end = longest = k_cache.shape[1]
+        key_end = longest = logical_len
 
     d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))
     tile = tile or tiles.decode_tile(d, _arch(device))
     qk = _for_kernel(q, d)
-    kc, vc = _for_kernel(k_cache[:, :key_end], d), _for_kernel(v_cache[:, :key_end], d)  # the positions it may read
+    if paged:  # every page may be read: the table, not the position, picks it
+        kc, vc = _for_kernel(k_cache, d), _for_kernel(v_cache, d)
+    else:
+        kc, vc = _for_kernel(k_cache[:, :key_end], d), _for_kernel(v_cache[:, :key_end], d)  # the positions it may read
     out_full = out if d == head_dim else torch.empty(q.shape[:-1] + (d,), dtype=q.dtype, device=device)
     out_k = out_full
     alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
@@ -144,6 +160,9 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         lse_k, run = lse, options
     rows_k, heads_k = qk.shape[1], qk.shape[2]
 
+    if paged and page_size % tile.block_n:
+        raise ValueError(f"k_cache has page_block_size {page_size}; the decoding tile for head_dim {d} reads key blocks "
+                         f"of {tile.block_n}: accepted: a multiple of {tile.block_n}")
     kernel = _kernel(tiles.decode_variant(d, tile, options.softcap > 0), device)
     prm = SplitKvKernelParams()
     grid = fill_common(prm, qk, kc, vc, out_k, lse_k, None, None, rows_k, longest, run, kernel.geometry.block_m, alibi)
@@ -160,6 +179,10 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     prm.seqused_k = seqused.data_ptr()
     prm.k_batch_index = batch_index.data_ptr() if batch_index is not None else None
     prm.leftpad_k = leftpad.data_ptr() if leftpad is not None else None
+    table = block_table.contiguous() if paged else None  # int32 (validated); rows of consecutive pages
+    prm.block_table = table.data_ptr() if paged else None
+    prm.block_table_batch_stride = table.stride(0) if paged else 0
+    prm.page_block_size = page_size
     prm.num_splits, prm.blocks_per_split = splits, per_split
     prm.o_partial = prm.lse_partial = None
     if splits > 1:  # [splits, B, heads_k, rows_k(, D)], fp32

@@ -50,10 +50,12 @@ class SplitKvKernelParams(KernelParams):
     _fields_ = (
         [(name, ctypes.c_void_p) for name in ("seqused_k", "k_batch_index", "leftpad_k", "o_partial", "lse_partial")]
         + [("num_splits", ctypes.c_int), ("blocks_per_split", ctypes.c_int)]
+        + [("block_table", ctypes.c_void_p), ("block_table_batch_stride", ctypes.c_int),
+           ("page_block_size", ctypes.c_int)]  # paged KV cache; block_table None: contiguous K/V
     )
 
 
-assert ctypes.sizeof(SplitKvKernelParams) == 248 + 5 * 8 + 2 * 4, "SplitKvKernelParams must match SplitKvParams"
+assert ctypes.sizeof(SplitKvKernelParams) == 248 + 5 * 8 + 2 * 4 + 8 + 2 * 4, "SplitKvKernelParams must match SplitKvParams"
 
 
 _BWD_STRIDES = tuple(f"{t}_{axis}_stride" for t in ("do", "dq", "dk", "dv") for axis in ("batch", "row", "head"))
