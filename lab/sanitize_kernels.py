@@ -165,8 +165,9 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
 def _decode_calls(call, failures: list[str], check: bool) -> int:
     """Two flash_attn_with_kvcache calls of one decoding variant (call_matrix.decode_calls), each against the reference
     backend on copies of the caches: GQA-packed (1 query, 8 heads on 2, cache lengths 0 / full / 77, one appended
-    token, cache_batch_idx, 3 key splits: partial outputs and their combine) and unpacked (5 queries, causal window
-    (40, 0), cache_leftpad, ALiBi, 5 appended tokens, one split: the kernel writes out / lse itself)."""
+    token, cache_batch_idx, 3 key splits: partial outputs and their combine), unpacked (5 queries, causal window
+    (40, 0), cache_leftpad, ALiBi, 5 appended tokens, one split: the kernel writes out / lse itself), and paged (a
+    block table over shuffled pages of 64 keys, 3 appended tokens crossing a page, 2 key splits)."""
     import torch
 
     from volta_train import reference
@@ -179,6 +180,9 @@ def _decode_calls(call, failures: list[str], check: bool) -> int:
              causal=True, window=(-1, -1), alibi=False, splits=3, name="packed gqa, 3 splits"),
         dict(batch=2, sq=5, h=4, hk=2, cache=(2, 200), seqlens=[3, 150], new=5, rows=None, leftpad=[0, 20],
              causal=True, window=(40, 0), alibi=True, splits=1, name="window(40,0) leftpad alibi, 1 split"),
+        dict(batch=2, sq=1, h=8, hk=2, cache=(9, 64), seqlens=[62, 190], new=3, rows=None, leftpad=None,
+             causal=True, window=(-1, -1), alibi=False, splits=2, pages=[[7, 2, 5, 0], [1, 8, 3, 6]],
+             name="paged, 64-key pages, 2 splits"),
     ]
     for c in cases:
         q = torch.randn(c["batch"], c["sq"], c["h"], d, device=dev).half()
@@ -190,14 +194,16 @@ def _decode_calls(call, failures: list[str], check: bool) -> int:
         rows = torch.tensor(c["rows"], dtype=torch.int32, device=dev) if c["rows"] else None
         leftpad = torch.tensor(c["leftpad"], dtype=torch.int32, device=dev) if c["leftpad"] else None
         alibi = torch.rand(c["batch"], c["h"], device=dev) * 0.3 if c["alibi"] else None
+        table = torch.tensor(c["pages"], dtype=torch.int32, device=dev) if c.get("pages") else None
         prm = AttentionOptions(softmax_scale=d**-0.5, causal=c["causal"], window_left=c["window"][0],
                                window_right=c["window"][1], softcap=6.0 if call.softcap else 0.0)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         args = (k_new, v_new, None, None, seqlens, rows, leftpad, prm, alibi, True)
-        out, lse = decode.forward_with_kvcache(q, k_cache, v_cache, *args, num_splits=c["splits"], **call.overrides)
+        out, lse = decode.forward_with_kvcache(q, k_cache, v_cache, *args, num_splits=c["splits"], block_table=table,
+                                               **call.overrides)
         label = f"{call.table} d{d} decode {c['name']} softcap={prm.softcap}"
         if check:
-            ref_out, ref_lse = reference.reference_kvcache_forward(q, k_ref, v_ref, *args)
+            ref_out, ref_lse = reference.reference_kvcache_forward(q, k_ref, v_ref, *args, block_table=table)
             if not (torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)):
                 failures.append(f"{label}: the caches differ from the reference backend's after the append")
             err = (out.float() - ref_out.float()).abs().max().item()
