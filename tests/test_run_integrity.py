@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from volta_train.training import checkpoint, data, distributed, fsio, gpt, optim
+from volta_train.training import checkpoint, data, fsio
 from volta_train.training import finetune_setup as ft
 from volta_train.training.trainer import (
-    STOPPED_EXIT, LoopConfig, RunStateError, Trainer, finished_run_problems, run_or_fail,
+    STOPPED_EXIT, RunStateError, Trainer, finished_run_problems, run_or_fail,
 )
+from tiny_trainer import make_setup, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,34 +162,12 @@ def test_a_final_model_without_its_manifest_or_with_a_damaged_file_is_not_finish
 # ------------------------------------------------------------------------------------------------
 
 
-def _setup() -> distributed.Setup:
-    return distributed.build_accelerator(cpu=True, mixed_precision="no", grad_accum=1, batch_size=2, grad_clip=1.0,
-                                         deepspeed_spec=None, loss_scale_init=1024.0)
-
-
 def _trainer(out: Path, steps: int, interval: int, resume: str = "auto", keep: int = 5, settings=None,
              fixed=()) -> Trainer:
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
-    setup = _setup()
-    torch.manual_seed(0)
-    model = gpt.build_model(gpt.resolve(gpt.GPTTrainConfig(model="nano", seq_len=16), "cpu"), data.ByteTokenizer())
-    opt = optim.build_adamw(model, 1e-3, 0.1)
-    model, opt = setup.accelerator.prepare(model, opt)
-
-    def batches(start: int):
-        m = start
-        while True:
-            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(m))
-            yield {"input_ids": ids, "labels": ids}
-            m += 1
-
-    loop = LoopConfig(steps=steps, grad_accum=1, lr=1e-3, warmup_steps=0, schedule="constant", log_interval=1,
-                      checkpoint_interval=interval, keep_checkpoints=keep, out_dir=str(out), progress=False,
-                      resume=resume)
-    return Trainer(setup, model, opt, loop, batches=batches, flops=lambda b: (b["input_ids"].numel(), 0.0),
-                   settings=settings, fixed_settings=fixed)
+    return make_trainer(out, make_setup(), steps, interval, keep, resume=resume, settings=settings, fixed=fixed)
 
 
 def _steps(root: Path) -> list[int]:

@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from volta_train.training import checkpoint, config, data, distributed, fsio, gpt, logs, optim, runlock
+from volta_train.training import checkpoint, config, data, distributed, fsio, gpt, logs, runlock
 from volta_train.training import finetune_setup as ft
-from volta_train.training.trainer import LoopConfig, Trainer, TrainingFailed, end_training
+from volta_train.training.trainer import TrainingFailed, end_training
+from tiny_trainer import make_setup, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_RECIPE = ROOT / "recipes" / "gpt_long.py"
@@ -49,30 +49,11 @@ def fresh_state():
     AcceleratorState._reset_state(True)
 
 
-def _setup(mixed_precision: str = "no") -> distributed.Setup:
-    return distributed.build_accelerator(cpu=True, mixed_precision=mixed_precision, grad_accum=1, batch_size=2,
-                                         grad_clip=1.0, deepspeed_spec=None, loss_scale_init=1024.0)
+_setup = make_setup
 
 
 def _trainer(out: Path, setup, steps=6, interval=1, keep=2, loss_fn=None, resume="auto", **loop_kwargs):
-    torch.manual_seed(0)
-    model = gpt.build_model(gpt.resolve(gpt.GPTTrainConfig(model="nano", seq_len=16), "cpu"), data.ByteTokenizer())
-    opt = optim.build_adamw(model, 1e-3, 0.1)
-    model, opt = setup.accelerator.prepare(model, opt)
-
-    def batches(start: int):
-        m = start
-        while True:
-            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(m))
-            yield {"input_ids": ids, "labels": ids}
-            m += 1
-
-    loop = LoopConfig(steps=steps, grad_accum=1, lr=1e-3, warmup_steps=0, schedule="constant", log_interval=1,
-                      checkpoint_interval=interval,
-                      keep_checkpoints=keep, out_dir=str(out), progress=False, tensorboard=False, resume=resume,
-                      **loop_kwargs)
-    return Trainer(setup, model, opt, loop, batches=batches, flops=lambda b: (b["input_ids"].numel(), 0.0),
-                   loss_fn=loss_fn)
+    return make_trainer(out, setup, steps, interval, keep, loss_fn, resume, **loop_kwargs)
 
 
 class _StepCounter:
