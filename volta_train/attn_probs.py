@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .options import AttentionOptions
+from .options import AttentionOptions, compute_dtype
 from .philox import dropout_keep_mask
 from .validation import MAX_HEAD_DIM, MIN_HEAD_DIM, as_int
 
@@ -54,10 +54,6 @@ def get_block_size_n(device: torch.device | str | None, head_dim: int, is_dropou
     return BLOCK_N
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _fill_dense(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -73,7 +69,7 @@ def _fill_dense(
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     device = q.device
     # the reference backend's layout: query heads as [Hkv, G] so that K is never repeated
     qh = q.to(cdt).permute(0, 2, 1, 3).reshape(batch, nheads_kv, group, seqlen_q, head_dim)

@@ -21,7 +21,7 @@ import torch
 
 from . import cutlass_backward, kernels, reference
 from . import sinks as attention_sinks
-from .options import AttentionOptions
+from .options import AttentionOptions, compute_dtype
 
 logger = logging.getLogger("volta_train")
 
@@ -75,11 +75,6 @@ def _log_choice(choice: Choice, pass_name: str, on_gpu: bool) -> None:
     logger.log(level, "volta_train attention %s: %s backend (%s)", pass_name, choice.backend, choice.reason)
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The log-sum-exp's dtype: fp64 for fp64 inputs (reference backend), fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
@@ -87,7 +82,7 @@ def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def _empty_forward(q: torch.Tensor, v: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """No query, key or head: out is empty or zeros, lse +inf."""
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-    return out, torch.full(_lse_shape(q, varlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    return out, torch.full(_lse_shape(q, varlen), float("inf"), dtype=compute_dtype(q.dtype), device=q.device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
@@ -140,7 +135,7 @@ def attention_forward(
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, cu_seqlens_q, *args):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=lse_dtype(q.dtype))
+    return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("volta_train::attention_backward", mutates_args=())
@@ -281,4 +276,4 @@ attention_with_kvcache = torch.library.custom_op(
 
 @attention_with_kvcache.register_fake
 def _attention_with_kvcache_fake(q, *args):
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=compute_dtype(q.dtype))

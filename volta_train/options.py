@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 ACCUM_CHOICES = ("fp32", "fp16")
 # "auto": FP16-ACC where the kernel's tile meets flash-attn's accuracy standard with it, else fp32 (docs/accuracy.md)
 BWD_ACCUM_CHOICES = ("auto", "fp32", "fp16")
@@ -77,6 +79,12 @@ class AttentionOptions:
 
 _CHOICES = {"accum": ACCUM_CHOICES, "bwd_accum": BWD_ACCUM_CHOICES}
 _UNSIGNED = ("seed", "offset")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the PyTorch paths (reference backend, rotary, S_dmask) compute in, and the log-sum-exp's dtype:
+    fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def to_int64(value: int) -> int:

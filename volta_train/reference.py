@@ -28,14 +28,10 @@ from __future__ import annotations
 import torch
 
 from . import kvcache
-from .options import AttentionOptions
+from .options import AttentionOptions, compute_dtype
 from .philox import dropout_keep_mask
 
 BLOCK_K = 256  # keys per block of the online softmax
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _visible_and_bias(
@@ -145,7 +141,7 @@ def reference_forward(
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     device = q.device
     qh, kh, vh = _split_heads(q, k, v, cdt)
     alibi_slopes = shape_alibi(alibi_slopes, kh.shape[1])
@@ -198,7 +194,7 @@ def reference_backward(
     """FlashAttention-2 backward with recompute from the saved log-sum-exp. Returns dq, dk, dv."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     device = q.device
     qh, kh, vh = _split_heads(q, k, v, cdt)
     nheads_kv, group = qh.shape[1], qh.shape[2]
@@ -251,7 +247,7 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
 def reference_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params, alibi_slopes=None):
     """Packed [total, H, D] forward, one sequence at a time. lse is [H, total_q] (fp32; fp64 for fp64 inputs)."""
     out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=_compute_dtype(q.dtype), device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=compute_dtype(q.dtype), device=q.device)
     for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue
@@ -297,7 +293,7 @@ def reference_kvcache_forward(
     ends = ends.tolist()
     first = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=device)
-    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=_compute_dtype(q.dtype), device=device)
+    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=compute_dtype(q.dtype), device=device)
     page_size = k_cache.shape[1]
     for b, row in enumerate(rows.tolist()):
         slopes = alibi_slopes[b : b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes

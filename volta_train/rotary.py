@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .options import compute_dtype
 from .validation import as_int
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -38,7 +35,7 @@ def rotate_at(
     No checks and no autograd Function: the KV-cache append validated the positions already, and both of its
     backends call this so that the caches come out bit-identical.
     """
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     c = cos.to(cdt)[positions].unsqueeze(-2)
     s = sin.to(cdt)[positions].unsqueeze(-2)
     return _rotate(x, c, s, interleaved)
@@ -169,7 +166,7 @@ def apply_rotary_emb(
                              "cos/sin rows; accepted: 0 <= seqlen_offsets <= seqlen_ro - seqlen")
 
     positions, inside = _positions(x, seqlen_offsets, cu_seqlens)
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     valid = (positions >= 0) & (positions < seqlen_ro)
     if inside is not None:
         valid = valid & inside
