@@ -23,3 +23,17 @@ def stderr_tail(text: str, chars: int = 8000) -> str:
     noise = [COLLECTIVE_DEPRECATION in line and "FutureWarning" in line for line in lines]
     kept = [line for i, line in enumerate(lines) if not noise[i] and not (i and noise[i - 1])]
     return "\n".join(kept)[-chars:]
+
+
+# What a gloo worker thread prints when a process of a CPU process group aborts in C++ (std::terminate) under load, on
+# no wrong input of ours; a command that ended so is run once more, and must then pass like any other.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def run_retrying_gloo_abort(run):
+    """``run()`` (a CompletedProcess), and once more if it failed with the gloo abort above."""
+    proc = run()
+    if proc.returncode != 0 and GLOO_ABORT in proc.stderr:
+        print(f"gloo abort ({GLOO_ABORT!r}); running the command once more")
+        proc = run()
+    return proc

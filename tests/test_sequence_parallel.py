@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from volta_train.training import config, gpt, sequence_parallel
-from child_process import stderr_tail, without_collective_warnings
+from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
@@ -40,8 +40,8 @@ def _env() -> dict:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=_env())
+    proc = run_retrying_gloo_abort(lambda: subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True,
+                                                          text=True, timeout=timeout, env=_env()))
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n" \
                                  f"--- stderr\n{stderr_tail(proc.stderr)}"
     return proc
