@@ -24,6 +24,7 @@ BUDGET_S = float(os.environ.get("FA_SUITE_BUDGET_S", "0"))  # stop starting case
 
 _counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _failures: list[dict] = []
+_outcomes: dict[str, str] = {}
 _skips: collections.Counter = collections.Counter()
 _collected: collections.Counter = collections.Counter()
 _kept: collections.Counter = collections.Counter()
@@ -58,6 +59,7 @@ def pytest_runtest_logreport(report):
     name = report.nodeid.split("::")[-1].split("[")[0]
     if report.when == "call" or report.skipped or (report.failed and report.when != "call"):
         outcome = "skipped" if report.skipped else report.outcome
+        _outcomes[report.nodeid.split("::")[-1]] = outcome
         _counts[name][outcome] += 1
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -76,7 +78,7 @@ def pytest_sessionfinish(session, exitstatus):
         rows.append({"function": name, "cases": _collected[name], "sampled": _kept[name], "run": sum(c.values()),
                      "passed": c["passed"], "failed": c["failed"], "skipped": c["skipped"]})
     record = {"per_function": PER_FUNCTION, "seed": SEED, "seconds": round(time.time() - _began),
-              "rows": rows, "failures": _failures, "skips": dict(_skips.most_common())}
+              "rows": rows, "outcomes": _outcomes, "failures": _failures, "skips": dict(_skips.most_common())}
     with open(os.path.join(OUT, "summary.json"), "w") as f:
         json.dump(record, f, indent=1)
     lines = [f"flash-attn 2.8.3 tests/test_flash_attn.py through volta_train.install_flash_attn(): up to "
