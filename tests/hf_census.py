@@ -99,8 +99,8 @@ DROPOUTS = re.compile(r".*(dropout|pdrop|drop_rate|layerdrop)")
 FIXES: dict[str, dict] = {
     # the attention layers come at attn_layer_period/offset: one in the first two layers
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
-    # the shared transformer is tied across its hybrid layers: two of them (layers 2 and 3)
-    # and its attention reads the hidden state concatenated with the embeddings: attention_hidden_size is 2 * hidden
+    # the shared transformer is tied across its hybrid layers: two of them (layers 2 and 3); its attention reads the
+    # hidden state concatenated with the embeddings, so attention_hidden_size is 2 * hidden_size
     "zamba": dict(attn_layer_period=2, attn_layer_offset=0, num_hidden_layers=4, layers_block_type=None,
                   attention_hidden_size=2 * HIDDEN),
     # the last num_kv_shared_layers layers reuse the caches of earlier layers of their kind: each kind in both parts
@@ -228,7 +228,7 @@ def _fit_mrope(cls, values: dict, settings: dict) -> None:
         return
     rope = settings.get("rope_parameters", values.get("rope_parameters")) or {}
     nested = rope and all(isinstance(v, dict) for v in rope.values())
-    head_dim = settings.get("head_dim") or settings.get("hidden_size", HIDDEN) // settings.get("num_attention_heads", HEADS)
+    head_dim = settings.get("head_dim") or HIDDEN // HEADS
 
     def fitted(params: dict) -> dict:
         half = int(head_dim * params.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
