@@ -85,8 +85,13 @@ SIZES = {
     "ssm_state_size": 8, "n_mamba_heads": 2, "lru_width": HIDDEN, "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8, "num_global_tokens": 4, "block_size": 8,
     "projection_dim": HIDDEN, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "global_head_dim": 32,
+    "linear_value_head_dim": 16, "global_head_dim": 32, "num_experts_per_token": 2, "num_expert_group": 1,
+    "linear_head_dim": 16, "linear_num_heads": HEADS, "mamba_d_ssm": 2 * HIDDEN, "cross_hidden_size": HIDDEN,
+    "cross_head_dim": HEAD_DIM, "cross_num_attention_heads": HEADS, "cross_num_key_value_heads": KV_HEADS,
 }
+# Sizes a default config may leave None although its model cannot be built without them: set where None.
+REQUIRED = ("head_dim", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")
 DROPOUTS = re.compile(r".*(dropout|pdrop|drop_rate|layerdrop)")
 
@@ -94,11 +99,36 @@ DROPOUTS = re.compile(r".*(dropout|pdrop|drop_rate|layerdrop)")
 FIXES: dict[str, dict] = {
     # the attention layers come at attn_layer_period/offset: one in the first two layers
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
-    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=4, layers_block_type=None),
+    # the shared transformer is tied across its hybrid layers: two of them (layers 2 and 3); its attention reads the
+    # hidden state concatenated with the embeddings, so attention_hidden_size is 2 * hidden_size
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=0, num_hidden_layers=4, layers_block_type=None,
+                  attention_hidden_size=2 * HIDDEN),
     # the last num_kv_shared_layers layers reuse the caches of earlier layers of their kind: each kind in both parts
     "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, altup_num_inputs=2,
                          layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[2 * HIDDEN] * 4,
                          activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
+    # the default has no layer_types (its model cannot be built): a conv layer, then an attention layer with experts
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # the default is all Mamba layers: one attention layer
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    # ESMC refuses grouped-query attention
+    "esmc": dict(num_key_value_heads=HEADS),
+    # X-MOD's adapters need a language
+    "xmod": dict(default_language="en_XX"),
+    # the default's rope_parameters are empty, and its rotary embedding reads them per layer type
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # one audio channel (and its delay), so that the census's 2-D decoder_input_ids are a batch of one-channel codes
+    "dia": dict(delay_pattern=[0]),
+    "dia.decoder_config": dict(num_channels=1),
+    # DbrxAttention reads attn_config.rope_theta and clamps q/k/v to clip_qkv (None fails in torch.clamp); the
+    # checkpoints' configs set both
+    "dbrx.attn_config": dict(rope_theta=10000.0, clip_qkv=8.0),
+    # ZAYA supports one expert per token only
+    "zaya": dict(num_experts_per_tok=1),
+    # two experts per token: with one, the normalized routing weight is 1 and the router's gradient is zero up to
+    # rounding, which AdamW's first step turns into full-size steps of either sign
+    "hunyuan_v1_moe": dict(moe_topk=2),
+    "dbrx.ffn_config": dict(moe_top_k=2),
     # pegasus_x's global tokens and blocks must divide the sequence it pads to
     "pegasus_x": dict(block_size=8, num_global_tokens=4),
 }
@@ -126,20 +156,20 @@ def _keep_layers(values: list) -> int:
 def tiny_config(model_type: str):
     """The model type's default config, shrunk and built again (so that derived values follow): SIZES where it has
     the attribute, per-layer lists cut to a prefix with every kind of layer, dropouts off, token ids inside the
-    vocabulary, then FIXES. Sub-configs (T5Gemma's encoder and decoder) the same way."""
+    vocabulary, then FIXES. Sub-configs (T5Gemma's encoder and decoder) the same way, with FIXES["type.name"]."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
-    settings = _shrunk(default, model_type)
+    settings = _shrunk(default, FIXES.get(model_type, {}))
     for name in getattr(default, "sub_configs", {}) or {}:
         sub = getattr(default, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            settings[name] = {**sub.to_dict(), **_shrunk(sub, model_type)}
+            settings[name] = {**sub.to_dict(), **_shrunk(sub, FIXES.get(f"{model_type}.{name}", {}))}
     return cls(**settings)
 
 
-def _shrunk(config, model_type: str) -> dict:
+def _shrunk(config, fixes: dict) -> dict:
     """The settings that make ``config`` tiny (see :func:`tiny_config`)."""
     values = config.to_dict()
     settings: dict = {}
@@ -153,6 +183,8 @@ def _shrunk(config, model_type: str) -> dict:
     for name, value in SIZES.items():
         current = values.get(name)
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+            settings[name] = value
+        elif current is None and name in REQUIRED and name in values:
             settings[name] = value
         elif isinstance(current, list) and name == "intermediate_size":
             settings[name] = [value] * keep
@@ -183,8 +215,27 @@ def _shrunk(config, model_type: str) -> dict:
             settings[name] = [v if v < VOCAB else 2 for v in value]
     if "initializer_range" in values:
         settings["initializer_range"] = 0.1
-    settings.update(FIXES.get(model_type, {}))
+    settings.update(fixes)
+    _fit_mrope(type(config), values, settings)
     return {name: value for name, value in settings.items() if value is not None}
+
+
+def _fit_mrope(cls, values: dict, settings: dict) -> None:
+    """Multimodal rotary embeddings split the rotary frequencies into 3 sections (time, height, width) whose sizes
+    must sum to half the rotary dim; the default sections fit the default head_dim, so set ones that fit the tiny one
+    (in rope_parameters, or in each layer type's)."""
+    if "mrope_section" not in (getattr(cls, "ignore_keys_at_rope_validation", None) or ()):
+        return
+    rope = settings.get("rope_parameters", values.get("rope_parameters")) or {}
+    nested = rope and all(isinstance(v, dict) for v in rope.values())
+    head_dim = settings.get("head_dim") or HIDDEN // HEADS
+
+    def fitted(params: dict) -> dict:
+        half = int(head_dim * params.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
+        side = 3 * half // 8
+        return {**params, "mrope_section": [half - 2 * side, side, side]}
+
+    settings["rope_parameters"] = {k: fitted(v) for k, v in rope.items()} if nested else fitted(rope)
 
 
 # ---- one model type ---------------------------------------------------------------------------------------------
