@@ -12,6 +12,7 @@ from .attention import hf_attention_forward, refuse_attention_weights
 from .base import ATTN_IMPLEMENTATION, UnsupportedModelError, interfaces
 from .families import check_model, family_of, check_version, unsupported, validated, why_not_model
 from .masks import padding_mask
+from . import swaps
 
 logger = logging.getLogger("volta_train")
 
@@ -37,6 +38,7 @@ class PatchRecord:
 
     previous: list[tuple[Any, Any]] = field(default_factory=list)  # (config, its attn implementation before)
     hook: Any = None  # the forward pre-hook refusing output_attentions=True
+    swapped: list[tuple[Any, ...]] = field(default_factory=list)  # modules given a volta_train class (swaps.py)
 
 
 def _configs_of(model: nn.Module) -> list[Any]:
@@ -110,9 +112,11 @@ def patch(model: nn.Module) -> nn.Module:
     configs = _configs_of(model)
     record = model.__dict__.get(_PATCH_ATTR)
     if record is None:
+        swapped = swaps.swap(model, config.model_type)
         record = PatchRecord(
             previous=[(c, c._attn_implementation) for c in configs],
             hook=model.register_forward_pre_hook(_refuse_output_attentions_hook, with_kwargs=True),
+            swapped=swapped,
         )
         model.__dict__[_PATCH_ATTR] = record
         before = ", ".join(sorted({repr(previous) for _, previous in record.previous}))
@@ -149,6 +153,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         _set_attn_implementation(config, previous)
     if record.hook is not None:
         record.hook.remove()
+    swaps.restore(record.swapped)
     restored = ", ".join(sorted({repr(previous) for _, previous in record.previous}))
     logger.info("volta_train.unpatch: %s uses attn_implementation=%s again", name, restored)
     return model
