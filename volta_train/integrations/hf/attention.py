@@ -369,6 +369,8 @@ def hf_attention_forward(
     """
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     family = require_family(model_type, type(module).__name__)
+    _check_kwargs(model_type, kwargs)
+    _check_shapes(model_type, query, key, value)
     causal = _causality(module, is_causal if is_causal is not None else family.is_causal(module))
     scale = scaling if scaling is not None else family.default_scaling(module)
     cross = is_cross_attention(module) or (not causal and query.shape[2] != key.shape[2])
@@ -388,9 +390,8 @@ def _run(
     cross: bool,
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """The checks and options both attention functions share: q [b, h, sq, d] -> out [b, sq, h, d]."""
-    _check_kwargs(model_type, kwargs)
-    _check_shapes(model_type, query, key, value)
+    """The options both attention functions share, their kwargs and shapes checked: q [b, h, sq, d] -> out
+    [b, sq, h, d]."""
     softcap = kwargs.get("softcap")
     options: dict[str, Any] = {
         "dropout_p": dropout_p,
@@ -452,6 +453,8 @@ def flash_attention_forward(
     kwargs = {**kwargs, "position_ids": position_ids, "softcap": softcap, "deterministic": deterministic,
               "sliding_window": sliding_window}
     query, key, value = (x.transpose(1, 2) for x in (query_states, key_states, value_states))
+    _check_kwargs(volta_model_type, kwargs)
+    _check_shapes(volta_model_type, query, key, value)
     causal = bool(is_causal)
     cross = not causal and query.shape[2] != key.shape[2]
     return _run(volta_model_type, query, key, value, attention_mask, causal, float(dropout), softmax_scale, cross,

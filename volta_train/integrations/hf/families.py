@@ -10,10 +10,13 @@ attention sinks are passed on). Anything it cannot do is refused naming the mode
 and the feature.
 
 A family-specific :class:`Family` exists only where a family needs one
-(:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases).
-Models whose modeling code computes all of its attention itself are refused with the
-reason, found by inspection; a submodel that does (PEGASUS-X's block-local encoder)
-keeps its own attention while the rest of the model runs on volta_train.
+(:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases,
+Falcon's ALiBi, GPT-Neo's local windows, PEGASUS-X's decoder causality). Modules that
+compute attention themselves run on volta_train where transformers has a
+flash-attention class for them (Falcon, GPT-Neo) or volta_train replaces them
+(PEGASUS-X's global-local encoder attention): :func:`own_attention_modules`, swapped by
+:mod:`.swaps`. Other models whose modeling code computes attention itself are refused
+with the reason, found by inspection.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ class Family:
     )
     check: Callable[[nn.Module, list[nn.Module]], None] = _no_check  # family-specific validation of a model
     default_scaling: Callable[[nn.Module], float | None] = _no_default_scaling  # when no `scaling` kwarg comes
-    own_window: Callable[[nn.Module], int | None] = _no_window  # the window of a swapped module (see own_attention_modules)
-    is_causal: Callable[[nn.Module], bool | None] = _no_window  # causality where no is_causal kwarg comes (None: module's)
+    own_window: Callable[[nn.Module], int | None] = _no_window  # window of a swapped module (own_attention_modules)
+    is_causal: Callable[[nn.Module], bool | None] = _no_window  # where no is_causal kwarg comes; None: the module's
 
 
 # ---- the one family that needs its own code --------------------------------------------------------------

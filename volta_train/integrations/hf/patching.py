@@ -93,7 +93,8 @@ def patch(model: nn.Module) -> nn.Module:
 
     Idempotent. Raises :class:`UnsupportedModelError` saying why for models whose
     attention volta_train cannot reach (not declared flash-attention capable by
-    transformers, or attention computed outside the attention interface),
+    transformers, or attention computed outside the attention interface by modules
+    without a flash-attention class; see :mod:`.swaps` for those that have one),
     NotImplementedError/ValueError naming the model_type and the feature it cannot
     honour, and :class:`TransformersVersionError` when the installed transformers is
     too old; it never falls back to stock attention silently.

@@ -92,7 +92,8 @@ def _global_attention(self, global_q, global_k, global_v, local_k, local_v, mask
 def _local_attention(self, global_k, global_v, local_q, local_k, local_v, mask, dim):
     """Each block of tokens attends to the global tokens and to its own block: one varlen call over batch x blocks.
     -> ([b, h, blocks, block_size, f], None)."""
-    batch, blocks, size, heads, features = dim.batch_size, dim.num_blocks, dim.block_size, dim.num_heads, dim.dim_per_head
+    batch, blocks, size = dim.batch_size, dim.num_blocks, dim.block_size
+    heads, features = dim.num_heads, dim.dim_per_head
 
     def blocked(x: torch.Tensor) -> torch.Tensor:  # [b, h, s, f] -> [b, blocks, size, h, f]
         return x.view(batch, heads, blocks, size, features).permute(0, 2, 3, 1, 4)
