@@ -131,6 +131,13 @@ FIXES: dict[str, dict] = {
     "dbrx.ffn_config": dict(moe_top_k=2),
     # pegasus_x's global tokens and blocks must divide the sequence it pads to
     "pegasus_x": dict(block_size=8, num_global_tokens=4),
+    # hybrids whose default layout has no attention layer among the first layers the census keeps: one of each kind
+    "bamba": dict(attn_layer_indices=[1]),  # attention only at attn_layer_indices (None by default: Mamba only)
+    # zamba2's first hybrid (shared attention) layer is layer 6; its attention reads [hidden, embeddings] concatenated
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], num_hidden_layers=2,
+                   attention_hidden_size=2 * HIDDEN, attention_head_dim=2 * HIDDEN // HEADS),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),  # (recurrent, recurrent, attention) repeated
+    "sam3_lite_text_text_model": dict(num_hidden_layers=3),  # the first and last layers are RepMixer convolutions
 }
 
 

@@ -108,6 +108,20 @@ FAMILIES: dict[str, tuple[Callable[[], object], bool]] = {
     "stablelm": (lambda: _config("StableLmConfig", **_decoder(num_key_value_heads=2, partial_rotary_factor=0.5)),
                  True),
     "olmo": (lambda: _config("OlmoConfig", **_decoder(num_key_value_heads=2)), True),
+    # no attention interface: transformers' flash-attention classes (FalconFlashAttention2, GPTNeoFlashAttention2)
+    "falcon": (lambda: _config("FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               num_hidden_layers=LAYERS, max_position_embeddings=64, initializer_range=0.3,
+                               attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=1, eos_token_id=1,
+                               pad_token_id=0), True),
+    "falcon-gqa": (lambda: _config("FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                   num_hidden_layers=LAYERS, new_decoder_architecture=True, num_kv_heads=2,
+                                   max_position_embeddings=64, initializer_range=0.3, attention_dropout=0.0,
+                                   hidden_dropout=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0), True),
+    "gpt_neo": (lambda: _config("GPTNeoConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_heads=HEADS,
+                                num_layers=LAYERS, attention_types=[[["global", "local"], 1]], window_size=WINDOW,
+                                max_position_embeddings=64, initializer_range=0.3, embed_dropout=0.0,
+                                attention_dropout=0.0, resid_dropout=0.0, bos_token_id=1, eos_token_id=1,
+                                pad_token_id=0), True),
     "bert": (lambda: _config("BertConfig", **_encoder()), False),
     "roberta": (lambda: _config("RobertaConfig", **_encoder(pad_token_id=1, max_position_embeddings=72)), False),
     "xlm-roberta": (lambda: _config("XLMRobertaConfig", **_encoder(pad_token_id=1, max_position_embeddings=72)),
@@ -353,15 +367,100 @@ def test_attention_sinks_match_eager():
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("config_name, model_type, settings", [
-    ("FalconConfig", "falcon", dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=1)),
-    ("GPTNeoConfig", "gpt_neo", dict(hidden_size=HIDDEN, num_heads=HEADS, num_layers=2,
-                                     attention_types=[[["global", "local"], 1]])),
-])
-def test_families_that_bypass_the_interface_are_refused(config_name, model_type, settings):
+# ---------------------------------------------------------------------------------------------------------
+# models whose modeling code computes attention itself: their modules get a volta_train class (swaps.py)
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo"])
+def test_flash_class_swap_and_unpatch(family):
+    model = build(family)
+    ids, mask = tokens(), padding_mask("right")
+    classes = [type(m) for m in model.modules()]
+    ref_logits, _ = run(model, ids, mask)
+    parameters = [id(p) for p in model.parameters()]
+    volta_train.patch(model)
+    swapped = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("FlashAttention2OnVoltaTrain")]
+    assert len(swapped) == LAYERS
+    assert [id(p) for p in model.parameters()] == parameters  # the same parameters: optimizers keep working
+    volta_train.patch(model)  # idempotent
+    volta_train.unpatch(model)
+    assert [type(m) for m in model.modules()] == classes
+    assert not any("_flash_attn_uses_top_left_mask" in vars(m) for m in model.modules())
+    logits, _ = run(model, ids, mask)
+    assert torch.equal(logits, ref_logits)
+
+
+def test_gpt_neo_local_layers_keep_their_window():
+    """transformers' GPTNeoFlashAttention2 passes no window; volta_train applies config.window_size like eager."""
+    model = build("gpt_neo")
+    ids = tokens()
+    reference = model(ids).logits
+    wide = build("gpt_neo", window_size=SEQ)  # same weights, a window that covers every key
+    assert not torch.allclose(wide(ids).logits, reference, atol=1e-3)  # the window changes the result
+    volta_train.patch(model)
+    with spies() as (dense, _):
+        logits = model(ids).logits
+    windows = [c.kwargs.get("window_size") for c in dense.call_args_list]
+    assert windows == [None, (WINDOW - 1, 0)]
+    assert_close(logits, reference, "logits")
+
+
+def test_falcon_alibi_is_refused_naming_the_feature():
+    model = build("falcon", alibi=True)
+    with pytest.raises(NotImplementedError, match=r"falcon: ALiBi position bias \(config.alibi=True\)"):
+        volta_train.patch(model)
+    assert all(not type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
+    assert model.config._attn_implementation == "eager"
+
+
+def _pegasus_x(seed: int = 0):
+    config = transformers.PegasusXConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, block_size=4,
+        num_global_tokens=3, stagger_local_blocks=True, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return transformers.PegasusXForConditionalGeneration._from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_pegasus_x_global_local_encoder_and_causal_decoder_match_eager(padding):
+    """The encoder's global-local attention (its own einsums in transformers) on two varlen calls per layer; the
+    decoder's self-attention is causal although its module says is_causal=False (eager gets it from the mask)."""
+    model = _pegasus_x()
+    ids, mask = tokens(), padding_mask(padding)
+    decoder_ids = tokens()[:, :7]
+
+    def run_seq2seq():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False).logits
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+        (logits * weights).sum().backward()
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    ref_logits, ref_grads = run_seq2seq()
+    volta_train.patch(model)
+    with spies() as (dense, varlen):
+        logits, grads = run_seq2seq()
+    assert varlen.call_count >= 2 * LAYERS  # the encoder's global and local attention of every layer
+    assert [c.kwargs["causal"] for c in dense.call_args_list][:LAYERS:2] == [True] * ((LAYERS + 1) // 2)
+    assert_close(logits, ref_logits, "logits")
+    assert_grads_close(grads, ref_grads)
+    volta_train.unpatch(model)
+    assert not any(type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
+
+
+def test_hybrid_without_attention_layer_is_refused_saying_so():
+    """A Bamba config whose layers are all Mamba (attn_layer_indices=None, its default) holds no attention module."""
+    config = transformers.BambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                      num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=2 * HIDDEN,
+                                      mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(getattr(transformers, config_name)(vocab_size=VOCAB, **settings))
-    with pytest.raises(hf.UnsupportedModelError, match=rf"'{model_type}'.*never calls|'{model_type}'.*computes attention"):
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(hf.UnsupportedModelError, match=r"'bamba'.*holds no attention module \(BambaAttention.*"
+                                                       r"builds no attention layer"):
         volta_train.patch(model)
 
 
@@ -386,7 +485,7 @@ def test_custom_4d_mask_is_refused_naming_model_type():
 
 
 def test_model_type_membership_is_generic():
-    for model_type in ("qwen3", "gemma2", "modernbert", "starcoder2", "opt"):
+    for model_type in ("qwen3", "gemma2", "modernbert", "starcoder2", "opt", "falcon", "gpt_neo", "pegasus_x"):
         assert model_type in hf.FAMILIES
-    for model_type in ("falcon", "bloom", "t5", "no_such_model"):
+    for model_type in ("bloom", "t5", "no_such_model"):
         assert model_type not in hf.FAMILIES

@@ -371,11 +371,31 @@ def hf_attention_forward(
     family = require_family(model_type, type(module).__name__)
     _check_kwargs(model_type, kwargs)
     _check_shapes(model_type, query, key, value)
+    causal = _causality(module, is_causal if is_causal is not None else family.is_causal(module))
+    scale = scaling if scaling is not None else family.default_scaling(module)
+    cross = is_cross_attention(module) or (not causal and query.shape[2] != key.shape[2])
+    dropout_p = float(dropout) if module.training else 0.0
+    return _run(model_type, query, key, value, attention_mask, causal, dropout_p, scale, cross, kwargs), None
+
+
+def _run(
+    model_type: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | Packing | Windowed | None,
+    causal: bool,
+    dropout_p: float,
+    scale: float | None,
+    cross: bool,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """The options both attention functions share, their kwargs and shapes checked: q [b, h, sq, d] -> out
+    [b, sq, h, d]."""
     softcap = kwargs.get("softcap")
-    causal = _causality(module, is_causal)
     options: dict[str, Any] = {
-        "dropout_p": float(dropout) if module.training else 0.0,
-        "softmax_scale": scaling if scaling is not None else family.default_scaling(module),
+        "dropout_p": dropout_p,
+        "softmax_scale": scale,
         "causal": causal,
         "deterministic": bool(kwargs.get("deterministic") or False),
     }
@@ -390,8 +410,52 @@ def hf_attention_forward(
         attention_mask = attention_mask.inner
     if window is not None:
         options["window_size"] = window
-    cross = is_cross_attention(module) or (not causal and query.shape[2] != key.shape[2])
     # Under autocast, flash_attn_func / flash_attn_varlen_func cast q/k/v to autocast's dtype themselves.
     # Under torch.compile the dense route traces into the graph; the padding and packing routes read
     # lengths on the host (nonzero, .item()) and break it there.
-    return _attend(query, key, value, attention_mask, cross, options, kwargs, model_type), None
+    return _attend(query, key, value, attention_mask, cross, options, kwargs, model_type)
+
+
+def flash_attention_forward(
+    query_states: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    attention_mask: torch.Tensor | Packing | Windowed | None,
+    query_length: int,
+    is_causal: bool,
+    dropout: float = 0.0,
+    position_ids: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    use_top_left_mask: bool = False,
+    softcap: float | None = None,
+    deterministic: bool | None = None,
+    target_dtype: torch.dtype | None = None,
+    *,
+    volta_model_type: Any = None,
+    volta_window: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``_flash_attention_forward`` contract on volta_train: q [b, sq, h, d], k/v [b, sk, hkv, d] ->
+    out [b, sq, h, d].
+
+    The flash-attention classes of models that compute attention themselves (Falcon, GPT-Neo; see
+    :mod:`.swaps`) call it in place of transformers' function, with the mask volta_train's mask function built.
+    ``dropout`` comes already zeroed outside training (those classes do it); ``use_top_left_mask`` is flash-attn
+    < 2.1's causal alignment, which volta_train never has (its causal masks are bottom-right aligned).
+    ``volta_window`` is the module's own window where its class passes none (GPT-Neo's local layers).
+    """
+    require_family(volta_model_type, f"the flash-attention class of a {volta_model_type} model")
+    if target_dtype is not None and query_states.dtype == torch.float32:  # as transformers: PEFT's fp32 upcasts
+        query_states, key_states, value_states = (x.to(target_dtype) for x in (query_states, key_states, value_states))
+    if sliding_window is None:
+        sliding_window = volta_window
+    kwargs = {**kwargs, "position_ids": position_ids, "softcap": softcap, "deterministic": deterministic,
+              "sliding_window": sliding_window}
+    query, key, value = (x.transpose(1, 2) for x in (query_states, key_states, value_states))
+    _check_kwargs(volta_model_type, kwargs)
+    _check_shapes(volta_model_type, query, key, value)
+    causal = bool(is_causal)
+    cross = not causal and query.shape[2] != key.shape[2]
+    return _run(volta_model_type, query, key, value, attention_mask, causal, float(dropout), softmax_scale, cross,
+                kwargs)

@@ -10,10 +10,13 @@ attention sinks are passed on). Anything it cannot do is refused naming the mode
 and the feature.
 
 A family-specific :class:`Family` exists only where a family needs one
-(:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases).
-Models whose modeling code computes all of its attention itself are refused with the
-reason, found by inspection; a submodel that does (PEGASUS-X's block-local encoder)
-keeps its own attention while the rest of the model runs on volta_train.
+(:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases,
+Falcon's ALiBi, GPT-Neo's local windows, PEGASUS-X's decoder causality). Modules that
+compute attention themselves run on volta_train where transformers has a
+flash-attention class for them (Falcon, GPT-Neo) or volta_train replaces them
+(PEGASUS-X's global-local encoder attention): :func:`own_attention_modules`, swapped by
+:mod:`.swaps`. Other models whose modeling code computes attention itself are refused
+with the reason, found by inspection.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ def _no_check(model: nn.Module, modules: list[nn.Module]) -> None:
     return None
 
 
+def _no_window(module: nn.Module) -> int | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """How volta_train handles one config.model_type."""
@@ -61,6 +68,8 @@ class Family:
     )
     check: Callable[[nn.Module, list[nn.Module]], None] = _no_check  # family-specific validation of a model
     default_scaling: Callable[[nn.Module], float | None] = _no_default_scaling  # when no `scaling` kwarg comes
+    own_window: Callable[[nn.Module], int | None] = _no_window  # window of a swapped module (own_attention_modules)
+    is_causal: Callable[[nn.Module], bool | None] = _no_window  # where no is_causal kwarg comes; None: the module's
 
 
 # ---- the one family that needs its own code --------------------------------------------------------------
@@ -86,6 +95,29 @@ def _gpt2_check(model: nn.Module, modules: list[nn.Module]) -> None:
         )
 
 
+def _falcon_check(model: nn.Module, modules: list[nn.Module]) -> None:
+    if getattr(model.config, "alibi", False):
+        raise NotImplementedError(
+            "falcon: ALiBi position bias (config.alibi=True) is added to the attention scores in eager and sdpa; "
+            "transformers' Falcon flash-attention class, which volta_train runs, has no ALiBi. Use "
+            "attn_implementation='sdpa' or 'eager' for this model"
+        )
+
+
+def _gpt_neo_window(module: nn.Module) -> int | None:
+    # GPT-Neo's local layers mask all but the last config.window_size keys (its `bias` buffer); its flash-attention
+    # class passes no window (transformers 5.x attends over the whole past there), eager and volta_train do.
+    return int(module.config.window_size) if getattr(module, "attention_type", None) == "local" else None
+
+
+def _pegasus_x_causal(module: nn.Module) -> bool | None:
+    # PegasusXDecoderLayer builds its self-attention with is_causal=False and relies on the causal mask that eager and
+    # sdpa apply; volta_train takes causality from the module, so here decoder self-attention is causal.
+    if not isinstance(getattr(module, "is_decoder", None), bool):
+        return None
+    return module.is_decoder and not is_cross_attention(module)
+
+
 SPECIAL: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
@@ -97,6 +129,9 @@ SPECIAL: dict[str, Family] = {
         check=_gpt2_check,
         default_scaling=_gpt2_scaling,
     ),
+    "falcon": Family("falcon", check=_falcon_check),
+    "pegasus_x": Family("pegasus_x", is_causal=_pegasus_x_causal),
+    "gpt_neo": Family("gpt_neo", own_window=_gpt_neo_window),
 }
 """Families with their own checks or defaults; every other qualifying model_type gets the generic :class:`Family`."""
 
@@ -122,6 +157,55 @@ def interface_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if any(routes_through_interface(c) for c in type(module).__mro__)]
 
 
+FLASH_FUNCTION = "_flash_attention_forward"
+"""What transformers' own flash-attention classes call (transformers.modeling_flash_attention_utils)."""
+
+OWN_ATTENTION_CLASSES = ("PegasusXGlobalLocalAttention",)
+"""Attention classes that compute attention themselves in every implementation, which :mod:`.swaps` replaces:
+PEGASUS-X's encoder attention (global tokens plus block-local attention)."""
+
+SWAPPED = "_volta_train_swap"
+"""Class attribute of the classes :mod:`.swaps` builds: the original class of the module."""
+
+
+def _calls_flash_function(cls: type) -> bool:
+    forward = vars(cls).get("forward")
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and FLASH_FUNCTION in code.co_names
+
+
+@functools.lru_cache(maxsize=None)
+def flash_class_of(cls: type) -> type | None:
+    """transformers' flash-attention class for a module of class ``cls`` that computes attention itself, or None.
+
+    ``cls`` itself when its forward calls ``_flash_attention_forward``, else a direct subclass in its modeling module
+    that does: the class a model picks at construction for ``attn_implementation="flash_attention_2"``, with the
+    same weights (Falcon's ``FalconFlashAttention2``, GPT-Neo's ``GPTNeoFlashAttention2``).
+    """
+    if getattr(cls, SWAPPED, None) is not None:
+        return None
+    if _calls_flash_function(cls):
+        return cls
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    for obj in vars(module or object).values():
+        if isinstance(obj, type) and cls in obj.__bases__ and _calls_flash_function(obj):
+            return obj
+    return None
+
+
+def _own_attention_class(cls: type) -> bool:
+    return (getattr(cls, SWAPPED, None) is not None or cls.__name__ in OWN_ATTENTION_CLASSES
+            or flash_class_of(cls) is not None)
+
+
+def own_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that compute attention themselves and that patch() swaps for a class running
+    volta_train (:mod:`.swaps`), or swapped already."""
+    return [module for module in model.modules() if _own_attention_class(type(module))]
+
+
 def declares_flash_attention(cls: type) -> bool:
     return bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
 
@@ -145,20 +229,32 @@ def _model_class(model_type: str) -> type | None:
         return None
 
 
-def _routed_classes_of(cls: type) -> list[str]:
+def _attention_classes_of(cls: type) -> list[str]:
+    """The attention classes of ``cls``'s modeling module volta_train can run: those calling the attention interface,
+    and those :mod:`.swaps` replaces."""
     import sys
 
     module = sys.modules.get(cls.__module__)
     return [
         name for name, obj in vars(module or object).items()
-        if isinstance(obj, type) and issubclass(obj, nn.Module) and routes_through_interface(obj)
+        if isinstance(obj, type) and issubclass(obj, nn.Module)
+        and (routes_through_interface(obj) or _own_attention_class(obj))
     ]
 
 
 def _bypass_reason(model_type: str) -> str:
     return REFUSED.get(model_type) or (
-        "none of its modules calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS): its modeling code "
-        "computes attention itself, so no registered implementation can reach it"
+        "none of its modules calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS) or has a "
+        "flash-attention class: its modeling code computes attention itself, so no registered implementation can "
+        "reach it"
+    )
+
+
+def _no_attention_layer_reason(model: nn.Module, classes: list[str]) -> str:
+    return (
+        f"this {type(model).__name__} holds no attention module ({', '.join(sorted(classes))} are its attention "
+        "classes): its config builds no attention layer (hybrid models place them per layer, e.g. "
+        "layers_block_type, attn_layer_indices, block_types), so there is nothing to patch"
     )
 
 
@@ -180,7 +276,7 @@ def why_not(model_type: Any) -> str | None:
         )
     if not declares_flash_attention(cls):
         return f"transformers does not declare {cls.__name__} flash-attention capable (_supports_flash_attn is False)"
-    if not _routed_classes_of(cls):
+    if not _attention_classes_of(cls):
         return _bypass_reason(model_type)
     return None
 
@@ -194,8 +290,9 @@ def why_not_model(model: nn.Module, model_type: Any) -> str | None:
             f"transformers does not declare {type(model).__name__} flash-attention capable "
             "(_supports_flash_attn is False)"
         )
-    if not interface_modules(model):
-        return _bypass_reason(model_type)
+    if not interface_modules(model) and not own_attention_modules(model):
+        classes = _attention_classes_of(type(model))
+        return _no_attention_layer_reason(model, classes) if classes else _bypass_reason(model_type)
     return None
 
 
@@ -343,8 +440,11 @@ def is_cross_attention(module: nn.Module) -> bool:
 
 
 def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Module]:
-    """Validate every attention module of ``model``; returns them. Raises naming model_type and the feature."""
-    modules = interface_modules(model)
+    """Validate every attention module of ``model`` (those calling the attention interface, then those swaps.py
+    replaces); returns them. Raises naming model_type and the feature."""
+    interfaced = interface_modules(model)
+    own = {id(module) for module in own_attention_modules(model)}
+    modules = interfaced + [module for module in model.modules() if id(module) in own]
     names = {id(module): name for name, module in model.named_modules()}
     windows: dict[Any, int] = {}
     reference_dims: dict[int, tuple[Any, int | None]] = {}
@@ -357,7 +457,7 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
                 f"{owner}: chunked attention (config.attention_chunk_size={chunk}) is not supported by volta_train; "
                 "use attn_implementation='sdpa' or 'eager'"
             )
-        window = _module_window(module, config)
+        window = family_of(owner).own_window(module) if id(module) in own else _module_window(module, config)
         _check_window(owner, window)
         if window is not None:
             windows[window] = windows.get(window, 0) + 1

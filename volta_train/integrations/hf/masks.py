@@ -225,7 +225,9 @@ def padding_mask(
     if isinstance(attention_mask, Windowed):  # a static cache's kept mask, fed back (see Windowed)
         attention_mask = attention_mask.inner if isinstance(attention_mask.inner, torch.Tensor) else None
     packed, window = _pattern_of(mask_function)
-    inner = _padding_or_packing(batch_size, kv_length, kv_offset, mask_function, attention_mask, _packed=packed, **kwargs)
+    bidirectional = mask_function is not None and any(kind == "bidirectional" for kind, _ in _mask_parts(mask_function))
+    inner = _padding_or_packing(batch_size, kv_length, kv_offset, mask_function, attention_mask, _packed=packed,
+                                _bidirectional=bidirectional, **kwargs)
     return inner if window is None else Windowed(inner, window)
 
 
@@ -239,6 +241,7 @@ def _padding_or_packing(
 ) -> torch.Tensor | Packing | None:
     """The padding mask, the Packing of packed rows, or None (see :func:`padding_mask`)."""
     packed = kwargs.pop("_packed", None)
+    bidirectional = kwargs.pop("_bidirectional", False)
     if packed is not None:
         if attention_mask is not None:
             raise NotImplementedError(
@@ -257,6 +260,8 @@ def _padding_or_packing(
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
         return attention_mask
+    if bidirectional:  # encoder or cross-attention keys (a decoder shorter than its encoder): all are tokens
+        return None
     written = _tokens_written(kv_length, kv_offset, kwargs)
     if written is None or written[0] >= kv_length:
         return None

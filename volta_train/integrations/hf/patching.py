@@ -12,6 +12,7 @@ from .attention import hf_attention_forward, refuse_attention_weights
 from .base import ATTN_IMPLEMENTATION, UnsupportedModelError, interfaces
 from .families import check_model, family_of, check_version, unsupported, validated, why_not_model
 from .masks import padding_mask
+from . import swaps
 
 logger = logging.getLogger("volta_train")
 
@@ -37,6 +38,7 @@ class PatchRecord:
 
     previous: list[tuple[Any, Any]] = field(default_factory=list)  # (config, its attn implementation before)
     hook: Any = None  # the forward pre-hook refusing output_attentions=True
+    swapped: list[tuple[Any, ...]] = field(default_factory=list)  # modules given a volta_train class (swaps.py)
 
 
 def _configs_of(model: nn.Module) -> list[Any]:
@@ -91,7 +93,8 @@ def patch(model: nn.Module) -> nn.Module:
 
     Idempotent. Raises :class:`UnsupportedModelError` saying why for models whose
     attention volta_train cannot reach (not declared flash-attention capable by
-    transformers, or attention computed outside the attention interface),
+    transformers, or attention computed outside the attention interface by modules
+    without a flash-attention class; see :mod:`.swaps` for those that have one),
     NotImplementedError/ValueError naming the model_type and the feature it cannot
     honour, and :class:`TransformersVersionError` when the installed transformers is
     too old; it never falls back to stock attention silently.
@@ -110,9 +113,11 @@ def patch(model: nn.Module) -> nn.Module:
     configs = _configs_of(model)
     record = model.__dict__.get(_PATCH_ATTR)
     if record is None:
+        swapped = swaps.swap(model, config.model_type)
         record = PatchRecord(
             previous=[(c, c._attn_implementation) for c in configs],
             hook=model.register_forward_pre_hook(_refuse_output_attentions_hook, with_kwargs=True),
+            swapped=swapped,
         )
         model.__dict__[_PATCH_ATTR] = record
         before = ", ".join(sorted({repr(previous) for _, previous in record.previous}))
@@ -149,6 +154,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         _set_attn_implementation(config, previous)
     if record.hook is not None:
         record.hook.remove()
+    swaps.restore(record.swapped)
     restored = ", ".join(sorted({repr(previous) for _, previous in record.previous}))
     logger.info("volta_train.unpatch: %s uses attn_implementation=%s again", name, restored)
     return model
