@@ -18,8 +18,12 @@ Gradients reach the parameters in one of two ways:
   is False for all but the last tile, which is DeepSpeed's switch for a computation split in a loop: it reduces the
   gradient once, after the last tile has added its share.
 
-With gradient checkpointing the tiled forward runs inside the checkpointed block: the checkpoint's recompute runs it
-again (still tiled, still without autograd), then the tiles are recomputed once more in this backward. Dropout
+With gradient checkpointing the tiled forward runs inside the checkpointed block. The input is saved (by an identity
+function before the tiled one) before the MLP computes, so the non-reentrant checkpoint's recompute, which stops
+once the last tensor the block saved is saved again, ends before the MLP when nothing after the MLP in the block
+saves a tensor (Llama, GPT-2, MoE blocks): the tiles' recompute in this backward is then the MLP's only one. Where
+something after it does (Gemma2/3's post_feedforward_layernorm) and under the reentrant checkpoint, the recompute
+runs the tiled forward in full and the tiles are recomputed once more here. Dropout
 inside an MLP draws per tile, so it gives other masks than the untiled module (the same ones in the forward and its
 recompute); equality with the untiled MLP holds without dropout.
 """
@@ -221,11 +225,14 @@ def _tiled_call(original: Callable, tile: int) -> Callable:
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
                 return _forward_tiles(original, x, tile)
+        link = _Link() if x.requires_grad else None  # no input that requires grad: _SaveInput would not save
+        if link is not None:
+            x = _SaveInput.apply(x, link)
         if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: gradients go to .grad tile by tile (module docstring)
-            if not x.requires_grad:
+            if link is None:
                 return original(x)  # the function's output needs an input that requires grad to get a backward
-            return _TiledMLP.apply(original, tile, params, x)
-        return _TiledMLP.apply(original, tile, None, x, *params)
+            return _TiledMLP.apply(original, tile, params, link, x)
+        return _TiledMLP.apply(original, tile, None, link, x, *params)
 
     return call
 
@@ -288,27 +295,62 @@ class _RngAndAutocast:
         return stack
 
 
-class _TiledMLP(torch.autograd.Function):
-    """y = run(x), computed and backpropagated over tiles of x's tokens; saves only x.
+class _Link:
+    """Hands _SaveInput's context (which holds the saved input) to the _TiledMLP call that follows it."""
 
-    apply(run, tile, zero3_params, x, *params): ``params`` (plain parameters) get their gradients returned;
+    __slots__ = ("ctx",)
+
+    def __init__(self):
+        self.ctx = None
+
+
+class _SaveInput(torch.autograd.Function):
+    """Identity that saves its input for the _TiledMLP call after it (see _TiledMLP)."""
+
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.save_for_backward(x)
+        link.ctx = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _TiledMLP(torch.autograd.Function):
+    """y = run(x), computed and backpropagated over tiles of x's tokens.
+
+    apply(run, tile, zero3_params, link, x, *params): ``params`` (plain parameters) get their gradients returned;
     ``zero3_params`` (ZeRO-3 parameters, not inputs) get them through ``.grad`` tile by tile.
+
+    The input is saved by the :class:`_SaveInput` call just before this one (``link``), not here: a custom function's
+    tensors are saved when its forward returns, so a checkpoint's recompute, which stops as soon as the last tensor
+    the forward saved is saved again (non-reentrant checkpoint's early stop), would otherwise run the whole tiled
+    forward only to save x and discard the output. Saved before the computation, x can be that last tensor (when
+    nothing later in the checkpointed block saves one, as in Llama's or GPT-2's block) and the recompute ends before
+    the MLP: the MLP then runs twice per step (forward, this backward), as an untiled MLP under checkpointing does.
+    When a later operation saves a tensor (Gemma2/3's post_feedforward_layernorm saves the MLP output) the recompute
+    runs this forward in full, as it must, and the MLP runs three times. ``link`` None (x needs no gradient):
+    x is saved here.
     """
 
     @staticmethod
-    def forward(ctx, run, tile, zero3_params, x, *params):
-        ctx.run, ctx.tile, ctx.zero3_params = run, tile, zero3_params
+    def forward(ctx, run, tile, zero3_params, link, x, *params):
+        ctx.run, ctx.tile, ctx.zero3_params, ctx.link = run, tile, zero3_params, link
         ctx.state = _RngAndAutocast(x.device)
         ctx.params = params  # parameters are leaves: held, not saved (nothing to recompute or offload)
-        ctx.save_for_backward(x)
-        return _forward_tiles(run, x, tile)
+        if link is None:
+            ctx.save_for_backward(x)
+        return _forward_tiles(run, x.detach(), tile)  # no autograd inside: plain tensors for the tiles
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), params = ctx.saved_tensors, ctx.params
-        zero3 = ctx.zero3_params
-        wants_x = ctx.needs_input_grad[3]
-        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
+        # unpacked once: a checkpoint hands each recomputed tensor out once (and recomputes the block here if needed)
+        (x,) = ctx.link.ctx.saved_tensors if ctx.link is not None else ctx.saved_tensors
+        params, zero3 = ctx.params, ctx.zero3_params
+        wants_x = ctx.needs_input_grad[4]
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[5 + i]]
         flat_x, flat_g = _token_view(x.detach()), grad_out.reshape(*_token_view(x).shape[:-1], grad_out.shape[-1])
         grad_x = torch.empty_like(flat_x) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
@@ -339,7 +381,7 @@ class _TiledMLP(torch.autograd.Function):
             for p in zero3:
                 p.ds_grad_is_ready = True
         grad_x = grad_x.reshape(x.shape) if wants_x else None
-        return (None, None, None, grad_x, *sums)
+        return (None, None, None, None, grad_x, *sums)
 
 
 def configure(model: torch.nn.Module, mode: str, tokens: int | None, tile_tokens: int | None = None) -> list[str]:
