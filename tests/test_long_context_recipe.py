@@ -52,7 +52,8 @@ def test_tiled_mlp_and_offload_keep_the_loss_trajectory(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
-    """Two gloo processes, ZeRO-3 (the ds_grad_is_ready path), Ulysses sp=2, checkpointing: tiled = untiled."""
+    """Two gloo processes, ZeRO-3 (weights gathered per tile by DeepSpeed's hooks), Ulysses sp=2, checkpointing: tiled =
+    untiled."""
     import os
     import subprocess
     import sys

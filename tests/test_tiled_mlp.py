@@ -307,16 +307,16 @@ def _step(model, first: str, setup: str, tile: int | None):
     return loss.detach(), grads, rows[0] / (ids.numel() * len(mlps)), flops.total
 
 
-# MLP forwards per token in one training step: untiled, tiled. Tiling adds the backward's per-tile recompute; under
-# non-reentrant checkpointing that recompute replaces the checkpoint's (which stops before the MLP) unless an
-# operation after the MLP saves a tensor (Gemma2's post_feedforward_layernorm); the reentrant checkpoint always
-# recomputes the whole block.
+# MLP forwards per token in one training step (rows through the MLP's first projection or router): untiled, tiled.
+# Tiling adds the per-tile recompute; under the non-reentrant checkpoint it replaces the block's recompute of the MLP
+# (which stops before the tiled MLP) unless an operation after the MLP saves a tensor (Gemma2's
+# post_feedforward_layernorm); the reentrant checkpoint always recomputes the whole block.
 FORWARDS = {"plain": (1, 2), "checkpoint": (2, 2), "reentrant": (2, 3), "checkpoint+offload": (2, 2)}
-# The tiled step's extra FLOPs under non-reentrant checkpointing, in MLP forwards: the untiled checkpoint's recompute
-# stops once the last projection's input is saved, before that projection's matmul (1 of Llama's 3, 1 of GPT-2's 2),
-# while each tile's recompute computes it; Qwen2-MoE's block saves tensors after its last matmul (the recompute
-# runs it untiled too); Gemma2's recompute runs the whole MLP untiled, once more tiled.
-EXTRA_CHECKPOINTED = {"llama": Fraction(1, 3), "gpt2": Fraction(1, 2), "qwen2_moe": Fraction(0), "gemma2": Fraction(1)}
+# FLOPs of a tile's recompute, in MLP forwards: each tile's checkpoint stops once the last tensor it saves is saved
+# again, before the last projection's matmul (Llama: 2 of 3 matmuls, GPT-2: 1 of 2); Qwen2-MoE's block saves tensors
+# after its last matmul. That is the tiled step's extra work without checkpointing and under the reentrant
+# checkpoint; under the non-reentrant one none, except where the block's recompute runs the tiled MLP (Gemma2).
+TILE_RECOMPUTE = {"llama": Fraction(2, 3), "gpt2": Fraction(1, 2), "qwen2_moe": Fraction(1), "gemma2": Fraction(2, 3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -326,7 +326,7 @@ def test_families_gradients_and_mlp_forwards(kind, setup, dtype):
     """Whole models, tiled against untiled under each checkpointing setup: the loss and every gradient match; the
     MLP forwards per token (FORWARDS: with non-reentrant checkpointing the tiled MLP runs as many as the untiled
     one, except where a later operation needs the MLP output in the recompute) and the step's FLOPs beyond the
-    untiled step's (EXTRA_CHECKPOINTED)."""
+    untiled step's (TILE_RECOMPUTE)."""
     reference, first = _family(kind, dtype)
     model = copy.deepcopy(reference)
     width = reference.config.hidden_size
@@ -344,7 +344,7 @@ def test_families_gradients_and_mlp_forwards(kind, setup, dtype):
     if kind == "gemma2" and setup.startswith("checkpoint"):
         want = (2, 3)
     assert (forwards0, forwards1) == want
-    extra = Fraction(1) if setup in ("plain", "reentrant") else EXTRA_CHECKPOINTED[kind]
+    extra = TILE_RECOMPUTE[kind] if setup in ("plain", "reentrant") or kind == "gemma2" else 0
     assert flops1 - flops0 == extra * one.total, (flops1 - flops0) / one.total
 
 
@@ -376,3 +376,62 @@ def test_input_without_gradient(kind):
     for (name, p0), p1 in zip(reference.named_parameters(), module.parameters()):
         assert p0.grad is not None
         _close(p1.grad, p0.grad, torch.float64, name)
+
+
+@pytest.mark.parametrize("setup", ["plain", "checkpoint"])
+def test_backward_runs_one_tile_at_a_time(setup):
+    """Each tile's recompute is followed by that tile's backward before the next tile is recomputed (last tile
+    first), so one tile's activations are alive at a time."""
+    model, _ = _family("llama", torch.float32)
+    if setup == "checkpoint":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tiled_mlp.tile_mlps(model, tile_tokens=20, mode="on")
+    events = []
+    piece = tiled_mlp._Tiles.piece
+
+    def recorded(self, k):
+        if self.pieces is None:
+            events.append(f"recompute {k}")
+        return piece(self, k)
+
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_full_backward_hook(lambda *a: events.append("backward"))
+    ids = torch.randint(0, 64, (2, 45))
+    try:
+        tiled_mlp._Tiles.piece = recorded
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        tiled_mlp._Tiles.piece = piece
+    one_layer = [e for k in (4, 3, 2, 1, 0) for e in (f"recompute {k}", "backward")]  # 90 tokens in tiles of 20
+    assert events == one_layer * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("setup", ["plain", "checkpoint"])
+def test_dropout_masks_of_forward_and_recompute_agree(device, setup):
+    """GPT-2's MLP ends in dropout: each tile's recompute must draw the forward's mask (the tile checkpoints restore
+    the CPU and the input's CUDA RNG state). The bias of the last projection gets sum(kept * w) / (1 - p), with the
+    kept positions read off the output."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    torch.manual_seed(0)
+    p = 0.3
+    mlp = GPT2MLP(96, GPT2Config(n_embd=24, n_head=2, resid_pdrop=p, activation_function="gelu_pytorch_tanh"))
+    mlp = mlp.to(device).double().train()
+    holder = Holder(mlp)
+    tiled_mlp.tile_mlps(holder, 7, "on")
+    x = torch.randn(2, 30, 24, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(2, 30, 24, dtype=torch.float64, device=device)
+    if setup == "checkpoint":
+        from torch.utils.checkpoint import checkpoint
+
+        y = checkpoint(lambda t: mlp(t * 1.0), x, use_reentrant=False)
+    else:
+        y = mlp(x)
+    (y * weight).sum().backward()
+    kept = (y != 0).double()
+    assert 0.5 < kept.mean().item() < 0.9
+    _close(mlp.c_proj.bias.grad, (kept * weight).sum((0, 1)) / (1 - p), torch.float64, "c_proj.bias")
