@@ -371,7 +371,8 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary (Llama-3: 128256)")
     p.add_argument("--memory-gb", type=float, default=32.0, help="CUDA memory cap in GiB (0: none)")
     p.add_argument("--variants", default="baseline,tiled+offload",
-                   help=f"comma-separated: baseline or {', '.join(FEATURES)} joined by '+' (e.g. {', '.join(VARIANTS)})")
+                   help=f"comma-separated: baseline or {', '.join(FEATURES)} joined by '+' "
+                        f"(e.g. {', '.join(VARIANTS)})")
     p.add_argument("--start", type=int, default=65536, help="first length tried")
     p.add_argument("--max-len", type=int, default=1048576, help="longest length tried")
     p.add_argument("--granularity", type=int, default=8192, help="bisection stops at this bracket (tokens)")

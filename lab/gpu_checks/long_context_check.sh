@@ -2,7 +2,7 @@
 # Long-context figures of docs/long_context.md in one call on one GPU (H100/H200), at most BUDGET_S seconds
 # (default 530, under 9 minutes), with lab/long_context_probe.py (Llama-3.2-1B shape, 128,256 words, causal SDPA within
 # 4096-token blocks; needs torch and transformers, not DeepSpeed):
-#   0. tests/test_tiled_mlp.py's CUDA dropout test (the tiles' recomputes restore the CUDA RNG state), if pytest is there;
+#   0. tests/test_tiled_mlp.py's CUDA dropout test (the tiles' recomputes restore the CUDA RNG state), with pytest;
 #   1. step time at 16,384 tokens, no memory cap: baseline, tiled, offload, tiled+offload (median of 5 steps after 2);
 #   2. the longest sequence that trains two full steps under a 32 GiB cap: baseline (from 32,768 tokens, bisection
 #      to 8,192), then tiled+offload+optim_offload (from 262,144, bisection to 16,384) in the time left.
@@ -34,7 +34,7 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  $PY -c "import torch, transformers as t; print('torch', torch.__version__, torch.version.cuda, 'transformers', t.__version__)"
 } > "$dest/env.txt" 2>&1
 cat "$dest/env.txt" | tee -a "$log"
 
@@ -66,7 +66,8 @@ if [ "${CPU_SMOKE:-0}" != 1 ] && $PY -c "import pytest" 2>/dev/null; then
   stamp "gpu test: exit $? ($(tail -n 1 "$work/gpu_test.txt"))"
 fi
 
-run step_time 120 99 --no-search --step-time "$STEP_TOKENS" --memory-gb 0 --variants baseline,tiled,offload,tiled+offload
+run step_time 120 99 --no-search --step-time "$STEP_TOKENS" --memory-gb 0 \
+  --variants baseline,tiled,offload,tiled+offload
 run search_baseline 150 1.5 --variants baseline --memory-gb 32 --start 32768 --granularity 8192 --max-len 131072
 run search_optim_offload 150 99 --variants tiled+offload+optim_offload --memory-gb 32 --start 262144 \
   --granularity 16384 --max-len 1048576
