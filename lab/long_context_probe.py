@@ -15,6 +15,14 @@ Attention: full causal attention at 500k tokens costs minutes a step while its m
 not depend on how many keys a query sees, so by default the search runs causal SDPA within blocks of
 ``--attention-block`` tokens (same tensors, O(tokens x block) work); ``--attention sdpa`` runs the full attention.
 
+Variants: ``baseline`` or features joined by ``+`` (in this order): ``tiled`` (tiled MLP), ``offload`` (activation
+offload), ``optim_offload``: the optimizer state in host memory (:class:`HostAdamW`): 16-bit weights and gradients
+on the GPU (bf16 on sm_80+, fp16 with loss scaling on a V100), fp32 master weights, their gradients and AdamW's
+moments in host memory, the step on the CPU (torch's foreach AdamW). It stands in, for what stays in GPU memory, for
+DeepSpeed's ``offload_optimizer: {device: cpu}`` with 16-bit training (ZeRO-Offload), which this one-GPU probe does
+not need installed; not for its speed (DeepSpeed's CPU Adam is compiled, and it streams gradients to the host during
+the backward, so it holds at most what this holds on the GPU).
+
 Search per variant: doubling from ``--start`` until a length fails (out of memory) or reaches ``--max-len``, then
 bisection until the bracket is within ``--granularity`` tokens; ``--time-budget-min`` stops starting probes (the
 bracket so far is reported). Output: ``<out>/long_context_probe.md`` (table) and ``.json`` (every probe).
@@ -41,7 +49,18 @@ from tqdm import tqdm  # noqa: E402
 from volta_train.training import activation_offload, chunked_loss, tiled_mlp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"baseline": (False, False), "tiled": (True, False), "offload": (False, True), "tiled+offload": (True, True)}
+FEATURES = ("tiled", "offload", "optim_offload")
+VARIANTS = ("baseline", "tiled", "offload", "tiled+offload", "optim_offload", "tiled+offload+optim_offload")
+
+
+def parse_variant(name: str) -> dict:
+    """``baseline`` or FEATURES joined by ``+`` in that order -> {feature: on?}."""
+    parts = [] if name == "baseline" else name.split("+")
+    if name != "baseline" and (any(p not in FEATURES for p in parts) or len(set(parts)) != len(parts)
+                               or parts != sorted(parts, key=FEATURES.index)):
+        raise ValueError(f"--variants: unknown variant {name!r}; accepted: baseline, or {', '.join(FEATURES)} joined "
+                         f"by '+' in that order (e.g. {VARIANTS[-1]})")
+    return {f: f in parts for f in FEATURES}
 ATTENTION = "long_context_probe_block_local"
 
 
@@ -94,12 +113,110 @@ def memory_model(shape: dict, tokens: int, tiled: bool, offload: bool, tile_toke
             "terms_per_token": {"checkpointed_hidden": kept, "attention": attention, "mlp": mlp, "gradient": gradient}}
 
 
+def variant_memory(features: dict) -> dict:
+    """memory_model's keyword arguments for a probe variant: bench_train's fp32 weights under autocast keep 16 bytes
+    per parameter on the GPU and an fp32 residual stream; optim_offload keeps 16-bit weights and gradients (4) and a
+    16-bit residual stream."""
+    return {"state_bytes_per_parameter": 4.0, "hidden_bytes": 2} if features["optim_offload"] else \
+        {"state_bytes_per_parameter": 16.0, "hidden_bytes": 4}
+
+
 def predicted_max_tokens(shape: dict, cap_gib: float, tiled: bool, offload: bool, **kw) -> int:
     """The longest sequence the memory model fits in ``cap_gib`` GiB per GPU (multiple of 1024 x sp)."""
     m = memory_model(shape, 0, tiled, offload, **kw)
     sp = kw.get("sp", 1)
     tokens = (cap_gib * 2**30 - m["fixed_bytes"]) / m["bytes_per_token"] * sp
     return max(0, int(tokens) // (1024 * sp) * 1024 * sp)
+
+
+# ---- optimizer state in host memory (optim_offload) --------------------------------------------------------------
+
+
+def low_precision(device: torch.device) -> torch.dtype:
+    """The 16-bit type of the optim_offload variant: bf16 where the GPU computes in it (sm_80+) and on the CPU, fp16
+    on a V100 (sm_70), as DeepSpeed's bf16 / fp16 settings would be chosen there."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        return torch.float16
+    return torch.bfloat16
+
+
+class HostAdamW:
+    """AdamW with its state in host memory for a model whose weights and gradients are 16-bit on the GPU (what
+    DeepSpeed's offload_optimizer keeps there; the module docstring says what it does not imitate).
+
+    Built from the fp32 model, which it converts to ``dtype``: fp32 master weights, their gradients and AdamW's
+    moments on the host; pinned 16-bit staging tensors for the copies (on CUDA). :meth:`step`, after the backward:
+    gradients to the host (the GPU's freed), unscaled (fp16: the loss was multiplied by :attr:`scale`), clipped,
+    AdamW on the CPU, the updated weights back to the GPU in 16 bits. An fp16 overflow skips the step and halves the
+    scale.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, lr: float = 1e-4, clip: float = 1.0):
+        device = next(model.parameters()).device
+        pin = device.type == "cuda"
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach()) for p in params]
+        for m in self.master:
+            m.grad = torch.zeros_like(m)
+        model.to(dtype)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.staging = [torch.empty(p.shape, dtype=dtype, pin_memory=pin) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, foreach=True)
+        self.clip, self.dtype, self.device = clip, dtype, device
+        self.scale = 2.0**16 if dtype == torch.float16 else 1.0
+        self.skipped = 0
+
+    def step(self) -> bool:
+        """One optimizer step from the 16-bit gradients on the model; False when an fp16 overflow skipped it."""
+        for p, s in zip(self.params, self.staging):
+            if p.grad is None:
+                s.zero_()
+            else:
+                s.copy_(p.grad, non_blocking=True)
+            p.grad = None  # the allocator reuses the memory only after the copy, on the same stream
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        grads = [m.grad for m in self.master]
+        torch._foreach_copy_(grads, self.staging)
+        if self.scale != 1.0:
+            torch._foreach_div_(grads, self.scale)
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip, foreach=True)
+        if not torch.isfinite(norm):
+            self.scale /= 2
+            self.skipped += 1
+            return False
+        self.optimizer.step()
+        torch._foreach_copy_(self.staging, self.master)
+        with torch.no_grad():
+            for p, s in zip(self.params, self.staging):
+                p.copy_(s, non_blocking=True)
+        return True
+
+    def host_bytes(self) -> int:
+        """Host memory it holds: master weights and gradients, AdamW's moments, the staging tensors."""
+        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in [*self.master, *(m.grad for m in self.master), *state,
+                                                            *self.staging])
+
+
+def training_step(model, length: int, vocab: int, device: torch.device):
+    """(optimizer, scaler, step) as bench_train.training_step; with optim_offload (a HostAdamW on the model) a step
+    without autocast (the weights are 16-bit) whose optimizer step runs on the host."""
+    host: HostAdamW | None = getattr(model, "_probe_host_adamw", None)
+    if host is None:
+        return bench.training_step(model, 1, length, vocab, device)
+    ids = torch.randint(0, vocab, (1, length), device=device)
+
+    def step(loss_impl: str):
+        if loss_impl == "chunked":
+            loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        (loss * host.scale).backward()
+        host.step()
+        return loss
+
+    return host, None, step
 
 
 # ---- attention for the search ------------------------------------------------------------------------------------
@@ -148,7 +265,7 @@ def probe(model, length: int, steps: int, vocab: int, device: torch.device) -> d
         torch.cuda.reset_peak_memory_stats(device)
     began = time.perf_counter()
     try:
-        optimizer, scaler, step = bench.training_step(model, 1, length, vocab, device)
+        optimizer, scaler, step = training_step(model, length, vocab, device)
         for _ in range(steps):
             loss = step("chunked").detach()
         if device.type == "cuda":
@@ -160,7 +277,7 @@ def probe(model, length: int, steps: int, vocab: int, device: torch.device) -> d
         row = {"length": length, "status": "oom"}
     finally:
         del optimizer, scaler
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # after an out-of-memory error mid-step too
     row["seconds"] = round(time.perf_counter() - began, 2)
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -212,7 +329,7 @@ def search(model, args, device: torch.device, bar, deadline: float) -> dict:
 
 def step_time(model, length: int, warmup: int, steps: int, vocab: int, device: torch.device) -> float:
     """Median seconds of ``steps`` synchronised training steps at ``length`` tokens, after ``warmup`` steps."""
-    optimizer, scaler, step = bench.training_step(model, 1, length, vocab, device)
+    optimizer, scaler, step = training_step(model, length, vocab, device)
     times = []
     for i in range(warmup + steps):
         if device.type == "cuda":
@@ -253,7 +370,9 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="llama1b", choices=list(bench.LLAMA), help="bench_train's Llama shapes")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary (Llama-3: 128256)")
     p.add_argument("--memory-gb", type=float, default=32.0, help="CUDA memory cap in GiB (0: none)")
-    p.add_argument("--variants", default="baseline,tiled+offload", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="baseline,tiled+offload",
+                   help=f"comma-separated: baseline or {', '.join(FEATURES)} joined by '+' "
+                        f"(e.g. {', '.join(VARIANTS)})")
     p.add_argument("--start", type=int, default=65536, help="first length tried")
     p.add_argument("--max-len", type=int, default=1048576, help="longest length tried")
     p.add_argument("--granularity", type=int, default=8192, help="bisection stops at this bracket (tokens)")
@@ -271,9 +390,10 @@ def main(argv=None) -> dict:
     p.add_argument("--smoke", action="store_true", help="CPU, llama-nano, 64-512 tokens: the code path only")
     p.add_argument("--out", default="out/long_context_probe")
     args = p.parse_args(argv)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; accepted: {', '.join(VARIANTS)}")
+    try:
+        variants = {v: parse_variant(v) for v in args.variants.split(",")}
+    except ValueError as e:
+        p.error(str(e))
     if args.smoke:
         args.model, args.vocab, args.start, args.max_len, args.granularity = "llama-nano", 320, 64, 512, 64
         args.memory_gb, args.attention_block, args.tile_tokens = 0.0, 32, 48
@@ -289,10 +409,13 @@ def main(argv=None) -> dict:
     deadline = began + args.time_budget_min * 60
     results = []
     bar = tqdm(desc="long_context_probe", unit="probe")
-    for variant in args.variants.split(","):
-        tiled, offload = VARIANTS[variant]
+    for variant, features in variants.items():
+        tiled, offload = features["tiled"], features["offload"]
         torch.manual_seed(0)
         model = bench.build(args.model, args.max_len, attention, device, True, args.vocab)
+        host = None
+        if features["optim_offload"]:
+            host = model._probe_host_adamw = HostAdamW(model, low_precision(device))
         tiled_mlp.tile_mlps(model, args.tile_tokens, "on" if tiled else "off")
         offloader = activation_offload.enable(model, min_bytes=1 if args.smoke else None) if offload else None
         bar.set_description(f"long_context_probe {variant}")
@@ -303,11 +426,15 @@ def main(argv=None) -> dict:
         cap = args.memory_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30
                                  if device.type == "cuda" else 0.0)
         found.update(variant=variant, tiled_mlp=tiled, activation_offload=offload,
-                     predicted=predicted_max_tokens(shape, cap, tiled, offload, tile_tokens=args.tile_tokens)
-                     if cap else None,
-                     offloaded_bytes=offloader.stats.packed_bytes if offloader else 0)
+                     optim_offload=features["optim_offload"],
+                     weights_dtype=str(host.dtype).removeprefix("torch.") if host else "float32",
+                     predicted=predicted_max_tokens(shape, cap, tiled, offload, tile_tokens=args.tile_tokens,
+                                                    **variant_memory(features)) if cap else None,
+                     offloaded_bytes=offloader.stats.packed_bytes if offloader else 0,
+                     host_optimizer_bytes=host.host_bytes() if host else 0,
+                     skipped_steps=host.skipped if host else 0)
         results.append(found)
-        del model, offloader
+        del model, offloader, host
         bench._cleanup(device)
     bar.close()
     summary = {"device": device_name, "torch": torch.__version__, "model": args.model, "vocab": args.vocab,
@@ -327,8 +454,10 @@ def table(summary: dict) -> str:
     lines = [f"# long_context_probe: {summary['model']} ({summary['shape']['parameters'] / 1e9:.2f} B parameters, "
              f"{summary['vocab']} words), {summary['device']}, cap {summary['memory_gb']:g} GiB", "",
              f"{summary['probe_steps']} training steps per probe (bench_train: fp16 autocast, fp32 AdamW, chunked "
-             f"loss, activation checkpointing), attention {summary['attention']}; predicted = docs/long_context.md's "
-             "memory model (unverified until this table is)", "",
+             f"loss, activation checkpointing; optim_offload: 16-bit weights and gradients on the GPU, fp32 master "
+             f"weights and AdamW on the host, DeepSpeed offload_optimizer's GPU memory), attention "
+             f"{summary['attention']}; predicted = docs/long_context.md's memory model (unverified until this table "
+             "is)", "",
              f"step time: median of {summary['args']['timed_steps']} steps after 2 warm-up steps at "
              f"{summary['args']['step_time']:,} tokens, and its ratio to the first variant's", "",
              "| variant | longest trained | first failing | peak reserved GiB at longest | predicted | probes | s | "

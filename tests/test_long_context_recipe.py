@@ -52,7 +52,8 @@ def test_tiled_mlp_and_offload_keep_the_loss_trajectory(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
-    """Two gloo processes, ZeRO-3 (the ds_grad_is_ready path), Ulysses sp=2, checkpointing: tiled = untiled."""
+    """Two gloo processes, ZeRO-3 (weights gathered per tile by DeepSpeed's hooks), Ulysses sp=2, checkpointing: tiled =
+    untiled."""
     import os
     import subprocess
     import sys
@@ -73,3 +74,37 @@ def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
         losses[mode] = [float(r["loss"]) for r in logs.read_csv(tmp_path / mode / "train.csv")]
     assert len(losses["on"]) == 3
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses["off"], losses["on"])), losses
+
+
+def test_shipped_8b_config_composes_everything():
+    """configs/gpt_long/v100_llama8b_128k_sp8_zero3_offload.yaml, without launching: it loads and resolves for 8 GPU
+    processes, names a ZeRO-3 DeepSpeed config with the optimizer and the weights offloaded to the CPU, turns every
+    long-context option on, and its model (built on the meta device) has 32 tiled MLPs, checkpointed blocks whose
+    inputs go to host memory, and a head the chunked loss accepts."""
+    import json
+
+    import torch
+
+    from volta_train.training import chunked_loss, config, data, distributed, gpt, sequence_parallel, tiled_mlp
+
+    path = ROOT / "configs" / "gpt_long" / "v100_llama8b_128k_sp8_zero3_offload.yaml"
+    cfg = gpt.resolve(config.parse_config(gpt.GPTTrainConfig, ["--config", str(path)]), "cuda", 8)
+    gpt.check_sequence_parallel(cfg, 8)
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.intermediate_size) == \
+        ("llama", 32, 4096, 32, 8, 14336)
+    assert (cfg.seq_len, cfg.sequence_parallel_size, cfg.mixed_precision) == (131072, 8, "fp16")
+    assert cfg.gradient_checkpointing and cfg.activation_offload and cfg.chunked_loss and cfg.tiled_mlp == "on"
+    ds = json.loads(distributed.resolve_deepspeed_spec(cfg.deepspeed).read_text())
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    with torch.device("meta"):
+        model = gpt.build_model(cfg, data.load_tokenizer(gpt.default_tokenizer(cfg)))
+    sequence_parallel.check_degree(8, *sequence_parallel.heads_of(model.config), 8)
+    tiled = [m for m in model.modules() if hasattr(m, tiled_mlp._ATTR)]
+    assert len(tiled) == 32 and getattr(tiled[0], tiled_mlp._ATTR).tile_tokens == 2304
+    assert isinstance(getattr(model, "_volta_activation_offloader", None), activation_offload.ActivationOffload)
+    assert sum(1 for m in activation_offload.checkpointed_modules(model) if hasattr(m, activation_offload._ATTR)) >= 32
+    assert chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)[0]
+    # Llama-3.1-8B's 8.03 B less its two 128k-word embeddings (a bytes vocabulary, tied)
+    assert abs(sum(p.numel() for p in model.parameters()) - 6.98e9) < 0.05e9

@@ -32,3 +32,72 @@ def test_smoke_and_memory_model(tmp_path):
     # tiling removes the 8 x intermediate bytes of the MLP, offload all but two layers' hidden states
     assert base["bytes_per_token"] - both["bytes_per_token"] == 8 * 8192 + 15 * 2048 * 4
     assert probe.predicted_max_tokens(shape, 32, True, True) > probe.predicted_max_tokens(shape, 32, False, False)
+
+
+def test_smoke_optim_offload(tmp_path):
+    """The optim_offload variants on the CPU: bf16 weights, AdamW state in host memory, every probe trains."""
+    probe = _probe()
+    summary = probe.main(["--smoke", "--variants", "optim_offload,tiled+offload+optim_offload", "--out", str(tmp_path)])
+    for r in summary["results"]:
+        assert r["longest"] == 512 and r["first_fail"] is None, r
+        assert r["optim_offload"] and r["weights_dtype"] == "bfloat16" and r["skipped_steps"] == 0
+        assert all(p["status"] == "ok" and 5 < p["loss"] < 7 for p in r["probes"])  # ~log(320) = 5.77
+        # master weights + their gradients + two moments (fp32) and the bf16 staging: 18 bytes per parameter (and
+        # AdamW's step counts, 4 bytes per tensor)
+        assert 0 < r["host_optimizer_bytes"] - 18 * summary["shape"]["parameters"] < 1024
+    assert summary["results"][1]["offloaded_bytes"] > 0
+    assert "| tiled+offload+optim_offload | 512 |" in (tmp_path / "long_context_probe.md").read_text()
+
+
+def test_host_adamw_step_is_adamw_on_the_master_weights():
+    """HostAdamW: the step equals torch's AdamW on fp32 weights given the 16-bit gradients; the model gets the
+    updated weights in 16 bits; fp16 gradients are unscaled, and an overflow skips the step and halves the scale."""
+    import torch
+
+    probe = _probe()
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+        reference = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+        host = probe.HostAdamW(model, dtype, lr=1e-2, clip=1e9)
+        assert all(p.dtype == dtype for p in model.parameters())
+        optimizer = torch.optim.AdamW(reference, lr=1e-2)
+        for _ in range(3):
+            grads = [torch.randn_like(p) * 1e-3 for p in reference]  # x 2^16 stays finite in fp16
+            for p, g in zip(model.parameters(), grads):
+                p.grad = (g * host.scale).to(dtype)
+            for p, g in zip(reference, grads):
+                p.grad = (g * host.scale).to(dtype).double().div(host.scale).float()
+            assert host.step()
+            optimizer.step()
+            for m, r, p in zip(host.master, reference, model.parameters()):
+                torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
+                assert torch.equal(p.detach(), m.to(dtype))
+                assert p.grad is None
+        if dtype == torch.float16:
+            scale = host.scale
+            before = [m.clone() for m in host.master]
+            for p in model.parameters():
+                p.grad = torch.full_like(p, float("inf"))
+            assert not host.step() and host.scale == scale / 2 and host.skipped == 1
+            assert all(torch.equal(a, b) for a, b in zip(before, host.master))
+
+
+def test_variants_and_memory_model_for_optim_offload():
+    import pytest
+
+    probe = _probe()
+    assert probe.parse_variant("baseline") == {"tiled": False, "offload": False, "optim_offload": False}
+    assert probe.parse_variant("tiled+offload+optim_offload") == dict.fromkeys(probe.FEATURES, True)
+    for bad in ("offload+tiled", "tiled+tiled", "zero", "", "baseline+tiled"):
+        with pytest.raises(ValueError, match="accepted: baseline"):
+            probe.parse_variant(bad)
+    shape = probe.model_shape("llama1b", 128256)
+    plain = probe.memory_model(shape, 1000, True, True, **probe.variant_memory(probe.parse_variant("tiled+offload")))
+    host = probe.memory_model(shape, 1000, True, True,
+                              **probe.variant_memory(probe.parse_variant("tiled+offload+optim_offload")))
+    # 12 bytes per parameter leave the GPU; the residual stream is 16-bit (2 bytes less per width unit and term)
+    assert plain["fixed_bytes"] - host["fixed_bytes"] == 12 * shape["parameters"]
+    assert plain["bytes_per_token"] - host["bytes_per_token"] == 2 * 2048 * (2 + 2 + 1 + 2)
+    assert probe.predicted_max_tokens(shape, 32, True, True, **probe.variant_memory(probe.parse_variant(
+        "tiled+offload+optim_offload"))) == 526336

@@ -3,25 +3,34 @@
 
 An MLP (and a MoE block, which routes every token on its own) does not mix positions, so its output over a sequence
 is the concatenation of its outputs over any split of the tokens. :func:`tile_mlps` replaces the ``forward`` of each
-block's MLP with one that runs :class:`_TiledMLP`: the forward computes the tiles without autograd and saves only
-the input; the backward recomputes each tile under ``enable_grad`` (same RNG and autocast state as the forward) and
-backpropagates it at once, keeping one tile's activations at a time.
+block's MLP with one that runs each tile of the tokens as a non-reentrant ``torch.utils.checkpoint`` of its own:
 
-Gradients reach the parameters in one of two ways:
+* the forward computes the tiles one at a time with autograd recording, the tile's saved tensors discarded by its
+  checkpoint, and writes them into one output; the MLP's input is saved once, by an identity function
+  (:class:`_SaveInput`) *before* the tiles run;
+* the backward reaches the tiles from the last to the first (the autograd engine runs a tile's nodes, all created
+  after the previous tile's, before that tile's); each tile's checkpoint recomputes the tile from its rows of the
+  saved input and stops, as non-reentrant checkpoints do, once the last tensor the tile saved is saved again: before
+  the MLP's last matmul, as an untiled MLP's recompute under activation checkpointing stops;
+* parameter gradients are accumulated by the autograd engine over the tiles, as for a module called once per tile,
+  so gradient hooks (DDP's reducer, ZeRO's reduction) fire once; under ZeRO-3 the recompute calls the MLP's own
+  sub-modules, so DeepSpeed's hooks gather the weights for each tile.
 
-* plain parameters (one process, DDP, ZeRO-1/2): they are inputs of the autograd function; each tile's parameter
-  gradients come from ``torch.autograd.grad``, are summed here and returned once, so the engine accumulates them
-  into ``.grad`` once and gradient hooks (DDP's reducer, ZeRO's reduction) fire once, as without tiling;
-* ZeRO-3 parameters (``ds_id``: partitioned between module calls): each tile is backpropagated with
-  ``torch.autograd.backward`` into ``.grad`` through the MLP's own sub-module calls, so DeepSpeed's fetch hooks
-  gather the weights for the recompute and its pre-/post-backward hooks for the tile's backward; ``ds_grad_is_ready``
-  is False for all but the last tile, which is DeepSpeed's switch for a computation split in a loop: it reduces the
-  gradient once, after the last tile has added its share.
+Inside an activation-checkpointed block, the input is the block's only tensor this saves in the block's checkpoint
+(the tiles' checkpoints take their inputs from a Python object, and run under identity saved-tensor hooks), and it is
+saved before the MLP computes. The block's recompute, which stops once the last tensor the block saved is saved
+again, therefore ends before the MLP where nothing after the MLP in the block saves a tensor (Llama, GPT-2, MoE
+blocks): the tiles' recompute is then the MLP's only recompute and a step does the MLP work of an untiled step.
+Where something after the MLP saves a tensor (Gemma2/3's post_feedforward_layernorm needs the MLP output) the
+block's recompute runs the tiled forward in full, and each tile is recomputed once more in the backward; the
+reentrant checkpoint always recomputes the whole block (docs/long_context.md, "Cost").
 
-With gradient checkpointing the tiled forward runs inside the checkpointed block: the checkpoint's recompute runs it
-again (still tiled, still without autograd), then the tiles are recomputed once more in this backward. Dropout
-inside an MLP draws per tile, so it gives other masks than the untiled module (the same ones in the forward and its
-recompute); equality with the untiled MLP holds without dropout.
+An input that needs no gradient (layers below frozen) cannot be saved that way; :class:`_TiledMLP` then saves it
+itself and recomputes each tile in its backward (a ZeRO-3 module runs untiled there).
+
+The tiles' checkpoints restore the RNG and autocast state of the forward, so dropout inside an MLP draws the same
+masks in a tile's forward and its recompute, but per tile: other masks than the untiled module; equality with the
+untiled MLP holds without dropout.
 """
 
 from __future__ import annotations
@@ -39,8 +48,8 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 # auto: tile when one sequence's untiled MLP activations, ~4 tensors of [tokens, intermediate] in 16-bit
 # (BYTES_PER_TOKEN_AND_WIDTH bytes per token and unit of intermediate width), reach AUTO_MIN_BYTES. Below that the
-# MLP's working set is small next to the checkpointed hidden states and the weights, and the extra MLP forward in the
-# backward (~1/4 of the MLP's step FLOPs with checkpointing) buys little.
+# MLP's working set is small next to the checkpointed hidden states and the weights, and what tiling costs (a
+# checkpoint call per tile; without non-reentrant checkpointing, a recompute of the MLP) buys little.
 BYTES_PER_TOKEN_AND_WIDTH = 8
 AUTO_MIN_BYTES = 2 * 2**30
 # auto tile length: about this many bytes of MLP activations per tile, in multiples of TILE_QUANTUM tokens
@@ -221,11 +230,11 @@ def _tiled_call(original: Callable, tile: int) -> Callable:
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
                 return _forward_tiles(original, x, tile)
-        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: gradients go to .grad tile by tile (module docstring)
-            if not x.requires_grad:
-                return original(x)  # the function's output needs an input that requires grad to get a backward
-            return _TiledMLP.apply(original, tile, params, x)
-        return _TiledMLP.apply(original, tile, None, x, *params)
+        if x.requires_grad:
+            return _checkpointed_tiles(original, tile, x)
+        if any(hasattr(p, "ds_id") for p in params):
+            return original(x)  # ZeRO-3 without an input gradient: _TiledMLP's parameter inputs would be partitioned
+        return _TiledMLP.apply(original, tile, x, *params)
 
     return call
 
@@ -288,58 +297,134 @@ class _RngAndAutocast:
         return stack
 
 
-class _TiledMLP(torch.autograd.Function):
-    """y = run(x), computed and backpropagated over tiles of x's tokens; saves only x.
+class _Link:
+    """Hands _SaveInput's context, which holds the saved input, to the tiles' recomputes."""
 
-    apply(run, tile, zero3_params, x, *params): ``params`` (plain parameters) get their gradients returned;
-    ``zero3_params`` (ZeRO-3 parameters, not inputs) get them through ``.grad`` tile by tile.
-    """
+    __slots__ = ("ctx",)
+
+    def __init__(self):
+        self.ctx = None
+
+
+class _SaveInput(torch.autograd.Function):
+    """Identity that saves its input for the tiles' recomputes (module docstring): a custom function's tensors are
+    saved when its forward returns, so this saves x before any tile computes."""
 
     @staticmethod
-    def forward(ctx, run, tile, zero3_params, x, *params):
-        ctx.run, ctx.tile, ctx.zero3_params = run, tile, zero3_params
+    def forward(ctx, x, link):
+        ctx.save_for_backward(x)
+        link.ctx = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Tiles:
+    """The tiles of one tiled call. In its forward (and in the recompute of an enclosing checkpoint, which runs the
+    call anew) each tile reads its rows from ``pieces``, views of the input in the autograd graph; in the backward,
+    each tile's recompute reads them from the input _SaveInput saved, unpacked once for all tiles (an enclosing
+    checkpoint hands a tensor out once) and released when the last tile has read its rows."""
+
+    __slots__ = ("link", "tile", "pieces", "saved", "taken", "wants_x")
+
+    def __init__(self, link: _Link, tile: int, pieces: tuple[torch.Tensor, ...], wants_x: bool):
+        self.link, self.tile, self.pieces, self.wants_x = link, tile, pieces, wants_x
+        self.saved: tuple[torch.Tensor, ...] | None = None
+        self.taken = 0
+
+    def piece(self, k: int) -> torch.Tensor:
+        if self.pieces is not None:
+            return self.pieces[k]
+        if self.saved is None:
+            (x,) = self.link.ctx.saved_tensors
+            self.saved, self.taken = torch.split(_token_view(x.detach()), self.tile, dim=-2), 0
+        piece = self.saved[k].detach().requires_grad_(self.wants_x)  # as in the forward: the same tensors saved
+        self.taken += 1
+        if self.taken == len(self.saved):
+            self.saved = None
+        return piece
+
+
+def _run_tile(run: Callable, tiles: _Tiles, k: int, device_marker: torch.Tensor) -> torch.Tensor:
+    return run(tiles.piece(k))
+
+
+def _same(t):
+    return t
+
+
+class _Place(torch.autograd.Function):
+    """out[..., start:start + rows, :] = y, in place; the backward hands out's gradient on and y its rows."""
+
+    @staticmethod
+    def forward(ctx, out, y, start):
+        ctx.start, ctx.rows = start, y.shape[-2]
+        out[..., start:start + ctx.rows, :] = y
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad[..., ctx.start:ctx.start + ctx.rows, :], None
+
+
+def _checkpointed_tiles(run: Callable, tile: int, x: torch.Tensor) -> torch.Tensor:
+    """run over tiles of x's tokens, each tile a non-reentrant checkpoint of its own (module docstring)."""
+    from torch.utils.checkpoint import checkpoint
+
+    link = _Link()
+    x = _SaveInput.apply(x, link)
+    flat = _token_view(x)
+    tiles = _Tiles(link, tile, torch.split(flat, tile, dim=-2), x.requires_grad)
+    # an empty tensor on x's device among the checkpoint's inputs: checkpoint stashes (and restores for the
+    # recompute) the RNG state of its inputs' devices, CUDA's included (dropout in the MLP)
+    marker = x.new_empty(0)
+    out, start = None, 0
+    for k, piece in enumerate(tiles.pieces):
+        # identity hooks: what the tile's checkpoint saves of its own (the marker; older torch: a dummy) stays out of
+        # an enclosing checkpoint, whose recompute must stop at _SaveInput
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            y = checkpoint(_run_tile, run, tiles, k, marker, use_reentrant=False)
+        y = _check_output(y, piece, run)
+        if out is None:
+            out = y.new_empty(*flat.shape[:-1], y.shape[-1])
+        out = _Place.apply(out, y, start)
+        start += piece.shape[-2]
+    tiles.pieces = None  # the views would hold the input until the backward; the recomputes read the saved one
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _TiledMLP(torch.autograd.Function):
+    """y = run(x) over tiles of x's tokens for an input that needs no gradient (module docstring): the forward
+    without autograd, saving x; the backward recomputes each tile (the forward's RNG and autocast state) and returns
+    the parameters' gradients summed over the tiles. apply(run, tile, x, *params)."""
+
+    @staticmethod
+    def forward(ctx, run, tile, x, *params):
+        ctx.run, ctx.tile = run, tile
         ctx.state = _RngAndAutocast(x.device)
         ctx.params = params  # parameters are leaves: held, not saved (nothing to recompute or offload)
         ctx.save_for_backward(x)
-        return _forward_tiles(run, x, tile)
+        return _forward_tiles(run, x.detach(), tile)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,), params = ctx.saved_tensors, ctx.params
-        zero3 = ctx.zero3_params
-        wants_x = ctx.needs_input_grad[3]
-        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         flat_x, flat_g = _token_view(x.detach()), grad_out.reshape(*_token_view(x).shape[:-1], grad_out.shape[-1])
-        grad_x = torch.empty_like(flat_x) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
-        n = flat_x.shape[-2]
-        starts = list(range(0, n, ctx.tile))
         with ctx.state.replay():
-            for k, start in enumerate(starts):
-                piece = flat_x[..., start:start + ctx.tile, :].detach().requires_grad_(wants_x)
+            for start in range(0, flat_x.shape[-2], ctx.tile):
                 with torch.enable_grad():
-                    y = ctx.run(piece)
-                g = flat_g[..., start:start + ctx.tile, :]
-                if zero3 is not None:
-                    last = k == len(starts) - 1
-                    for p in zero3:
-                        p.ds_grad_is_ready = last
-                    torch.autograd.backward(y, g)
-                    if wants_x:
-                        grad_x[..., start:start + ctx.tile, :] = piece.grad
-                    continue
-                inputs = ([piece] if wants_x else []) + [params[i] for i in wanted]
-                grads = torch.autograd.grad(y, inputs, g, allow_unused=True)
-                if wants_x:
-                    grad_x[..., start:start + ctx.tile, :] = grads[0]
-                for i, grad in zip(wanted, grads[1:] if wants_x else grads):
+                    y = ctx.run(flat_x[..., start:start + ctx.tile, :])
+                grads = torch.autograd.grad(y, [params[i] for i in wanted], flat_g[..., start:start + ctx.tile, :],
+                                            allow_unused=True)
+                for i, grad in zip(wanted, grads):
                     if grad is not None:
                         sums[i] = grad if sums[i] is None else sums[i].add_(grad)
-        if zero3 is not None:
-            for p in zero3:
-                p.ds_grad_is_ready = True
-        grad_x = grad_x.reshape(x.shape) if wants_x else None
-        return (None, None, None, grad_x, *sums)
+        return (None, None, None, *sums)
 
 
 def configure(model: torch.nn.Module, mode: str, tokens: int | None, tile_tokens: int | None = None) -> list[str]:
