@@ -342,6 +342,55 @@ def _sdpa_bound(model_type, ids, mask, reference) -> float:
         return 0.0
 
 
+@contextlib.contextmanager
+def _float64_softmax():
+    """Modeling code calls ``softmax(..., dtype=torch.float32)`` (eager attention, routers): on float64 inputs that
+    would round to float32, so within this context a float64 input keeps float64."""
+    functional = torch.nn.functional
+    original = functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dtype is not None and input.dtype == torch.float64:
+            dtype = None
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    functional.softmax = softmax
+    try:
+        yield
+    finally:
+        functional.softmax = original
+
+
+def _runs_in(model_type: str, implementation: str, dtype: torch.dtype, ids, mask) -> list:
+    """check()'s three steps for one implementation ("volta_train": eager patched), the weights of _build() in dtype."""
+    import volta_train
+
+    model = _build(model_type, "eager" if implementation == "volta_train" else implementation).to(dtype)
+    if implementation == "volta_train":
+        volta_train.patch(model)
+    if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64
+    model.train()
+    with torch.random.fork_rng():
+        return _train(model, ids, mask)
+
+
+def float64_check(model_type: str) -> dict[str, list[float]]:
+    """Tells an integration bug from float32 rounding: check()'s runs against the float64 truth (eager attention,
+    float64 weights and softmax). Returns, per step, the difference (check()'s measure) of volta_train in float64
+    and of eager, sdpa and volta_train in float32 from that truth. An integration bug shows in float64 too; rounding
+    leaves volta_train in float64 at float64 rounding, with the float32 runs all about as far from the truth."""
+    ids, mask = inputs()
+    with _float64_softmax():
+        truth = _runs_in(model_type, "eager", torch.float64, ids, mask)
+        runs = {"volta_train float64": _runs_in(model_type, "volta_train", torch.float64, ids, mask)}
+    for implementation in ("eager", "sdpa", "volta_train"):
+        runs[f"{implementation} float32"] = _runs_in(model_type, implementation, torch.float32, ids, mask)
+    return {name: [_difference(logits.double(), {k: g.double() for k, g in grads.items()}, ref_logits, ref_grads)
+                   for (logits, _, grads), (ref_logits, _, ref_grads) in zip(run, truth)]
+            for name, run in runs.items()}
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:300]
 

@@ -61,17 +61,18 @@ def module(causal: bool) -> SimpleNamespace:
                            is_causal=causal)
 
 
-def run_both(padding, causal, window, dtype=torch.float64, value_dim=DIM, softcap=None, sinks=False, seed=0):
+def run_both(padding, causal, window, dtype=torch.float64, value_dim=DIM, softcap=None, sinks=False, seed=0,
+             device="cpu"):
     torch.manual_seed(seed)
-    q = torch.randn(BATCH, HEADS, SEQ, DIM, dtype=dtype, requires_grad=True)
-    k = torch.randn(BATCH, HEADS_KV, SEQ, DIM, dtype=dtype, requires_grad=True)
-    v = torch.randn(BATCH, HEADS_KV, SEQ, value_dim, dtype=dtype, requires_grad=True)
+    q = torch.randn(BATCH, HEADS, SEQ, DIM).to(device, dtype).requires_grad_()
+    k = torch.randn(BATCH, HEADS_KV, SEQ, DIM).to(device, dtype).requires_grad_()
+    v = torch.randn(BATCH, HEADS_KV, SEQ, value_dim).to(device, dtype).requires_grad_()
     # sinks reach the API as fp32 (hf_attention_forward's cast): fp32-exact values keep the float64 comparison tight
-    s_aux = torch.randn(HEADS).to(dtype).requires_grad_() if sinks else None
-    grad_out = torch.randn(BATCH, SEQ, HEADS, value_dim, dtype=torch.float64)
-    mask, function, scale = two_d_mask(padding), mask_function(causal, window), DIM ** -0.5
+    s_aux = torch.randn(HEADS).to(device, dtype).requires_grad_() if sinks else None
+    grad_out = torch.randn(BATCH, SEQ, HEADS, value_dim, dtype=torch.float64).to(device)
+    mask, function, scale = two_d_mask(padding).to(device), mask_function(causal, window), DIM ** -0.5
     additive = masking_utils.eager_mask(BATCH, q_length=SEQ, kv_length=SEQ, mask_function=function,
-                                        attention_mask=mask.bool(), dtype=torch.float64)
+                                        attention_mask=mask.bool(), dtype=torch.float64, device=device)
     ours = hf.padding_mask(BATCH, SEQ, 0, mask_function=function, attention_mask=mask, q_length=SEQ, q_offset=0)
     kwargs = dict(scaling=scale, softcap=softcap, s_aux=s_aux)
     out, _ = hf.hf_attention_forward(module(causal), q, k, v, ours, **kwargs)
@@ -131,3 +132,30 @@ def test_no_padding_leaves_the_dense_route():
     finally:
         padded_rows.fill = original
     assert not calls
+
+
+def test_padded_rows_under_autocast():
+    """Under autocast the varlen output has autocast's dtype; the padded rows are computed in fp32 and join it."""
+    mask = two_d_mask("right")
+    function = mask_function(True, None)
+    ours = hf.padding_mask(BATCH, SEQ, 0, mask_function=function, attention_mask=mask, q_length=SEQ, q_offset=0)
+    torch.manual_seed(3)
+    q, k, v = torch.randn(BATCH, HEADS, SEQ, DIM), torch.randn(BATCH, HEADS_KV, SEQ, DIM), torch.randn(BATCH, HEADS_KV, SEQ, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = hf.hf_attention_forward(module(True), q, k, v, ours, scaling=DIM ** -0.5)
+    additive = masking_utils.eager_mask(BATCH, q_length=SEQ, kv_length=SEQ, mask_function=function,
+                                        attention_mask=mask.bool(), dtype=torch.float64)
+    ref = eager(q.double(), k.double(), v.double(), additive, DIM ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_padded_rows_fp16_on_the_gpu(padding):
+    """fp16 on a GPU: the real rows from the kernel, the padded rows in fp32 PyTorch, both within fp16 rounding."""
+    valid, out, ref, grads, ref_grads = run_both(padding, True, WINDOW, dtype=torch.float16, softcap=2.5, seed=4,
+                                                 device="cuda")
+    torch.testing.assert_close(out, ref, rtol=5e-3, atol=5e-3)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-2)

@@ -24,7 +24,12 @@ SCORES_PER_CHUNK = 1 << 22  # score entries (rows x heads x keys) of one chunk o
 
 def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float,
           sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [n, h, d], k [sk, hkv, d], v [sk, hkv, dv], visible [n, sk] -> eager's out [n, h, dv]."""
+    """q [n, h, d], k [sk, hkv, d], v [sk, hkv, dv], visible [n, sk] -> eager's out [n, h, dv] (compute dtype)."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 (fp64) as the reference backend, whatever autocast says
+        return _rows_in(q, k, v, visible, scale, softcap, sinks)
+
+
+def _rows_in(q, k, v, visible, scale, softcap, sinks):
     dtype = compute_dtype(q.dtype)
     rows, heads, _ = q.shape
     heads_kv = k.shape[1]
@@ -34,14 +39,13 @@ def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tens
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     lowest = torch.finfo(dtype).min  # eager's additive mask; a row with nothing visible gets equal weights
-    scores = scores + torch.where(visible, torch.zeros((), dtype=dtype), torch.full((), lowest, dtype=dtype))
+    scores = scores + torch.where(visible, scores.new_zeros(()), scores.new_full((), lowest))
     if sinks is not None:  # gpt-oss's eager: the sink logit joins the softmax and carries no value
         sink = sinks.to(dtype).reshape(heads_kv, group, 1, 1).expand(heads_kv, group, rows, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("kgns,skd->nkgd", probs, v.to(dtype))
-    return out.reshape(rows, heads, -1).to(q.dtype)
+    return torch.einsum("kgns,skd->nkgd", probs, v.to(dtype)).reshape(rows, heads, -1)
 
 
 def fill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_valid: torch.Tensor,
@@ -77,4 +81,4 @@ def fill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                 visible = visible & (keys <= position + right)
             parts.append(checkpoint(_rows, q[batch, rows], k[batch], v[batch], visible, scale, softcap, sinks,
                                     use_reentrant=False))
-    return out.index_put((padded[:, 0], padded[:, 1]), torch.cat(parts))
+    return out.index_put((padded[:, 0], padded[:, 1]), torch.cat(parts).to(out.dtype))
