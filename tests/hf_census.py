@@ -391,6 +391,38 @@ def float64_check(model_type: str) -> dict[str, list[float]]:
             for name, run in runs.items()}
 
 
+def first_step_outliers(model_type: str, implementation: str = "volta_train", dtype: torch.dtype = torch.float32,
+                        threshold: float = 1e-4) -> list[tuple[str, int, float, float, float]]:
+    """The parameter entries that one AdamW step leaves more than ``threshold`` (lr / 10) from the float64 truth:
+    (name, flat index, distance, true step-0 gradient relative to the largest, this run's step-0 gradient)."""
+    ids, mask = inputs()
+
+    def one_step(implementation, dtype):
+        import volta_train
+
+        model = _build(model_type, "eager" if implementation == "volta_train" else implementation).to(dtype)
+        if implementation == "volta_train":
+            volta_train.patch(model)
+        if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+            model.set_experts_implementation("eager")
+        model.train()
+        with torch.random.fork_rng():
+            _, _, grads = _step(model, ids, mask, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return grads, {name: p.detach().double() for name, p in model.named_parameters() if name in grads}
+
+    with _float64_softmax():
+        true_grads, truth = one_step("eager", torch.float64)
+    grads, params = one_step(implementation, dtype)
+    largest = max(g.abs().max() for g in true_grads.values()).item()
+    found = []
+    for name, reference in truth.items():
+        distance = (params[name] - reference).abs().flatten()
+        for index in (distance > threshold).nonzero().flatten().tolist():
+            found.append((name, index, distance[index].item(), true_grads[name].flatten()[index].item() / largest,
+                          grads[name].flatten()[index].item()))
+    return sorted(found, key=lambda row: -row[2])
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:300]
 
