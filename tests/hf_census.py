@@ -9,7 +9,8 @@ the feature, ``wrong`` when it runs and differs (or the loss is not finite where
 something else raises (``no-config``: the census's own tiny config does not run eager attention, so says nothing of
 volta_train). ``python tests/hf_census.py`` runs it and writes volta_train/integrations/hf/census.json (what
 ``volta_train.integrations.hf.supported_model_types()`` and ``volta-train env`` report) and the table in
-docs/hf_integration.md; tests/test_hf_census.py runs it in the suite.
+docs/hf_integration.md; tests/test_hf_census.py runs it in the suite. Where a type differs, ``float64_check`` and
+``first_step_outliers`` tell an integration bug from float32 rounding (docs/hf_integration.md, "Census").
 """
 
 from __future__ import annotations
