@@ -159,3 +159,16 @@ def test_padded_rows_fp16_on_the_gpu(padding):
     torch.testing.assert_close(out, ref, rtol=5e-3, atol=5e-3)
     for grad, ref_grad in zip(grads, ref_grads):
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-2)
+
+
+def test_padded_rows_default_scale():
+    """No scaling kwarg and no family default: flash-attn's head_dim ** -0.5, for the padded rows too."""
+    mask = two_d_mask("right")
+    ours = hf.padding_mask(BATCH, SEQ, 0, mask_function=masking_utils.causal_mask_function, attention_mask=mask,
+                           q_length=SEQ, q_offset=0)
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(BATCH, heads, SEQ, DIM, dtype=torch.float64) for heads in (HEADS, HEADS_KV, HEADS_KV))
+    out, _ = hf.hf_attention_forward(module(True), q, k, v, ours)
+    additive = masking_utils.eager_mask(BATCH, q_length=SEQ, kv_length=SEQ, mask_function=masking_utils.causal_mask_function,
+                                        attention_mask=mask.bool(), dtype=torch.float64)
+    torch.testing.assert_close(out, eager(q, k, v, additive, DIM ** -0.5), rtol=1e-10, atol=1e-10)

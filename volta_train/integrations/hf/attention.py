@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ... import bert_padding, interface
-from .base import ATTN_IMPLEMENTATION
 from . import padded_rows
+from .base import ATTN_IMPLEMENTATION
 from .families import check_head_dim, is_cross_attention, require_family
 
 logger = logging.getLogger("volta_train")

@@ -68,7 +68,9 @@ def fill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     if options["causal"]:
         right = 0
     keys = torch.arange(seqlen_k, device=q.device)
-    scale, softcap, sinks = float(options["softmax_scale"]), float(options.get("softcap") or 0.0), options.get("sinks")
+    scale = options.get("softmax_scale")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)  # flash-attn's default where none is given
+    softcap, sinks = float(options.get("softcap") or 0.0), options.get("sinks")
     chunk = max(1, SCORES_PER_CHUNK // (q.shape[2] * seqlen_k))
     parts = []
     for batch in padded[:, 0].unique().tolist():
