@@ -9,7 +9,8 @@ the feature, ``wrong`` when it runs and differs (or the loss is not finite where
 something else raises (``no-config``: the census's own tiny config does not run eager attention, so says nothing of
 volta_train). ``python tests/hf_census.py`` runs it and writes volta_train/integrations/hf/census.json (what
 ``volta_train.integrations.hf.supported_model_types()`` and ``volta-train env`` report) and the table in
-docs/hf_integration.md; tests/test_hf_census.py runs it in the suite.
+docs/hf_integration.md; tests/test_hf_census.py runs it in the suite. Where a type differs, ``float64_check`` and
+``first_step_outliers`` tell an integration bug from float32 rounding (docs/hf_integration.md, "Census").
 """
 
 from __future__ import annotations
@@ -398,6 +399,87 @@ def _sdpa_bound(model_type, ids, mask, reference) -> float:
             return _worst(_train(sdpa, ids, mask), reference)
     except Exception:
         return 0.0
+
+
+@contextlib.contextmanager
+def _float64_softmax():
+    """Modeling code calls ``softmax(..., dtype=torch.float32)`` (eager attention, routers): on float64 inputs that
+    would round to float32, so within this context a float64 input keeps float64."""
+    functional = torch.nn.functional
+    original = functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dtype is not None and input.dtype == torch.float64:
+            dtype = None
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    functional.softmax = softmax
+    try:
+        yield
+    finally:
+        functional.softmax = original
+
+
+def _runs_in(model_type: str, implementation: str, dtype: torch.dtype, ids, mask) -> list:
+    """check()'s three steps for one implementation ("volta_train": eager patched), the weights of _build() in dtype."""
+    import volta_train
+
+    model = _build(model_type, "eager" if implementation == "volta_train" else implementation).to(dtype)
+    if implementation == "volta_train":
+        volta_train.patch(model)
+    if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64
+    model.train()
+    with torch.random.fork_rng():
+        return _train(model, ids, mask)
+
+
+def float64_check(model_type: str) -> dict[str, list[float]]:
+    """Tells an integration bug from float32 rounding: check()'s runs against the float64 truth (eager attention,
+    float64 weights and softmax). Returns, per step, the difference (check()'s measure) of volta_train in float64
+    and of eager, sdpa and volta_train in float32 from that truth. An integration bug shows in float64 too; rounding
+    leaves volta_train in float64 at float64 rounding, with the float32 runs all about as far from the truth."""
+    ids, mask = inputs()
+    with _float64_softmax():
+        truth = _runs_in(model_type, "eager", torch.float64, ids, mask)
+        runs = {"volta_train float64": _runs_in(model_type, "volta_train", torch.float64, ids, mask)}
+    for implementation in ("eager", "sdpa", "volta_train"):
+        runs[f"{implementation} float32"] = _runs_in(model_type, implementation, torch.float32, ids, mask)
+    return {name: [_difference(logits.double(), {k: g.double() for k, g in grads.items()}, ref_logits, ref_grads)
+                   for (logits, _, grads), (ref_logits, _, ref_grads) in zip(run, truth)]
+            for name, run in runs.items()}
+
+
+def first_step_outliers(model_type: str, implementation: str = "volta_train", dtype: torch.dtype = torch.float32,
+                        threshold: float = 1e-4) -> list[tuple[str, int, float, float, float]]:
+    """The parameter entries that one AdamW step leaves more than ``threshold`` (lr / 10) from the float64 truth:
+    (name, flat index, distance, true step-0 gradient relative to the largest, this run's step-0 gradient)."""
+    ids, mask = inputs()
+
+    def one_step(implementation, dtype):
+        import volta_train
+
+        model = _build(model_type, "eager" if implementation == "volta_train" else implementation).to(dtype)
+        if implementation == "volta_train":
+            volta_train.patch(model)
+        if dtype == torch.float64 and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+            model.set_experts_implementation("eager")
+        model.train()
+        with torch.random.fork_rng():
+            _, _, grads = _step(model, ids, mask, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return grads, {name: p.detach().double() for name, p in model.named_parameters() if name in grads}
+
+    with _float64_softmax():
+        true_grads, truth = one_step("eager", torch.float64)
+    grads, params = one_step(implementation, dtype)
+    largest = max(g.abs().max() for g in true_grads.values()).item()
+    found = []
+    for name, reference in truth.items():
+        distance = (params[name] - reference).abs().flatten()
+        for index in (distance > threshold).nonzero().flatten().tolist():
+            found.append((name, index, distance[index].item(), true_grads[name].flatten()[index].item() / largest,
+                          grads[name].flatten()[index].item()))
+    return sorted(found, key=lambda row: -row[2])
 
 
 def _first_line(error: BaseException) -> str:

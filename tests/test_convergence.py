@@ -269,7 +269,7 @@ def _effective(name: str, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _real_tokens(batch: dict) -> torch.Tensor:
-    """Positions that are tokens (outputs at padded positions are unspecified: volta_train writes zeros)."""
+    """Positions that are tokens (the loss reads only these)."""
     mask = batch.get("attention_mask")
     return torch.ones(batch["input_ids"].shape, dtype=torch.bool) if mask is None else mask.bool()
 

@@ -255,18 +255,22 @@ def test_sliding_window_matters(family):
     assert (windowed - wide).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
-def test_padded_query_positions_are_zero(family):
-    model = build(family)
-    mask = padding_mask("right")
-    volta_train.patch(model)
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("family", ["bert", "distilbert", "llama", "mistral"])
+def test_padded_query_positions_hold_eagers_rows(family, padding):
+    """The first attention layer's output at every position, padded ones included, is eager's."""
+    mask = padding_mask(padding)
     outputs = []
-    handle = first_attention(model, family).register_forward_hook(lambda m, a, o: outputs.append(o[0]))
-    model(tokens(), attention_mask=mask)
-    handle.remove()
-    attn = outputs[0].reshape(BATCH, SEQ, -1)
-    assert attn[~mask.bool()].abs().max() == 0
-    assert attn[mask.bool()].abs().min(dim=-1).values.gt(0).any()
+    for attn in ("eager", "volta_train"):
+        model = build(family, attn="eager")
+        if attn == "volta_train":
+            volta_train.patch(model)
+        handle = first_attention(model, family).register_forward_hook(lambda m, a, o: outputs.append(o[0]))
+        model(tokens(), attention_mask=mask)
+        handle.remove()
+    reference, ours = (out.reshape(BATCH, SEQ, -1) for out in outputs)
+    assert reference[~mask.bool()].abs().amax() > 1e-3
+    torch.testing.assert_close(ours, reference, **TOL)
 
 
 def test_gpt2_scale_attn_by_inverse_layer_idx():

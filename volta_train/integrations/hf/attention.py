@@ -4,10 +4,9 @@
 ``volta_train::attention_forward`` in ``dispatch``) runs the public API,
 :func:`volta_train.interface.flash_attn_func`, when there is no mask and no packing.
 Padding: it unpads q/k/v (:mod:`volta_train.bert_padding`), runs
-:func:`~volta_train.interface.flash_attn_varlen_func` and pads the output back: padded
-query positions hold zeros (no query was computed there; eager's rows there hold an
-average over the real keys, which no real token reads unless a later layer mixes
-positions, as a convolution does). Packed rows
+:func:`~volta_train.interface.flash_attn_varlen_func`, pads the output back and writes
+at the padded query positions what eager attention writes there (:mod:`.padded_rows`).
+Packed rows
 (``cu_seq_lens_q/k`` kwargs as transformers' flash path and
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` pass them, the mask
 function's :class:`~.masks.Packing`, ``seq_idx``, or causal ``position_ids`` that
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from ... import bert_padding, interface
+from . import padded_rows
 from .base import ATTN_IMPLEMENTATION
 from .families import check_head_dim, is_cross_attention, require_family
 
@@ -126,6 +126,7 @@ def _varlen_attention(
             f"attention_mask has shape {tuple(mask.shape)} but the keys are [batch={k.shape[0]}, seqlen={k.shape[1]}]: "
             "the mask must have the batch size and at most seqlen_k columns"
         )
+    k_full, v_full = k, v
     if mask.shape[1] < k.shape[1]:  # StaticCache: key slots past the mask are not written yet
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
     k_packed, indices_k, cu_seqlens_k, max_seqlen_k, _ = bert_padding.unpad_input(k, mask)
@@ -150,7 +151,8 @@ def _varlen_attention(
     out = interface.flash_attn_varlen_func(
         q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
     )
-    return bert_padding.pad_input(out, indices_q, batch, seqlen_q)
+    out = bert_padding.pad_input(out, indices_q, batch, seqlen_q)
+    return padded_rows.fill(out, q, k_full, v_full, mask[:, -seqlen_q:], mask, options)
 
 
 # ---- packed rows (padding-free training) ---------------------------------------------------------
