@@ -33,6 +33,7 @@ VOCAB = 128
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 WINDOW = 16  # shorter than SEQ: windows matter
 RTOL = 1e-4
+FLOAT64_RTOL = 1e-9  # a type outside RTOL and 2x SDPA's difference is still ok when float64 runs agree this well
 STEPS = 3
 MAX_LAYERS = 6
 NOT_TEXT_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values")
@@ -385,9 +386,27 @@ def check(model_type: str) -> Result:
         if worst <= 2 * bound:
             detail = f"within 2x the SDPA-vs-eager difference ({bound:.2g})"
         else:
-            status = "wrong"
-            detail = f"differs from eager by {worst:.3g} (SDPA-vs-eager: {bound:.2g})"
+            exact = _float64_distance(model_type, ids, mask)
+            if exact <= FLOAT64_RTOL:
+                detail = (f"fp32 differs from eager by {worst:.3g} (SDPA-vs-eager: {bound:.2g}), float64 agrees with "
+                          f"eager's float64 run to {exact:.1g}: fp32 rounding that AdamW's first step amplifies")
+            else:
+                status = "wrong"
+                detail = (f"differs from eager by {worst:.3g} (SDPA-vs-eager: {bound:.2g}; in float64 by "
+                          f"{exact:.2g})")
     return Result(model_type, status, detail, worst, time.perf_counter() - started)
+
+
+def _float64_distance(model_type: str, ids, mask) -> float:
+    """volta_train's worst difference from eager when both run in float64 (weights and eager's softmax): an
+    integration bug shows here as in fp32; fp32 rounding does not (float64_check has the per-run detail)."""
+    try:
+        with _float64_softmax():
+            truth = _runs_in(model_type, "eager", torch.float64, ids, mask)
+            runs = _runs_in(model_type, "volta_train", torch.float64, ids, mask)
+        return _worst(runs, truth)
+    except Exception:
+        return float("inf")
 
 
 def _sdpa_bound(model_type, ids, mask, reference) -> float:
