@@ -343,14 +343,18 @@ class _EmulatedKernel:
         x, y, splits = grid
         num_bh = y if p.m_blocks_fastest else x
         _EmulatedKernel.last_num_bh = num_bh  # what the combine's grid must cover
-        heads, rows = p.nheads, p.seqlen_q
+        heads = p.nheads
         batch = num_bh // heads
-        ints = lambda ptr: _flat(ptr, torch.int32, batch).tolist() if ptr else None  # noqa: E731
+        ints = lambda ptr, n=batch: _flat(ptr, torch.int32, n).tolist() if ptr else None  # noqa: E731
         used, kv_batch, pad = ints(p.seqused_k), ints(p.k_batch_index), ints(p.leftpad_k)
         kv_batch = kv_batch or list(range(batch))
         pad = pad or [0] * batch
+        # each entry's queries (SequenceExtent): dense rows [0, seqlen_q), or packed through cu_seqlens_q
+        cu_q = ints(p.cu_seqlens_q, batch + 1) or [b * p.seqlen_q for b in range(batch + 1)]
+        assert not p.cu_seqlens_k, "the decoding kernel takes the key counts from seqused_k"
+        q_rows = cu_q[-1] if p.cu_seqlens_q else p.seqlen_q  # rows of q / o per batch stride
         span = lambda b, r, h, n_b, n_r, n_h: (n_b - 1) * b + (n_r - 1) * r + (n_h - 1) * h + d  # noqa: E731
-        q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, rows, heads))
+        q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, q_rows, heads))
         n_kv = heads // p.heads_per_kv
         kv_rows, kv_batches = max(used), max(kv_batch) + 1
         pages = None
@@ -376,10 +380,14 @@ class _EmulatedKernel:
         cols = torch.arange(d)
         for b in range(batch):
             seqlen_k = used[b] - pad[b]
+            rows = cu_q[b + 1] - cu_q[b]
+            first_row = cu_q[b] if p.cu_seqlens_q else 0  # the entry's first row of the packed q / o / lse
+            assert rows <= p.seqlen_q
             shift = seqlen_k - rows
             for h in range(heads):
                 kvh, bh = h // p.heads_per_kv, b * heads + h
-                qi = b * p.q_batch_stride + h * p.q_head_stride + torch.arange(rows).view(-1, 1) * p.q_row_stride + cols
+                row_index = torch.arange(first_row, first_row + rows)
+                qi = b * p.q_batch_stride + h * p.q_head_stride + row_index.view(-1, 1) * p.q_row_stride + cols
                 keys = torch.arange(seqlen_k).view(-1, 1)
                 kb = key_rows(b, keys, p.k_batch_stride, p.k_row_stride) + kvh * p.k_head_stride + cols
                 vb = key_rows(b, keys, p.v_batch_stride, p.v_row_stride) + kvh * p.v_head_stride + cols
@@ -405,15 +413,17 @@ class _EmulatedKernel:
                     l = e.sum(-1, keepdim=True)
                     o = torch.where(l > 0, (e @ v[vb].double()) / torch.where(l > 0, l, 1), 0)
                     lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, 1)), -math.inf).view(-1)
-                    if splits > 1:
-                        base = (split * num_bh + bh) * rows
+                    if not rows:
+                        continue
+                    if splits > 1:  # seqlen_q (the most) rows per (split, batch, head); the entry's first `rows`
+                        base = (split * num_bh + bh) * p.seqlen_q
                         _flat(p.o_partial, torch.float32, (base + rows) * d)[base * d:] = o.float().reshape(-1)
                         _flat(p.lse_partial, torch.float32, base + rows)[base:] = lse.float()
                     else:
                         oi = (b * p.o_batch_stride + h * p.o_head_stride + cols
-                              + torch.arange(rows).view(-1, 1) * p.o_row_stride)
+                              + row_index.view(-1, 1) * p.o_row_stride)
                         _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = o.half()
-                        li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
+                        li = b * p.lse_batch_stride + h * p.lse_head_stride + row_index
                         lse = torch.where(torch.isinf(lse), math.inf, lse).float()  # the key-less convention
                         _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse
 
@@ -435,14 +445,18 @@ class _EmulatedCombine:
         assert row_blocks * tiles.COMBINE_ROWS_PER_CTA >= rows > (row_blocks - 1) * tiles.COMBINE_ROWS_PER_CTA
         o_part = _flat(p.o_partial, torch.float32, splits * num_bh * rows * d).view(splits, num_bh, rows, d)
         lse_part = _flat(p.lse_partial, torch.float32, splits * num_bh * rows).view(splits, num_bh, rows)
-        out, lse = decode.combine_splits(o_part, lse_part)
+        cu_q = _flat(p.cu_seqlens_q, torch.int32, num_bh // heads + 1).tolist() if p.cu_seqlens_q else None
         for bh in range(num_bh):
             b, h = divmod(bh, heads)
-            oi = b * p.o_batch_stride + h * p.o_head_stride + torch.arange(rows).view(-1, 1) * p.o_row_stride \
-                + torch.arange(d)
-            _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = out[bh].half()
-            li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
-            _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse[bh].float()
+            first, n = (cu_q[b], cu_q[b + 1] - cu_q[b]) if cu_q else (0, rows)  # the entry's rows (SequenceExtent)
+            if not n:
+                continue
+            out, lse = decode.combine_splits(o_part[:, bh, :n], lse_part[:, bh, :n])  # only the entry's own rows
+            row_index = torch.arange(first, first + n)
+            oi = b * p.o_batch_stride + h * p.o_head_stride + row_index.view(-1, 1) * p.o_row_stride + torch.arange(d)
+            _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = out.half()
+            li = b * p.lse_batch_stride + h * p.lse_head_stride + row_index
+            _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse.float()
 
 
 def decode_log2e() -> float:
