@@ -678,6 +678,275 @@ def test_decode_through_the_api_matches_the_reference_backend(monkeypatch, check
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
 
 
+# --- flash_attn_varlen_func on a paged cache: the decoding kernel with packed queries --------------------------------
+# decode.forward_paged_varlen (SplitKvParams cu_seqlens_q + block_table): the emulated kernel (CPU) and the GPU kernel
+# against float64 attention over each sequence's logical keys; the API's routes (kernel / reference / gather).
+
+# lens_q, lens_k (as multiples of the page size p: (pages, extra keys)), h, hk, d, causal, window, softcap, alibi
+VARLEN_PAGED_CASES = [
+    # GQA 4; 20 queries on 9 keys, causal (11 rows see no key); 7 queries on no key; an empty sequence; 3 pages
+    ([3, 20, 7, 0, 1], [(2, 5), (0, 9), (0, 0), (0, 40), (1, 0)], 8, 2, 128, True, (-1, -1), 0.0, False),
+    ([17, 2, 40], [(1, 1), (0, 33), (3, -7)], 4, 4, 64, False, (5, 3), 0.0, True),  # window, ALiBi, 3 query blocks
+    ([1, 5, 12], [(0, 7), (1, 0), (2, 0)], 6, 2, 96, True, (30, -1), 20.0, False),  # causal + left window, softcap
+    ([1, 1, 1, 1], [(0, 0), (0, 1), (1, 3), (2, 0)], 32, 8, 128, True, (-1, -1), 0.0, False),  # one query each: packed
+    ([16, 3], [(1, -1), (2, 1)], 4, 2, 256, True, (-1, -1), 10.0, False),  # d256: the 4-warp tile
+    ([2, 9], [(0, 30), (1, 2)], 4, 1, 40, False, (-1, -1), 0.0, False),  # head_dim 40 padded to 48, MQA
+]
+
+
+def _varlen_paged_id(c):
+    lens_q, lens_k, h, hk, d, causal, window, cap, alibi = c
+    return (f"q{'.'.join(map(str, lens_q))}_h{h}/{hk}_d{d}{'_causal' if causal else ''}"
+            f"{'' if window == (-1, -1) else f'_win{window[0]}.{window[1]}'}{f'_softcap{cap:g}' if cap else ''}"
+            f"{'_alibi' if alibi else ''}")
+
+
+def _varlen_paged(case, page_size, dtype=torch.float16, device="cuda", seed=None):
+    """Packed q, page pools (each sequence's pages shuffled among spare pages of garbage; table entries past a
+    sequence's last page -1, never read), cu_seqlens, the options, and the float64 truth per sequence."""
+    lens_q, lens_k, h, hk, d, causal, window, cap, alibi = case
+    lens_k = [pages * page_size + extra for pages, extra in lens_k]
+    gen = torch.Generator(device=device).manual_seed(random.getrandbits(31) if seed is None else seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(dtype)  # noqa: E731
+    needed = [-(-n // page_size) for n in lens_k]
+    width, num_pages = max(max(needed), 1) + 1, sum(needed) + 3
+    order = torch.randperm(num_pages, generator=gen, device=device).tolist()
+    table = torch.full((len(lens_q), width), -1, dtype=torch.int32)
+    for b, n in enumerate(needed):
+        table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)  # noqa: E731
+    c = dict(q=rnd(sum(lens_q), h, d), k_pages=rnd(num_pages, page_size, hk, d), v_pages=rnd(num_pages, page_size, hk, d),
+             cu_q=cu(lens_q), cu_k=cu(lens_k), table=table.to(device), lens_q=lens_q, lens_k=lens_k,
+             alibi=torch.rand(len(lens_q), h, generator=gen, device=device) * 0.5 if alibi else None)
+    c["prm"] = AttentionOptions(softmax_scale=d**-0.5 * random.uniform(0.7, 1.3), causal=causal, window_left=window[0],
+                                window_right=window[1], softcap=cap)
+    return c
+
+
+def _varlen_paged_truth(c):
+    """float64 truth, PyTorch's fp16 yardstick (fp16 inputs) and float64 lse [H, total_q], sequence by sequence over
+    its logical keys (gathered here from the pages by indexing, independently of kvcache / reference)."""
+    prm, page = c["prm"], c["k_pages"].shape[1]
+    truth, yard, lses = [], [], []
+    for b, (n_q, n_k) in enumerate(zip(c["lens_q"], c["lens_k"])):
+        q0 = int(c["cu_q"][b])
+        pages = c["table"][b, : -(-n_k // page)].long()
+        k_b = c["k_pages"][pages].flatten(0, 1)[:n_k][None]
+        v_b = c["v_pages"][pages].flatten(0, 1)[:n_k][None]
+        q_b = c["q"][q0 : q0 + n_q][None]
+        kw = dict(causal=prm.causal, softmax_scale=prm.softmax_scale, window_size=(prm.window_left, prm.window_right),
+                  alibi_slopes=c["alibi"][b : b + 1] if c["alibi"] is not None else None, softcap=prm.softcap)
+        out64, lse64 = naive_attention(q_b, k_b, v_b, **kw)
+        truth.append(out64[0])
+        lses.append(lse64[0])
+        if c["q"].dtype == torch.float16:
+            yard.append(torch_fp16_attention(q_b, k_b, v_b, **kw)[0])
+    return torch.cat(truth), torch.cat(yard) if yard else None, torch.cat(lses, dim=1)
+
+
+def _kernel_paged_varlen(c, table="default", num_splits=None, poison=True):
+    q = c["q"]
+    kw = {"tile": tiles.decode_tile(_kernel_d(q), 70)} if table == "sm70" else {}
+    if poison:
+        kw.update(out=torch.full_like(q, float("nan")), partial_fill=float("nan"),
+                  lse=torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device))
+    return decode.forward_paged_varlen(q, c["k_pages"], c["v_pages"], c["cu_q"], c["cu_k"], c["table"],
+                                       max(c["lens_q"]), max(c["lens_k"]), c["prm"], c["alibi"],
+                                       num_splits=num_splits, **kw)
+
+
+def _check_varlen_paged(c, out, lse, what=""):
+    """out / lse against the float64 truth: flash-attn's standard (fp16 inputs) or 1e-9 (float64), key-less rows
+    exactly 0 with lse +inf, lse within 2e-3."""
+    truth, yard, lse64 = _varlen_paged_truth(c)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN / inf in out or NaN in lse"
+    if yard is not None:
+        e = error_vs_yardstick(out, yard, truth)
+        assert e.ok, f"{what}: {e}"
+    else:
+        assert torch.allclose(out, truth, rtol=1e-9, atol=1e-9), what
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isposinf(lse), empty), f"{what}: lse must be +inf exactly on the key-less rows"
+    keyless = empty.t()
+    assert torch.equal(out[keyless], torch.zeros_like(out[keyless])), f"{what}: key-less rows must be exactly 0"
+    seen = ~empty
+    err = (lse[seen].double() - lse64[seen]).abs().max().item() if seen.any() else 0.0
+    assert err <= 2e-3 * max(1.0, lse64[seen].abs().max().item() if seen.any() else 1.0), f"{what}: lse error {err}"
+
+
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_python_side_with_an_emulated_kernel(case, page_size, emulated_kernel):
+    """decode.forward_paged_varlen on the emulated kernel: packed q / o / lse strides, seqused_k from cu_seqlens_k,
+    the block table, the padded partials and the combine's per-sequence rows, the one-query-per-sequence packing."""
+    c = _varlen_paged(case, page_size, device="cpu")
+    for num_splits in (1, 3, None):
+        out, lse = _kernel_paged_varlen(c, num_splits=num_splits)
+        _check_varlen_paged(c, out, lse, what=f"emulated num_splits={num_splits}")
+
+
+def _spy(monkeypatch, owner, name):
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def _api(c, grad=False, **kw):
+    q = c["q"].clone().requires_grad_(grad)
+    return volta_train.flash_attn_varlen_func(q, c["k_pages"], c["v_pages"], c["cu_q"], c["cu_k"], max(c["lens_q"]),
+                                              max(c["lens_k"]), softmax_scale=c["prm"].softmax_scale,
+                                              causal=c["prm"].causal, window_size=(c["prm"].window_left,
+                                                                                   c["prm"].window_right),
+                                              softcap=c["prm"].softcap, alibi_slopes=c["alibi"], block_table=c["table"],
+                                              return_attn_probs=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_reference_and_gather_paths_equal_float64(case, page_size, monkeypatch):
+    """CPU, float64: without gradients the reference backend reads each sequence's pages (no gather); with them the
+    pages are gathered and the call runs packed; both equal float64 attention over the logical keys (and each other),
+    the gradient reaching only the used pages."""
+    c = _varlen_paged(case, page_size, dtype=torch.float64, device="cpu")
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    pages_read = _spy(monkeypatch, reference, "reference_paged_varlen_forward")
+    out_r, lse_r, _ = _api(c)
+    assert pages_read and not gathers, "no gradient: the reference backend reads the pages itself"
+    _check_varlen_paged(c, out_r, lse_r, what="reference, paged")
+    c["k_pages"].requires_grad_(True)
+    out_g, lse_g, _ = _api(c, grad=True)
+    assert gathers == ["gather_paged_varlen"] and len(pages_read) == 1, "gradients: the gather path"
+    _check_varlen_paged(c, out_g.detach(), lse_g, what="gather")
+    assert torch.allclose(out_r, out_g.detach(), rtol=1e-12, atol=1e-12) and torch.equal(lse_r.isinf(), lse_g.isinf())
+    out_g.sum().backward()
+    used = {int(p) for p in c["table"].flatten() if p >= 0}
+    unused = sorted(set(range(c["k_pages"].shape[0])) - used)
+    assert not c["k_pages"].grad[unused].any()
+
+
+def test_varlen_paged_routes_and_their_log(monkeypatch, caplog):
+    """Which path a paged varlen call takes, logged once with its reason: dropout and gradients gather; no gradient
+    reads the pages (reference backend on the CPU); VOLTA_TRAIN_BACKEND=kernel on the CPU gathers and then refuses;
+    sinks fold into the paged path's output as into the gather path's."""
+    import logging
+
+    from volta_train import dispatch
+
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    c = _varlen_paged(VARLEN_PAGED_CASES[0], 256, dtype=torch.float64, device="cpu")
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        _api(c, dropout_p=0.1)
+        assert len(gathers) == 1
+        with torch.no_grad():
+            _api(c, grad=True)
+        _api(c)
+        assert len(gathers) == 1, "no gradient (grad mode off, or no input requiring one): the pages are read"
+    lines = [r.getMessage() for r in caplog.records if "varlen with block_table" in r.getMessage()]
+    assert any("gather backend (dropout_p=0.1: the paged path has no dropout)" in line for line in lines), lines
+    assert sum("reference backend" in line for line in lines) == 1, lines  # the same reason: logged once
+    sinks = torch.randn(c["q"].shape[1], dtype=torch.float32)
+    out_s, lse_s, _ = _api(c, sinks=sinks)
+    out_gs, lse_gs, _ = _api(c, grad=True, sinks=sinks)
+    assert torch.allclose(out_s, out_gs.detach(), rtol=1e-12, atol=1e-12) and torch.allclose(lse_s, lse_gs)
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    with pytest.raises(dispatch.BackendUnavailableError, match="needs a CUDA GPU"):
+        _api(c)
+
+
+def test_varlen_paged_kernel_capability(monkeypatch):
+    """support.unsupported_reason of a paged varlen call (a faked V100 with NVRTC): the decoding kernel takes fp32
+    accumulation, one head_dim for q/k/v and pages of whole key blocks; every other call goes to the gather path."""
+    import dataclasses
+
+    from volta_train import kernels
+    from volta_train.kernels import support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(support, "_compiler_problem", lambda arch: None)
+    q = torch.empty(10, 8, 64, device="meta")
+    pages = torch.empty(4, 256, 2, 64, device="meta")
+    call = kernels.describe(q, pages, pages, AttentionOptions(softmax_scale=0.1), varlen=True, alibi=False,
+                            page_block_size=256)
+    call = dataclasses.replace(call, device=torch.device("cuda", 0), dtype=torch.float16, aligned=True)
+    assert kernels.unsupported_reason(call) is None
+    fp16 = dataclasses.replace(call, options=AttentionOptions(softmax_scale=0.1, accum="fp16"))
+    assert "accum='fp16': the decoding kernel that reads pages accumulates in fp32" in kernels.unsupported_reason(fp16)
+    assert "v_cache's head_dim 32 differs" in kernels.unsupported_reason(dataclasses.replace(call, value_head_dim=32))
+    block_n = tiles.decode_tile(64, 70).block_n
+    odd = dataclasses.replace(call, page_block_size=block_n + block_n // 2)
+    assert f"reads key blocks of {block_n} within one page" in kernels.unsupported_reason(odd)
+    assert kernels.unsupported_reason(dataclasses.replace(call, page_block_size=0)) is None  # (not a paged call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_kernel_matches_float64_and_the_gather_path(case, page_size, table):
+    """The GPU kernel reading pages (outputs and split partials NaN-poisoned; one split, three, the rule's) meets
+    flash-attn's standard against float64, and agrees with the gather path (the varlen forward kernel on gathered
+    keys) within 4e-3 of the output's scale, lse within 1e-3."""
+    _gpu()
+    from volta_train.kernels import launch
+
+    c = _varlen_paged(case, page_size)
+    k, v = kvcache.gather_paged_varlen(c["k_pages"], c["v_pages"], c["table"], c["lens_k"])
+    out_g, lse_g = launch.forward(c["q"], k, v, c["cu_q"], c["cu_k"], max(c["lens_q"]), max(c["lens_k"]), c["prm"],
+                                  c["alibi"])
+    scale = max(1.0, out_g.float().abs().max().item())
+    for num_splits in (1, 3, None):
+        out, lse = _kernel_paged_varlen(c, table, num_splits)
+        what = f"{table} splits={num_splits}"
+        _check_varlen_paged(c, out, lse, what=what)
+        assert (out.float() - out_g.float()).abs().max().item() <= 4e-3 * scale, f"{what}: kernel vs gather path"
+        assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_g)), what
+        seen = torch.isfinite(lse)
+        assert (lse[seen] - lse_g[seen]).abs().max().item() <= 1e-3 * max(1.0, lse_g[seen].abs().max().item()), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_varlen_paged_kernel_repeats_bitwise(num_splits):
+    _gpu()
+    c = _varlen_paged(VARLEN_PAGED_CASES[0], 256)
+    first = _kernel_paged_varlen(c, num_splits=num_splits)
+    for _ in range(3):
+        again = _kernel_paged_varlen(c, num_splits=num_splits)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES[:4], ids=_varlen_paged_id)
+def test_varlen_paged_api_runs_the_kernel_without_gradients(case, monkeypatch):
+    """volta_train.flash_attn_varlen_func with a block_table: without gradients the decoding kernel runs (the pages
+    are not gathered) and meets the standard; with them the pages are gathered, the varlen kernels run forward and
+    backward, and the forward agrees with the kernel path's."""
+    _gpu()
+    from volta_train import kernels
+
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    c = _varlen_paged(case, 256)
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    paged = _spy(monkeypatch, kernels, "forward_paged_varlen")
+    out, lse, _ = _api(c)
+    assert paged == ["forward_paged_varlen"] and not gathers, "no gradient: the decoding kernel reads the pages"
+    _check_varlen_paged(c, out, lse, what="api kernel path")
+    c["k_pages"].requires_grad_(True)
+    out_g, lse_g, _ = _api(c, grad=True)
+    assert gathers and len(paged) == 1, "gradients: the gather path"
+    scale = max(1.0, out_g.float().abs().max().item())
+    assert (out.float() - out_g.detach().float()).abs().max().item() <= 4e-3 * scale
+    out_g.float().sum().backward()
+    assert torch.isfinite(c["k_pages"].grad).all()
+
+
 # --- the decoding benchmark's arithmetic (CPU) -----------------------------------------------------------------------
 
 

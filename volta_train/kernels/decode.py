@@ -208,12 +208,17 @@ def forward_paged_varlen(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_
     qk, kc, vc = _for_kernel(q, d), _for_kernel(k_pages, d), _for_kernel(v_pages, d)
     batch = cu_seqlens_q.numel() - 1
     run, out_k, lse_k, cu_q, rows = options, out_full, lse, cu_seqlens_q.contiguous(), max_seqlen_q
+    lse_dense = None
     if max_seqlen_q == 1 and total_q == batch:  # one query per sequence: a dense decoding step, GQA packing included
-        qk, out_k, lse_k, run = _gqa_views(qk.unsqueeze(1), out_k.unsqueeze(1), lse.t().unsqueeze(-1),
-                                           k_pages.shape[2], alibi is not None, options)
+        # (lse [B, H, 1] of its own: the kernel writes a CTA's rows, here query heads, at unit stride)
+        lse_dense = torch.empty((batch, nheads, 1), dtype=torch.float32, device=device)
+        qk, out_k, lse_k, run = _gqa_views(qk.unsqueeze(1), out_k.unsqueeze(1), lse_dense, k_pages.shape[2],
+                                           alibi is not None, options)
         cu_q, rows = None, qk.shape[1]
     _launch(qk, kc, vc, out_k, lse_k, cu_q, rows, longest, run, alibi, seqused, None, None, block_table, tile, d,
             options.softcap > 0, num_splits, partial_fill)
+    if lse_dense is not None:
+        lse.copy_(lse_dense[..., 0].t())
     if d != head_dim:
         out.copy_(out_full[..., :head_dim])
     return out, lse
