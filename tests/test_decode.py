@@ -968,10 +968,29 @@ def test_bench_decode_counts_and_table():
     assert bench.input_sets_for(1.0, 100.0) == 64
     args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
     assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
-    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
-               ms=0.0125, ms_stream=0.01, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_q=1, seqlen_k=1024, page=256,
+               backend="volta-kernel-paged", splits=16, ms=0.0125, ms_stream=0.01,
+               tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
                gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
     table = bench.markdown([row], args, {"gpu": "test"})
-    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert ("| 1 | 32 | 8 | 128 | 1 | 1024 | 256 | volta-kernel-paged | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |"
+            in table), table
+    assert args.page_sizes == [] and not args.varlen_paged and args.varlen_q == [1, 16]
     assert args.burst == 20 and "volta-kernel-device-checks" in args.backends
     assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way
+
+
+def test_bench_decode_paged_inputs_hold_the_same_keys():
+    """bench_decode.py's paged layout: every logical key of every sequence where the block table says, in the
+    shuffled pools; the varlen case's packed queries and cumulative lengths."""
+    bench = _bench_decode()
+    case = dict(q=torch.randn(3, 1, 4, 16).half(), k_cache=torch.randn(3, 70, 2, 16).half(),
+                v_cache=torch.randn(3, 70, 2, 16).half())
+    p = bench.paged(case, 32, torch.Generator().manual_seed(1))
+    assert p["block_table"].shape == (3, 3) and sorted(p["block_table"].flatten().tolist()) == list(range(9))
+    for name in ("k_cache", "v_cache"):
+        logical = p[name][p["block_table"].long()].flatten(1, 2)[:, :70]
+        assert torch.equal(logical, case[name])
+    v = bench.varlen_case(p, 5, 69)
+    assert v["q_packed"].shape == (15, 4, 16) and v["cu_q"].tolist() == [0, 5, 10, 15]
+    assert v["cu_k"].tolist() == [0, 69, 138, 207]
