@@ -892,7 +892,7 @@ def test_varlen_paged_kernel_capability(monkeypatch):
 def test_varlen_paged_kernel_matches_float64_and_the_gather_path(case, page_size, table):
     """The GPU kernel reading pages (outputs and split partials NaN-poisoned; one split, three, the rule's) meets
     flash-attn's standard against float64, and agrees with the gather path (the varlen forward kernel on gathered
-    keys) within 4e-3 of the output's scale, lse within 1e-3."""
+    keys) within 6e-3 of the output's scale, lse within 1e-3."""
     _gpu()
     from volta_train.kernels import launch
 
@@ -905,7 +905,7 @@ def test_varlen_paged_kernel_matches_float64_and_the_gather_path(case, page_size
         out, lse = _kernel_paged_varlen(c, table, num_splits)
         what = f"{table} splits={num_splits}"
         _check_varlen_paged(c, out, lse, what=what)
-        assert (out.float() - out_g.float()).abs().max().item() <= 4e-3 * scale, f"{what}: kernel vs gather path"
+        assert (out.float() - out_g.float()).abs().max().item() <= 6e-3 * scale, f"{what}: kernel vs gather path"
         assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_g)), what
         seen = torch.isfinite(lse)
         assert (lse[seen] - lse_g[seen]).abs().max().item() <= 1e-3 * max(1.0, lse_g[seen].abs().max().item()), what
@@ -942,7 +942,7 @@ def test_varlen_paged_api_runs_the_kernel_without_gradients(case, monkeypatch):
     out_g, lse_g, _ = _api(c, grad=True)
     assert gathers and len(paged) == 1, "gradients: the gather path"
     scale = max(1.0, out_g.float().abs().max().item())
-    assert (out.float() - out_g.detach().float()).abs().max().item() <= 4e-3 * scale
+    assert (out.float() - out_g.detach().float()).abs().max().item() <= 6e-3 * scale
     out_g.float().sum().backward()
     assert torch.isfinite(c["k_pages"].grad).all()
 
