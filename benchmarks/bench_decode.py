@@ -19,6 +19,15 @@ decoding step does). Backends:
 * ``sdpa-efficient``: the memory-efficient (CUTLASS) backend, the one SDPA runs on a V100, on caches expanded to H
   heads before timing (what ``repeat_kv`` gives a model; it reads H / H_kv times the bytes of the GQA cache).
 
+Paged caches (``--page-sizes 256 512``): the same cache contents in shuffled pages of that many keys
+(``block_table``); ``volta-kernel-paged`` times flash_attn_with_kvcache on them (``page`` column), next to the
+contiguous ``volta-kernel`` rows. ``--varlen-paged`` adds flash_attn_varlen_func on those pages with ``--varlen-q``
+queries per sequence (``seqlen_q`` column, causal, no gradient): ``varlen-paged-kernel``, the decoding kernel reading
+the pages through the table, against ``varlen-paged-gather``, the pages gathered into packed k/v
+(``kvcache.gather_paged_varlen``, timed with the call) and the varlen forward kernel, which is what the API runs when
+gradients are needed. Their TFLOP/s count ``seqlen_q`` times the decoding FLOPs (the causal mask's few skipped keys
+included).
+
 Metrics: TFLOP/s = 4 * B * H * N * D / time (Q K^T and P V, 2 FLOPs per multiply-add); GB/s = 2 * B * H_kv * N * D * 2
 bytes / time: K and V of the cache in fp16, read once, the least any decoding kernel moves (q, the output and the split
 partials are not counted; the same byte count for every backend, so ``sdpa-efficient``'s figure is of the GQA cache
@@ -42,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 BACKENDS = ("volta-kernel", "volta-kernel-device-checks", "volta-reference", "sdpa", "sdpa-efficient")
+VARLEN_BACKENDS = ("varlen-paged-kernel", "varlen-paged-gather")
 
 
 def decode_flops(batch: int, heads: int, seqlen_k: int, head_dim: int) -> float:
@@ -79,9 +89,51 @@ def make_case(batch, heads, kv_heads, seqlen_k, head_dim, sets, backends, device
     return cases
 
 
+def paged(case: dict, page_size: int, generator: torch.Generator) -> dict:
+    """The case's caches as shuffled pages of ``page_size`` keys: pools [B * pages, page_size, H_kv, D] holding the
+    same keys at the same logical positions, and the int32 block table [B, pages]."""
+    k_cache = case["k_cache"]
+    batch, length = k_cache.shape[:2]
+    pages = -(-length // page_size)
+    order = torch.randperm(batch * pages, generator=generator).to(k_cache.device)
+    table = order.view(batch, pages).to(torch.int32)
+    pools = []
+    for cache in (k_cache, case["v_cache"]):
+        padded = torch.zeros(batch, pages * page_size, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+        padded[:, :length] = cache
+        pool = torch.empty(batch * pages, page_size, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+        pool[order] = padded.view(batch * pages, page_size, *cache.shape[2:])
+        pools.append(pool)
+    return dict(case, k_cache=pools[0], v_cache=pools[1], block_table=table)
+
+
+def varlen_case(case: dict, seqlen_q: int, seqlen_k: int) -> dict:
+    """A paged case with ``seqlen_q`` packed queries per sequence for flash_attn_varlen_func (keys: the first
+    ``seqlen_k`` of each sequence's pages)."""
+    batch, heads, head_dim = case["q"].shape[0], case["q"].shape[2], case["q"].shape[3]
+    device = case["q"].device
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return dict(case, q_packed=torch.randn(batch * seqlen_q, heads, head_dim, device=device, dtype=torch.float16),
+                cu_q=steps * seqlen_q, cu_k=steps * seqlen_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+
 def backend_fn(name: str, append: bool):
     import volta_train
 
+    if name.startswith("varlen-paged"):
+        from volta_train import kvcache
+
+        def run(c):
+            os.environ["VOLTA_TRAIN_BACKEND"] = "kernel"
+            lengths = [c["seqlen_k"]] * (c["cu_k"].numel() - 1)
+            args = (c["cu_q"], c["cu_k"], c["seqlen_q"], c["seqlen_k"])
+            with torch.no_grad():
+                if name == "varlen-paged-kernel":
+                    return volta_train.flash_attn_varlen_func(c["q_packed"], c["k_cache"], c["v_cache"], *args,
+                                                              causal=True, block_table=c["block_table"])
+                k, v = kvcache.gather_paged_varlen(c["k_cache"], c["v_cache"], c["block_table"], lengths)
+                return volta_train.flash_attn_varlen_func(c["q_packed"], k, v, *args, causal=True)
+        return run
     if name.startswith("volta"):
         policy = "reference" if name == "volta-reference" else "kernel"
         checks = "device" if name == "volta-kernel-device-checks" else "host"
@@ -91,7 +143,7 @@ def backend_fn(name: str, append: bool):
             os.environ["VOLTA_TRAIN_KVCACHE_CHECK"] = checks
             extra = dict(k=c["k_new"], v=c["k_new"]) if append else {}
             return volta_train.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["seqlens"],
-                                                       **extra)
+                                                       block_table=c.get("block_table"), **extra)
         return run
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -146,28 +198,43 @@ def run(args) -> list[dict]:
             rows.append(dict(batch=batch, heads=args.heads, kv_heads=kv_heads, head_dim=d, seqlen_k=n,
                              backend="all", note=f"inputs: {str(error).splitlines()[0][:80]}"))
             continue
-        for name in args.backends:
-            row = dict(batch=batch, heads=args.heads, kv_heads=kv_heads, head_dim=d, seqlen_k=n, backend=name,
-                       splits=splits if name.startswith("volta-kernel") else None, ms=None, ms_stream=None,
-                       tflops=None, gbps=None, max_abs=None, note="")
-            fn = backend_fn(name, args.append)
+        runs = [(name, inputs, 1, None) for name in args.backends]  # (backend, input sets, seqlen_q, page size)
+        generator = torch.Generator().manual_seed(0)
+        try:
+            for page in args.page_sizes:
+                pages = [paged(c, page, generator) for c in inputs]
+                if "volta-kernel" in args.backends:
+                    runs.append(("volta-kernel-paged", pages, 1, page))
+                if args.varlen_paged:
+                    for sq in args.varlen_q:
+                        sets = [varlen_case(c, sq, keys) for c in pages]
+                        runs += [(name, sets, sq, page) for name in VARLEN_BACKENDS]
+        except torch.OutOfMemoryError as error:
+            rows.append(dict(batch=batch, heads=args.heads, kv_heads=kv_heads, head_dim=d, seqlen_k=n,
+                             backend="paged", note=f"inputs: {str(error).splitlines()[0][:80]}"))
+        for name, sets, sq, page in runs:
+            decoding = not name.startswith("varlen")
+            row = dict(batch=batch, heads=args.heads, kv_heads=kv_heads, head_dim=d, seqlen_q=sq, seqlen_k=n,
+                       page=page, backend=name, splits=splits if name.startswith("volta-kernel") else None, ms=None,
+                       ms_stream=None, tflops=None, gbps=None, max_abs=None, note="")
+            fn = backend_fn(name, args.append and decoding)
             try:
-                ms = time_ms(fn, inputs, args.warmup, args.repeats)
-                row.update(ms=ms, tflops=fl / ms / 1e9, gbps=nbytes / ms / 1e6)
+                ms = time_ms(fn, sets, args.warmup, args.repeats)
+                row.update(ms=ms, tflops=sq * fl / ms / 1e9, gbps=nbytes / ms / 1e6)
                 if args.burst > 1:
-                    row["ms_stream"] = time_ms(fn, inputs, args.warmup, args.repeats, args.burst)
-                if args.accuracy:
-                    row["max_abs"] = max_abs_error(fn(inputs[0]), inputs[0], keys)
+                    row["ms_stream"] = time_ms(fn, sets, args.warmup, args.repeats, args.burst)
+                if args.accuracy and decoding:
+                    row["max_abs"] = max_abs_error(fn(inputs[0] if page is None else sets[0]), inputs[0], keys)
             except (RuntimeError, NotImplementedError) as error:  # backend unavailable here, out of memory
                 row["note"] = str(error).splitlines()[0][:100]
             rows.append(row)
             print(_line(row), flush=True)
-        del inputs
+        del inputs, runs
     return rows
 
 
-COLUMNS = ("batch", "heads", "kv_heads", "head_dim", "seqlen_k", "backend", "splits", "ms", "ms_stream", "tflops",
-           "gbps", "max_abs", "note")
+COLUMNS = ("batch", "heads", "kv_heads", "head_dim", "seqlen_q", "seqlen_k", "page", "backend", "splits", "ms",
+           "ms_stream", "tflops", "gbps", "max_abs", "note")
 
 
 def _cell(row: dict, column: str) -> str:
@@ -193,7 +260,9 @@ def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
              f"{', one token appended per call' if args.append else ''}; TFLOP/s = 4*B*H*N*D / time; GB/s = "
              f"2*B*H_kv*N*D*2 bytes (K and V in fp16, read once) / time; median of {args.repeats} CUDA-event timings "
              f"after {args.warmup} warm-up calls; max_abs: batch entry 0 against float64; splits: the split-KV "
-             "kernel's key splits (volta_train/kernels/decode.py split_plan)", "",
+             "kernel's key splits (volta_train/kernels/decode.py split_plan); page: keys per page of a paged cache "
+             "(block_table; empty: contiguous); varlen-paged rows: flash_attn_varlen_func with seqlen_q queries per "
+             "sequence, causal, TFLOP/s counting seqlen_q times the decoding FLOPs", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     return "\n".join(lines + [_line(r) for r in rows])
 
@@ -217,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--append", action="store_true", help="append one token per call (a decoding step)")
+    parser.add_argument("--page-sizes", type=int, nargs="*", default=[],
+                        help="also time the decoding kernel on the same caches in pages of these many keys")
+    parser.add_argument("--varlen-paged", action="store_true",
+                        help="also time flash_attn_varlen_func on the paged caches: kernel path vs gather path "
+                             "(page sizes: --page-sizes, default 256)")
+    parser.add_argument("--varlen-q", type=int, nargs="+", default=[1, 16], help="queries per sequence (--varlen-paged)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--burst", type=int, default=20, help="calls per ms_stream timing (1: no ms_stream)")
@@ -231,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.varlen_paged and not args.page_sizes:
+        args.page_sizes = [256]
     for kv in args.kv_heads:
         if args.heads % kv:
             print(f"--kv-heads {kv} must divide --heads {args.heads}", file=sys.stderr)

@@ -141,8 +141,8 @@ __device__ __forceinline__ void fwd_epilogue(const AttentionParams& prm, FwdAccu
 }
 
 // The split-KV kernel's epilogue with several splits: the split's normalised output O / l (fp32, 0 where l = 0) and
-// log-sum-exp (natural log, -inf where the split saw no key) of every row < seqlen_q, straight from the registers to
-// o_part [row][head_dim] and lse_part [row] (SplitKvParams); decode.py combines the splits.
+// log-sum-exp (natural log, -inf where the split saw no key) of every row < seqlen_q (the entry's), straight from the
+// registers to o_part [row][head_dim] and lse_part [row] (SplitKvParams); split_kv_combine.cu combines the splits.
 template <class KT>
 __device__ __forceinline__ void fwd_split_epilogue(FwdAccumulators<KT>& acc, const FwdWarpGeometry<KT>& g, int seqlen_q,
                                                    float* o_part, float* lse_part) {
@@ -348,7 +348,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     if constexpr (KT::kSplitKv) {
         if (prm.num_splits > 1) {
             const int num_bh = prm.m_blocks_fastest ? (int)gridDim.y : (int)gridDim.x;
-            const long long part = ((long long)blockIdx.z * num_bh + bh) * seq.seqlen_q;
+            // seqlen_q rows per (split, batch, head): the entry's own count when dense, the longest with varlen queries
+            const long long part = ((long long)blockIdx.z * num_bh + bh) * prm.seqlen_q;
             fwd_split_epilogue<KT>(acc, g, seq.seqlen_q, prm.o_partial + part * KT::kHeadDim, prm.lse_partial + part);
             return;
         }

@@ -53,14 +53,18 @@ struct BackwardParams {
 // The split-KV decoding kernel's parameters (flash_fwd_kernel of a FwdKernelTraits with SPLIT_KV): AttentionParams
 // with the KV-cache fields appended after its last field (a derived struct: the same bytes as AttentionParams, then
 // these), so that AttentionParams and BackwardParams, which embeds it, keep their layout and every other kernel its
-// code. volta_train/kernels/params.py SplitKvKernelParams mirrors it. Dense batches only (cu_seqlens_* null).
+// code. volta_train/kernels/params.py SplitKvKernelParams mirrors it.
 // Batch entry b reads K/V batch k_batch_index[b], keys [leftpad_k[b], seqused_k[b]) of it, seen by the masks as keys
-// 0 .. seqused_k[b] - leftpad_k[b] - 1 (bottom-right aligned as ever). Grid z is the split: split s walks only the key
-// blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of its rows' visible range. With num_splits > 1 the kernel
-// writes, instead of o / lse, its normalised partial output and log-sum-exp (natural log, -inf where the split saw
-// no key), contiguous fp32 arrays indexed by (split, batch * nheads + head, row[, column]):
+// 0 .. seqused_k[b] - leftpad_k[b] - 1 (bottom-right aligned as ever). Its queries: rows 0 .. seqlen_q - 1 of batch b
+// (dense), or with cu_seqlens_q (varlen queries: flash_attn_varlen_func on a paged cache) the rows [cu_seqlens_q[b],
+// cu_seqlens_q[b + 1]) of the packed q / o (batch strides 0) and lse [nheads, total_q], as the varlen forward lays
+// them out, seqlen_q then being the longest; cu_seqlens_k is never read (seqused_k gives the keys). Grid z is the
+// split: split s walks only the key blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of its rows' visible
+// range. With num_splits > 1 the kernel writes, instead of o / lse, its normalised partial output and log-sum-exp
+// (natural log, -inf where the split saw no key), contiguous fp32 arrays indexed by (split, batch * nheads + head,
+// row in the entry[, column]), seqlen_q rows per (split, batch, head) (varlen: rows past an entry's own are unused):
 //   o_partial   [num_splits, B, nheads, seqlen_q, head_dim],   lse_partial [num_splits, B, nheads, seqlen_q];
-// volta_train/kernels/decode.py combines them. With num_splits == 1 it writes o / lse like the forward kernel.
+// csrc/split_kv_combine.cu combines them. With num_splits == 1 the kernel writes o / lse like the forward kernel.
 // Paged KV cache (block_table not null): K/V are [num_pages, page_block_size, kv_heads, head_dim] (k/v_batch_stride
 // is the page stride) and logical key j of entry b is row j % page_block_size of page
 // block_table[b * block_table_batch_stride + j / page_block_size]; page_block_size is a multiple of the tile's kBlockN
@@ -129,10 +133,16 @@ struct SequenceExtent {
             seqlen_k = p.seqlen_k;
         }
     }
-    // The decoding kernel's dense batch entry: keys [leftpad_k[b], seqused_k[b]) of its K/V batch.
+    // The decoding kernel's batch entry: keys [leftpad_k[b], seqused_k[b]) of its K/V batch; queries dense, or packed
+    // through cu_seqlens_q (a uniform branch: the pointer is the same for the whole grid).
     __device__ __forceinline__ SequenceExtent(const SplitKvParams& p, int batch_) : batch(batch_) {
-        q_start = 0;
-        seqlen_q = p.seqlen_q;
+        if (p.cu_seqlens_q != nullptr) {
+            q_start = p.cu_seqlens_q[batch];
+            seqlen_q = p.cu_seqlens_q[batch + 1] - (int)q_start;
+        } else {
+            q_start = 0;
+            seqlen_q = p.seqlen_q;
+        }
         const int first = p.leftpad_k != nullptr ? p.leftpad_k[batch] : 0;
         k_start = first;
         seqlen_k = (p.seqused_k != nullptr ? p.seqused_k[batch] : p.seqlen_k) - first;

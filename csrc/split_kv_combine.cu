@@ -1,13 +1,15 @@
 // The combine kernel of the split-KV decoding kernel's partial results (flash_fwd_kernel with SplitKvParams and
 // num_splits > 1, volta_train/kernels/decode.py): for every (batch, head, row) of that launch,
 //   lse = log sum_s exp(lse_s),   O = sum_s exp(lse_s - lse) * O_s,
-// written where the unsplit kernel writes (o as fp16 and lse through the params' strides); a row that no split saw a
-// key of (every lse_s = -inf) gets O = 0 and lse = +inf, the key-less convention of every backend.
+// written where the unsplit kernel writes (o as fp16 and lse through the params' strides, from the entry's first
+// packed row with varlen queries); a row that no split saw a key of (every lse_s = -inf) gets O = 0 and lse = +inf,
+// the key-less convention of every backend.
 //
 // Partials (params.cuh): o_partial [num_splits, B * nheads, seqlen_q, HEAD_DIM] and lse_partial [num_splits,
-// B * nheads, seqlen_q], fp32, natural log, -inf where a split saw no key. Grid (B * nheads, row blocks), one warp
-// per row: each lane holds the log-sum-exp of splits lane and lane + 32, then accumulates two adjacent columns per
-// 64 of the row over all splits. Named by NVRTC name expressions "flash_split_kv_combine_kernel<HEAD_DIM>"
+// B * nheads, seqlen_q], fp32, natural log, -inf where a split saw no key; only an entry's own rows are read
+// (SequenceExtent: seqlen_q when dense, cu_seqlens_q's count with varlen queries). Grid (B * nheads, row blocks),
+// one warp per row: each lane holds the log-sum-exp of splits lane and lane + 32, then accumulates two adjacent
+// columns per 64 of the row over all splits. Named by NVRTC name expressions "flash_split_kv_combine_kernel<HEAD_DIM>"
 // (volta_train/kernels/tiles.py combine_variant).
 #include "launch_geometry.cuh"
 #include "params.cuh"
@@ -35,8 +37,10 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combin
     constexpr int kPairsPerLane = (HEAD_DIM + 63) / 64;
     const int lane = threadIdx.x & 31;
     const int bh = blockIdx.x;
+    const int batch = bh / p.nheads, head = bh % p.nheads;
+    const SequenceExtent seq(p, batch);
     const int row = blockIdx.y * kCombineRowsPerCta + (threadIdx.x >> 5);
-    if (row >= p.seqlen_q) return;  // the whole warp: no shuffle below is left half-done
+    if (row >= seq.seqlen_q) return;  // the whole warp: no shuffle below is left half-done
     const long long split_rows = (long long)gridDim.x * p.seqlen_q;  // rows from one split's block to the next
     const long long first = (long long)bh * p.seqlen_q + row;      // this row in split 0
 
@@ -68,15 +72,14 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combin
         }
     }
 
-    const int batch = bh / p.nheads, head = bh % p.nheads;
-    half_bits* o_row = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
+    half_bits* o_row = p.o + batch * p.o_batch_stride + head * p.o_head_stride + (seq.q_start + row) * p.o_row_stride;
 #pragma unroll
     for (int j = 0; j < kPairsPerLane; ++j) {
         const int col = 2 * lane + 64 * j;
         if (col < HEAD_DIM) *reinterpret_cast<half2_bits*>(o_row + col) = pack_half2(acc[j].x, acc[j].y);
     }
     if (lane == 0)
-        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start + row] =
             seen ? (max2 + fast_log2(total)) * kLn2 : pos_inf();
 }
 

@@ -21,8 +21,9 @@ the forward also with the other setting, so that the causal and the full tiles e
 * variable length (3 sequences: 37/90, 150/64 and 1/17 query/key tokens), a local window (12, 15) and ALiBi.
 
 and the split-KV decoding kernel (flash_attn_with_kvcache, every head_dim, soft-capping on and off; the calls of
-``call_matrix.decode_calls``) on two calls each (``_decode_calls``): GQA-packed with three key splits, and unpacked with
-one split, a causal window, cache_leftpad and ALiBi.
+``call_matrix.decode_calls``) on the calls of ``_decode_calls``: GQA-packed with three key splits, unpacked with one
+split, a causal window, cache_leftpad and ALiBi, a paged cache, and flash_attn_varlen_func's packed queries on a paged
+cache (``decode.forward_paged_varlen``) with three splits and with one.
 
 Each call's output is also checked: finite, key-less rows exactly 0, and within 2e-2 of the reference backend.
 ``--workload`` runs the workload alone (what each sanitizer process runs).
@@ -163,11 +164,13 @@ def _workload(tables: list[str], quick: bool, check: bool = True, only: tuple[in
 
 
 def _decode_calls(call, failures: list[str], check: bool) -> int:
-    """Two flash_attn_with_kvcache calls of one decoding variant (call_matrix.decode_calls), each against the reference
-    backend on copies of the caches: GQA-packed (1 query, 8 heads on 2, cache lengths 0 / full / 77, one appended
+    """The calls of one decoding variant (call_matrix.decode_calls), each against the reference backend (on copies of
+    the caches): flash_attn_with_kvcache GQA-packed (1 query, 8 heads on 2, cache lengths 0 / full / 77, one appended
     token, cache_batch_idx, 3 key splits: partial outputs and their combine), unpacked (5 queries, causal window
     (40, 0), cache_leftpad, ALiBi, 5 appended tokens, one split: the kernel writes out / lse itself), and paged (a
-    block table over shuffled pages of 64 keys, 3 appended tokens crossing a page, 2 key splits)."""
+    block table over shuffled pages of 64 keys, 3 appended tokens crossing a page, 2 key splits); then
+    flash_attn_varlen_func's packed queries on pages of 256 keys (``_paged_varlen_call``): causal with key-less rows
+    and empty sequences over 3 splits, and a window over one split."""
     import torch
 
     from volta_train import reference
@@ -183,8 +186,16 @@ def _decode_calls(call, failures: list[str], check: bool) -> int:
         dict(batch=2, sq=1, h=8, hk=2, cache=(9, 64), seqlens=[62, 190], new=3, rows=None, leftpad=None,
              causal=True, window=(-1, -1), alibi=False, splits=2, pages=[[7, 2, 5, 0], [1, 8, 3, 6]],
              name="paged, 64-key pages, 2 splits"),
+        # flash_attn_varlen_func on a paged cache: 20 queries on 9 keys (causal: 11 see none), 0 keys, 0 queries
+        dict(varlen=True, lens_q=[3, 20, 7, 0], lens_k=[300, 9, 0, 256], h=8, hk=2, pages=[[5, 1], [3, -1], [-1, -1],
+             [0, -1]], num_pages=6, causal=True, window=(-1, -1), splits=3, name="varlen paged, 3 splits"),
+        dict(varlen=True, lens_q=[17, 40], lens_k=[257, 700], h=4, hk=4, pages=[[2, 0, -1], [4, 1, 3]], num_pages=5,
+             causal=False, window=(30, 4), splits=1, name="varlen paged window(30,4), 1 split"),
     ]
     for c in cases:
+        if c.get("varlen"):
+            _paged_varlen_call(call, c, failures, check)
+            continue
         q = torch.randn(c["batch"], c["sq"], c["h"], d, device=dev).half()
         k_cache = torch.randn(c["cache"][0], c["cache"][1], c["hk"], d, device=dev).half()
         v_cache = torch.randn_like(k_cache)
@@ -212,6 +223,37 @@ def _decode_calls(call, failures: list[str], check: bool) -> int:
             if not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
                 failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
     return len(cases)
+
+
+def _paged_varlen_call(call, c, failures: list[str], check: bool) -> None:
+    """One decode.forward_paged_varlen call (packed queries, a page pool of 256-key pages) against the reference
+    backend's paged varlen forward."""
+    import torch
+
+    from volta_train import reference
+    from volta_train.options import AttentionOptions
+    from volta_train.kernels import decode
+
+    d, dev = call.head_dim, "cuda"
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
+    q = torch.randn(sum(c["lens_q"]), c["h"], d, device=dev).half()
+    k_pages = torch.randn(c["num_pages"], 256, c["hk"], d, device=dev).half()
+    v_pages = torch.randn_like(k_pages)
+    cu_q, cu_k = cu(c["lens_q"]), cu(c["lens_k"])
+    table = torch.tensor(c["pages"], dtype=torch.int32, device=dev)
+    prm = AttentionOptions(softmax_scale=d**-0.5, causal=c["causal"], window_left=c["window"][0],
+                           window_right=c["window"][1], softcap=6.0 if call.softcap else 0.0)
+    out, lse = decode.forward_paged_varlen(q, k_pages, v_pages, cu_q, cu_k, table, max(c["lens_q"]),
+                                           max(c["lens_k"]), prm, num_splits=c["splits"], **call.overrides)
+    if not check:
+        return
+    label = f"{call.table} d{d} decode {c['name']} softcap={prm.softcap}"
+    ref_out, ref_lse = reference.reference_paged_varlen_forward(q, k_pages, v_pages, cu_q, cu_k, table, prm)
+    err = (out.float() - ref_out.float()).abs().max().item()
+    if not torch.isfinite(out).all() or err > 2e-2 * max(1.0, ref_out.float().abs().max().item()):
+        failures.append(f"{label}: max-abs error {err:.3e} against the reference backend (or non-finite)")
+    if not torch.equal(torch.isposinf(lse), torch.isinf(ref_lse)):
+        failures.append(f"{label}: lse is not +inf exactly on the rows that see no key")
 
 
 def _reference_grads(c, prm, dout):

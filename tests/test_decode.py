@@ -343,14 +343,18 @@ class _EmulatedKernel:
         x, y, splits = grid
         num_bh = y if p.m_blocks_fastest else x
         _EmulatedKernel.last_num_bh = num_bh  # what the combine's grid must cover
-        heads, rows = p.nheads, p.seqlen_q
+        heads = p.nheads
         batch = num_bh // heads
-        ints = lambda ptr: _flat(ptr, torch.int32, batch).tolist() if ptr else None  # noqa: E731
+        ints = lambda ptr, n=batch: _flat(ptr, torch.int32, n).tolist() if ptr else None  # noqa: E731
         used, kv_batch, pad = ints(p.seqused_k), ints(p.k_batch_index), ints(p.leftpad_k)
         kv_batch = kv_batch or list(range(batch))
         pad = pad or [0] * batch
+        # each entry's queries (SequenceExtent): dense rows [0, seqlen_q), or packed through cu_seqlens_q
+        cu_q = ints(p.cu_seqlens_q, batch + 1) or [b * p.seqlen_q for b in range(batch + 1)]
+        assert not p.cu_seqlens_k, "the decoding kernel takes the key counts from seqused_k"
+        q_rows = cu_q[-1] if p.cu_seqlens_q else p.seqlen_q  # rows of q / o per batch stride
         span = lambda b, r, h, n_b, n_r, n_h: (n_b - 1) * b + (n_r - 1) * r + (n_h - 1) * h + d  # noqa: E731
-        q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, rows, heads))
+        q = _flat(p.q, torch.float16, span(p.q_batch_stride, p.q_row_stride, p.q_head_stride, batch, q_rows, heads))
         n_kv = heads // p.heads_per_kv
         kv_rows, kv_batches = max(used), max(kv_batch) + 1
         pages = None
@@ -376,10 +380,14 @@ class _EmulatedKernel:
         cols = torch.arange(d)
         for b in range(batch):
             seqlen_k = used[b] - pad[b]
+            rows = cu_q[b + 1] - cu_q[b]
+            first_row = cu_q[b] if p.cu_seqlens_q else 0  # the entry's first row of the packed q / o / lse
+            assert rows <= p.seqlen_q
             shift = seqlen_k - rows
             for h in range(heads):
                 kvh, bh = h // p.heads_per_kv, b * heads + h
-                qi = b * p.q_batch_stride + h * p.q_head_stride + torch.arange(rows).view(-1, 1) * p.q_row_stride + cols
+                row_index = torch.arange(first_row, first_row + rows)
+                qi = b * p.q_batch_stride + h * p.q_head_stride + row_index.view(-1, 1) * p.q_row_stride + cols
                 keys = torch.arange(seqlen_k).view(-1, 1)
                 kb = key_rows(b, keys, p.k_batch_stride, p.k_row_stride) + kvh * p.k_head_stride + cols
                 vb = key_rows(b, keys, p.v_batch_stride, p.v_row_stride) + kvh * p.v_head_stride + cols
@@ -405,15 +413,17 @@ class _EmulatedKernel:
                     l = e.sum(-1, keepdim=True)
                     o = torch.where(l > 0, (e @ v[vb].double()) / torch.where(l > 0, l, 1), 0)
                     lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, 1)), -math.inf).view(-1)
-                    if splits > 1:
-                        base = (split * num_bh + bh) * rows
+                    if not rows:
+                        continue
+                    if splits > 1:  # seqlen_q (the most) rows per (split, batch, head); the entry's first `rows`
+                        base = (split * num_bh + bh) * p.seqlen_q
                         _flat(p.o_partial, torch.float32, (base + rows) * d)[base * d:] = o.float().reshape(-1)
                         _flat(p.lse_partial, torch.float32, base + rows)[base:] = lse.float()
                     else:
                         oi = (b * p.o_batch_stride + h * p.o_head_stride + cols
-                              + torch.arange(rows).view(-1, 1) * p.o_row_stride)
+                              + row_index.view(-1, 1) * p.o_row_stride)
                         _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = o.half()
-                        li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
+                        li = b * p.lse_batch_stride + h * p.lse_head_stride + row_index
                         lse = torch.where(torch.isinf(lse), math.inf, lse).float()  # the key-less convention
                         _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse
 
@@ -435,14 +445,18 @@ class _EmulatedCombine:
         assert row_blocks * tiles.COMBINE_ROWS_PER_CTA >= rows > (row_blocks - 1) * tiles.COMBINE_ROWS_PER_CTA
         o_part = _flat(p.o_partial, torch.float32, splits * num_bh * rows * d).view(splits, num_bh, rows, d)
         lse_part = _flat(p.lse_partial, torch.float32, splits * num_bh * rows).view(splits, num_bh, rows)
-        out, lse = decode.combine_splits(o_part, lse_part)
+        cu_q = _flat(p.cu_seqlens_q, torch.int32, num_bh // heads + 1).tolist() if p.cu_seqlens_q else None
         for bh in range(num_bh):
             b, h = divmod(bh, heads)
-            oi = b * p.o_batch_stride + h * p.o_head_stride + torch.arange(rows).view(-1, 1) * p.o_row_stride \
-                + torch.arange(d)
-            _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = out[bh].half()
-            li = b * p.lse_batch_stride + h * p.lse_head_stride + torch.arange(rows)
-            _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse[bh].float()
+            first, n = (cu_q[b], cu_q[b + 1] - cu_q[b]) if cu_q else (0, rows)  # the entry's rows (SequenceExtent)
+            if not n:
+                continue
+            out, lse = decode.combine_splits(o_part[:, bh, :n], lse_part[:, bh, :n])  # only the entry's own rows
+            row_index = torch.arange(first, first + n)
+            oi = b * p.o_batch_stride + h * p.o_head_stride + row_index.view(-1, 1) * p.o_row_stride + torch.arange(d)
+            _flat(p.o, torch.float16, int(oi.max()) + 1)[oi] = out.half()
+            li = b * p.lse_batch_stride + h * p.lse_head_stride + row_index
+            _flat(p.lse, torch.float32, int(li.max()) + 1)[li] = lse.float()
 
 
 def decode_log2e() -> float:
@@ -664,6 +678,275 @@ def test_decode_through_the_api_matches_the_reference_backend(monkeypatch, check
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
 
 
+# --- flash_attn_varlen_func on a paged cache: the decoding kernel with packed queries --------------------------------
+# decode.forward_paged_varlen (SplitKvParams cu_seqlens_q + block_table): the emulated kernel (CPU) and the GPU kernel
+# against float64 attention over each sequence's logical keys; the API's routes (kernel / reference / gather).
+
+# lens_q, lens_k (as multiples of the page size p: (pages, extra keys)), h, hk, d, causal, window, softcap, alibi
+VARLEN_PAGED_CASES = [
+    # GQA 4; 20 queries on 9 keys, causal (11 rows see no key); 7 queries on no key; an empty sequence; 3 pages
+    ([3, 20, 7, 0, 1], [(2, 5), (0, 9), (0, 0), (0, 40), (1, 0)], 8, 2, 128, True, (-1, -1), 0.0, False),
+    ([17, 2, 40], [(1, 1), (0, 33), (3, -7)], 4, 4, 64, False, (5, 3), 0.0, True),  # window, ALiBi, 3 query blocks
+    ([1, 5, 12], [(0, 7), (1, 0), (2, 0)], 6, 2, 96, True, (30, -1), 20.0, False),  # causal + left window, softcap
+    ([1, 1, 1, 1], [(0, 0), (0, 1), (1, 3), (2, 0)], 32, 8, 128, True, (-1, -1), 0.0, False),  # one query each: packed
+    ([16, 3], [(1, -1), (2, 1)], 4, 2, 256, True, (-1, -1), 10.0, False),  # d256: the 4-warp tile
+    ([2, 9], [(0, 30), (1, 2)], 4, 1, 40, False, (-1, -1), 0.0, False),  # head_dim 40 padded to 48, MQA
+]
+
+
+def _varlen_paged_id(c):
+    lens_q, lens_k, h, hk, d, causal, window, cap, alibi = c
+    return (f"q{'.'.join(map(str, lens_q))}_h{h}/{hk}_d{d}{'_causal' if causal else ''}"
+            f"{'' if window == (-1, -1) else f'_win{window[0]}.{window[1]}'}{f'_softcap{cap:g}' if cap else ''}"
+            f"{'_alibi' if alibi else ''}")
+
+
+def _varlen_paged(case, page_size, dtype=torch.float16, device="cuda", seed=None):
+    """Packed q, page pools (each sequence's pages shuffled among spare pages of garbage; table entries past a
+    sequence's last page -1, never read), cu_seqlens, the options, and the float64 truth per sequence."""
+    lens_q, lens_k, h, hk, d, causal, window, cap, alibi = case
+    lens_k = [pages * page_size + extra for pages, extra in lens_k]
+    gen = torch.Generator(device=device).manual_seed(random.getrandbits(31) if seed is None else seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device).to(dtype)  # noqa: E731
+    needed = [-(-n // page_size) for n in lens_k]
+    width, num_pages = max(max(needed), 1) + 1, sum(needed) + 3
+    order = torch.randperm(num_pages, generator=gen, device=device).tolist()
+    table = torch.full((len(lens_q), width), -1, dtype=torch.int32)
+    for b, n in enumerate(needed):
+        table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)  # noqa: E731
+    c = dict(q=rnd(sum(lens_q), h, d), k_pages=rnd(num_pages, page_size, hk, d), v_pages=rnd(num_pages, page_size, hk, d),
+             cu_q=cu(lens_q), cu_k=cu(lens_k), table=table.to(device), lens_q=lens_q, lens_k=lens_k,
+             alibi=torch.rand(len(lens_q), h, generator=gen, device=device) * 0.5 if alibi else None)
+    c["prm"] = AttentionOptions(softmax_scale=d**-0.5 * random.uniform(0.7, 1.3), causal=causal, window_left=window[0],
+                                window_right=window[1], softcap=cap)
+    return c
+
+
+def _varlen_paged_truth(c):
+    """float64 truth, PyTorch's fp16 yardstick (fp16 inputs) and float64 lse [H, total_q], sequence by sequence over
+    its logical keys (gathered here from the pages by indexing, independently of kvcache / reference)."""
+    prm, page = c["prm"], c["k_pages"].shape[1]
+    truth, yard, lses = [], [], []
+    for b, (n_q, n_k) in enumerate(zip(c["lens_q"], c["lens_k"])):
+        q0 = int(c["cu_q"][b])
+        pages = c["table"][b, : -(-n_k // page)].long()
+        k_b = c["k_pages"][pages].flatten(0, 1)[:n_k][None]
+        v_b = c["v_pages"][pages].flatten(0, 1)[:n_k][None]
+        q_b = c["q"][q0 : q0 + n_q][None]
+        kw = dict(causal=prm.causal, softmax_scale=prm.softmax_scale, window_size=(prm.window_left, prm.window_right),
+                  alibi_slopes=c["alibi"][b : b + 1] if c["alibi"] is not None else None, softcap=prm.softcap)
+        out64, lse64 = naive_attention(q_b, k_b, v_b, **kw)
+        truth.append(out64[0])
+        lses.append(lse64[0])
+        if c["q"].dtype == torch.float16:
+            yard.append(torch_fp16_attention(q_b, k_b, v_b, **kw)[0])
+    return torch.cat(truth), torch.cat(yard) if yard else None, torch.cat(lses, dim=1)
+
+
+def _kernel_paged_varlen(c, table="default", num_splits=None, poison=True):
+    q = c["q"]
+    kw = {"tile": tiles.decode_tile(_kernel_d(q), 70)} if table == "sm70" else {}
+    if poison:
+        kw.update(out=torch.full_like(q, float("nan")), partial_fill=float("nan"),
+                  lse=torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device))
+    return decode.forward_paged_varlen(q, c["k_pages"], c["v_pages"], c["cu_q"], c["cu_k"], c["table"],
+                                       max(c["lens_q"]), max(c["lens_k"]), c["prm"], c["alibi"],
+                                       num_splits=num_splits, **kw)
+
+
+def _check_varlen_paged(c, out, lse, what=""):
+    """out / lse against the float64 truth: flash-attn's standard (fp16 inputs) or 1e-9 (float64), key-less rows
+    exactly 0 with lse +inf, lse within 2e-3."""
+    truth, yard, lse64 = _varlen_paged_truth(c)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN / inf in out or NaN in lse"
+    if yard is not None:
+        e = error_vs_yardstick(out, yard, truth)
+        assert e.ok, f"{what}: {e}"
+    else:
+        assert torch.allclose(out, truth, rtol=1e-9, atol=1e-9), what
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isposinf(lse), empty), f"{what}: lse must be +inf exactly on the key-less rows"
+    keyless = empty.t()
+    assert torch.equal(out[keyless], torch.zeros_like(out[keyless])), f"{what}: key-less rows must be exactly 0"
+    seen = ~empty
+    err = (lse[seen].double() - lse64[seen]).abs().max().item() if seen.any() else 0.0
+    assert err <= 2e-3 * max(1.0, lse64[seen].abs().max().item() if seen.any() else 1.0), f"{what}: lse error {err}"
+
+
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_python_side_with_an_emulated_kernel(case, page_size, emulated_kernel):
+    """decode.forward_paged_varlen on the emulated kernel: packed q / o / lse strides, seqused_k from cu_seqlens_k,
+    the block table, the padded partials and the combine's per-sequence rows, the one-query-per-sequence packing."""
+    c = _varlen_paged(case, page_size, device="cpu")
+    for num_splits in (1, 3, None):
+        out, lse = _kernel_paged_varlen(c, num_splits=num_splits)
+        _check_varlen_paged(c, out, lse, what=f"emulated num_splits={num_splits}")
+
+
+def _spy(monkeypatch, owner, name):
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def _api(c, grad=False, **kw):
+    q = c["q"].clone().requires_grad_(grad)
+    return volta_train.flash_attn_varlen_func(q, c["k_pages"], c["v_pages"], c["cu_q"], c["cu_k"], max(c["lens_q"]),
+                                              max(c["lens_k"]), softmax_scale=c["prm"].softmax_scale,
+                                              causal=c["prm"].causal, window_size=(c["prm"].window_left,
+                                                                                   c["prm"].window_right),
+                                              softcap=c["prm"].softcap, alibi_slopes=c["alibi"], block_table=c["table"],
+                                              return_attn_probs=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_reference_and_gather_paths_equal_float64(case, page_size, monkeypatch):
+    """CPU, float64: without gradients the reference backend reads each sequence's pages (no gather); with them the
+    pages are gathered and the call runs packed; both equal float64 attention over the logical keys (and each other),
+    the gradient reaching only the used pages."""
+    c = _varlen_paged(case, page_size, dtype=torch.float64, device="cpu")
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    pages_read = _spy(monkeypatch, reference, "reference_paged_varlen_forward")
+    out_r, lse_r, _ = _api(c)
+    assert pages_read and not gathers, "no gradient: the reference backend reads the pages itself"
+    _check_varlen_paged(c, out_r, lse_r, what="reference, paged")
+    c["k_pages"].requires_grad_(True)
+    out_g, lse_g, _ = _api(c, grad=True)
+    assert gathers == ["gather_paged_varlen"] and len(pages_read) == 1, "gradients: the gather path"
+    _check_varlen_paged(c, out_g.detach(), lse_g, what="gather")
+    assert torch.allclose(out_r, out_g.detach(), rtol=1e-12, atol=1e-12) and torch.equal(lse_r.isinf(), lse_g.isinf())
+    out_g.sum().backward()
+    used = {int(p) for p in c["table"].flatten() if p >= 0}
+    unused = sorted(set(range(c["k_pages"].shape[0])) - used)
+    assert not c["k_pages"].grad[unused].any()
+
+
+def test_varlen_paged_routes_and_their_log(monkeypatch, caplog):
+    """Which path a paged varlen call takes, logged once with its reason: dropout and gradients gather; no gradient
+    reads the pages (reference backend on the CPU); VOLTA_TRAIN_BACKEND=kernel on the CPU gathers and then refuses;
+    sinks fold into the paged path's output as into the gather path's."""
+    import logging
+
+    from volta_train import dispatch
+
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    c = _varlen_paged(VARLEN_PAGED_CASES[0], 256, dtype=torch.float64, device="cpu")
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        _api(c, dropout_p=0.1)
+        assert len(gathers) == 1
+        with torch.no_grad():
+            _api(c, grad=True)
+        _api(c)
+        assert len(gathers) == 1, "no gradient (grad mode off, or no input requiring one): the pages are read"
+    lines = [r.getMessage() for r in caplog.records if "varlen with block_table" in r.getMessage()]
+    assert any("gather backend (dropout_p=0.1: the paged path has no dropout)" in line for line in lines), lines
+    assert sum("reference backend" in line for line in lines) == 1, lines  # the same reason: logged once
+    sinks = torch.randn(c["q"].shape[1], dtype=torch.float32)
+    out_s, lse_s, _ = _api(c, sinks=sinks)
+    out_gs, lse_gs, _ = _api(c, grad=True, sinks=sinks)
+    assert torch.allclose(out_s, out_gs.detach(), rtol=1e-12, atol=1e-12) and torch.allclose(lse_s, lse_gs)
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    with pytest.raises(dispatch.BackendUnavailableError, match="needs a CUDA GPU"):
+        _api(c)
+
+
+def test_varlen_paged_kernel_capability(monkeypatch):
+    """support.unsupported_reason of a paged varlen call (a faked V100 with NVRTC): the decoding kernel takes fp32
+    accumulation, one head_dim for q/k/v and pages of whole key blocks; every other call goes to the gather path."""
+    import dataclasses
+
+    from volta_train import kernels
+    from volta_train.kernels import support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(support, "_compiler_problem", lambda arch: None)
+    q = torch.empty(10, 8, 64, device="meta")
+    pages = torch.empty(4, 256, 2, 64, device="meta")
+    call = kernels.describe(q, pages, pages, AttentionOptions(softmax_scale=0.1), varlen=True, alibi=False,
+                            page_block_size=256)
+    call = dataclasses.replace(call, device=torch.device("cuda", 0), dtype=torch.float16, aligned=True)
+    assert kernels.unsupported_reason(call) is None
+    fp16 = dataclasses.replace(call, options=AttentionOptions(softmax_scale=0.1, accum="fp16"))
+    assert "accum='fp16': the decoding kernel that reads pages accumulates in fp32" in kernels.unsupported_reason(fp16)
+    assert "v_cache's head_dim 32 differs" in kernels.unsupported_reason(dataclasses.replace(call, value_head_dim=32))
+    block_n = tiles.decode_tile(64, 70).block_n
+    odd = dataclasses.replace(call, page_block_size=block_n + block_n // 2)
+    assert f"reads key blocks of {block_n} within one page" in kernels.unsupported_reason(odd)
+    assert kernels.unsupported_reason(dataclasses.replace(call, page_block_size=0)) is None  # (not a paged call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("page_size", [256, 512])
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES, ids=_varlen_paged_id)
+def test_varlen_paged_kernel_matches_float64_and_the_gather_path(case, page_size, table):
+    """The GPU kernel reading pages (outputs and split partials NaN-poisoned; one split, three, the rule's) meets
+    flash-attn's standard against float64, and agrees with the gather path (the varlen forward kernel on gathered
+    keys) within 6e-3 of the output's scale, lse within 1e-3."""
+    _gpu()
+    from volta_train.kernels import launch
+
+    c = _varlen_paged(case, page_size)
+    k, v = kvcache.gather_paged_varlen(c["k_pages"], c["v_pages"], c["table"], c["lens_k"])
+    out_g, lse_g = launch.forward(c["q"], k, v, c["cu_q"], c["cu_k"], max(c["lens_q"]), max(c["lens_k"]), c["prm"],
+                                  c["alibi"])
+    scale = max(1.0, out_g.float().abs().max().item())
+    for num_splits in (1, 3, None):
+        out, lse = _kernel_paged_varlen(c, table, num_splits)
+        what = f"{table} splits={num_splits}"
+        _check_varlen_paged(c, out, lse, what=what)
+        assert (out.float() - out_g.float()).abs().max().item() <= 6e-3 * scale, f"{what}: kernel vs gather path"
+        assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_g)), what
+        seen = torch.isfinite(lse)
+        assert (lse[seen] - lse_g[seen]).abs().max().item() <= 1e-3 * max(1.0, lse_g[seen].abs().max().item()), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_varlen_paged_kernel_repeats_bitwise(num_splits):
+    _gpu()
+    c = _varlen_paged(VARLEN_PAGED_CASES[0], 256)
+    first = _kernel_paged_varlen(c, num_splits=num_splits)
+    for _ in range(3):
+        again = _kernel_paged_varlen(c, num_splits=num_splits)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_PAGED_CASES[:4], ids=_varlen_paged_id)
+def test_varlen_paged_api_runs_the_kernel_without_gradients(case, monkeypatch):
+    """volta_train.flash_attn_varlen_func with a block_table: without gradients the decoding kernel runs (the pages
+    are not gathered) and meets the standard; with them the pages are gathered, the varlen kernels run forward and
+    backward, and the forward agrees with the kernel path's."""
+    _gpu()
+    from volta_train import kernels
+
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    c = _varlen_paged(case, 256)
+    gathers = _spy(monkeypatch, kvcache, "gather_paged_varlen")
+    paged = _spy(monkeypatch, kernels, "forward_paged_varlen")
+    out, lse, _ = _api(c)
+    assert paged == ["forward_paged_varlen"] and not gathers, "no gradient: the decoding kernel reads the pages"
+    _check_varlen_paged(c, out, lse, what="api kernel path")
+    c["k_pages"].requires_grad_(True)
+    out_g, lse_g, _ = _api(c, grad=True)
+    assert gathers and len(paged) == 1, "gradients: the gather path"
+    scale = max(1.0, out_g.float().abs().max().item())
+    assert (out.float() - out_g.detach().float()).abs().max().item() <= 6e-3 * scale
+    out_g.float().sum().backward()
+    assert torch.isfinite(c["k_pages"].grad).all()
+
+
 # --- the decoding benchmark's arithmetic (CPU) -----------------------------------------------------------------------
 
 
@@ -685,10 +968,29 @@ def test_bench_decode_counts_and_table():
     assert bench.input_sets_for(1.0, 100.0) == 64
     args = bench.build_parser().parse_args(["--seqlens", "1024", "--batches", "1"])
     assert args.kv_heads == [8, 32] and args.head_dims == [64, 128] and args.heads == 32
-    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_k=1024, backend="volta-kernel", splits=16,
-               ms=0.0125, ms_stream=0.01, tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
+    row = dict(batch=1, heads=32, kv_heads=8, head_dim=128, seqlen_q=1, seqlen_k=1024, page=256,
+               backend="volta-kernel-paged", splits=16, ms=0.0125, ms_stream=0.01,
+               tflops=bench.decode_flops(1, 32, 1024, 128) / 0.0125 / 1e9,
                gbps=bench.kv_bytes(1, 8, 1024, 128) / 0.0125 / 1e6, max_abs=1.5e-4, note="")
     table = bench.markdown([row], args, {"gpu": "test"})
-    assert "| 1 | 32 | 8 | 128 | 1024 | volta-kernel | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |" in table, table
+    assert ("| 1 | 32 | 8 | 128 | 1 | 1024 | 256 | volta-kernel-paged | 16 | 0.0125 | 0.0100 | 1.34 | 336 | 1.5e-04 |  |"
+            in table), table
+    assert args.page_sizes == [] and not args.varlen_paged and args.varlen_q == [1, 16]
     assert args.burst == 20 and "volta-kernel-device-checks" in args.backends
     assert bench.main(["--kv-heads", "5"]) == 2  # no GPU here, or 5 does not divide 32: refused either way
+
+
+def test_bench_decode_paged_inputs_hold_the_same_keys():
+    """bench_decode.py's paged layout: every logical key of every sequence where the block table says, in the
+    shuffled pools; the varlen case's packed queries and cumulative lengths."""
+    bench = _bench_decode()
+    case = dict(q=torch.randn(3, 1, 4, 16).half(), k_cache=torch.randn(3, 70, 2, 16).half(),
+                v_cache=torch.randn(3, 70, 2, 16).half())
+    p = bench.paged(case, 32, torch.Generator().manual_seed(1))
+    assert p["block_table"].shape == (3, 3) and sorted(p["block_table"].flatten().tolist()) == list(range(9))
+    for name in ("k_cache", "v_cache"):
+        logical = p[name][p["block_table"].long()].flatten(1, 2)[:, :70]
+        assert torch.equal(logical, case[name])
+    v = bench.varlen_case(p, 5, 69)
+    assert v["q_packed"].shape == (15, 4, 16) and v["cu_q"].tolist() == [0, 5, 10, 15]
+    assert v["cu_k"].tolist() == [0, 69, 138, 207]

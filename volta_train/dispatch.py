@@ -225,6 +225,83 @@ def _backward(ctx, dout, _dlse):
 torch.library.register_autograd("volta_train::attention_forward", _backward, setup_context=_setup_context)
 
 
+def paged_varlen_choice(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, options: AttentionOptions,
+                        alibi: bool, needs_grad: bool) -> Choice:
+    """How flash_attn_varlen_func runs on a paged cache: "kernel" (the decoding kernel reads K/V through the block
+    table), "reference" (the reference backend reads each sequence's pages), or "gather" (the pages are copied into
+    packed k/v and the call runs as a packed one, on whichever backend that picks; its autograd and dropout included).
+
+    The paged path is inference only: gradients or dropout take the gather path on every backend. Otherwise the kernel
+    path where ``kernels.unsupported_reason`` of the paged call allows it; the reference path where the reference
+    backend would run anyway (``VOLTA_TRAIN_BACKEND=reference``, or not a CUDA tensor under ``auto``); else gather (a
+    GPU call the decoding kernel does not take, e.g. accum="fp16", still runs the varlen kernel)."""
+    choice = _paged_varlen_choice(q, k_pages, v_pages, options, alibi, needs_grad)
+    _log_choice(choice, "varlen with block_table", q.is_cuda)
+    return choice
+
+
+def _paged_varlen_choice(q, k_pages, v_pages, options: AttentionOptions, alibi: bool, needs_grad: bool) -> Choice:
+    if needs_grad:
+        return Choice("gather", "an input requires grad: the paged path has no backward; gradients flow through the "
+                      "gathered k/v")
+    if options.dropout_p > 0:
+        return Choice("gather", f"dropout_p={options.dropout_p}: the paged path has no dropout")
+    policy = backend_policy()
+    if policy == "reference":
+        return Choice("reference", f"{BACKEND_ENV}=reference: each sequence's pages read by the reference backend")
+    call = kernels.describe(q, k_pages, v_pages, options, varlen=True, alibi=alibi, page_block_size=k_pages.shape[1])
+    why_not = kernels.unsupported_reason(call)
+    if why_not is None:
+        return Choice("kernel", "the decoding kernel reads k/v through block_table, no gather")
+    if policy == "auto" and not q.is_cuda:
+        return Choice("reference", f"{why_not}; each sequence's pages read by the reference backend")
+    return Choice("gather", f"{why_not}; the pages are gathered into packed k/v")
+
+
+def attention_paged_varlen_eager(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    longest: int,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    options_f: list[float],
+    options_i: list[int],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_varlen_func on a paged cache, forward only: (out [total_q, H, Dv], lse [H, total_q]) on ``backend``
+    ("kernel" or "reference", from :func:`paged_varlen_choice`). ``longest``: the most keys one sequence has."""
+    options = AttentionOptions.unpack(options_f, options_i)
+    if q.numel() == 0:
+        return _empty_forward(q, v_pages, varlen=True)
+    if backend == "kernel":
+        out, lse = kernels.forward_paged_varlen(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_table,
+                                                max_seqlen_q, longest, options, alibi_slopes)
+    else:
+        out, lse = reference.reference_paged_varlen_forward(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k,
+                                                            block_table, options, alibi_slopes)
+    if sinks is not None:
+        out, lse = attention_sinks.fold(out, lse, sinks, True)
+    return out.contiguous(), lse.contiguous()
+
+
+# The custom op torch.compile traces (the kernel path launches through ctypes, which fake tensors cannot); eager
+# callers use the function itself, as for attention_with_kvcache.
+attention_paged_varlen = torch.library.custom_op(
+    "volta_train::attention_paged_varlen", mutates_args=()
+)(attention_paged_varlen_eager)
+
+
+@attention_paged_varlen.register_fake
+def _attention_paged_varlen_fake(q, k_pages, v_pages, *args):
+    return (q.new_empty(q.shape[:-1] + (v_pages.shape[-1],)),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=compute_dtype(q.dtype)))
+
+
 def attention_with_kvcache_eager(
     q: torch.Tensor,
     k_cache: torch.Tensor,

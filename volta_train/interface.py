@@ -18,8 +18,9 @@ Differences from flash-attn, all explicit:
   accum="fp16" is for inference (with gradients it warns once: docs/accuracy.md). Both are
   keyword-only and ignored by the reference backend, which always accumulates in fp32
   (fp64 for fp64 inputs).
-* A paged KV cache (``block_table``) runs in flash_attn_with_kvcache (the decoding kernel reads
-  K/V through the table); flash_attn_varlen_func gathers the pages into packed k/v first.
+* A paged KV cache (``block_table``): flash_attn_with_kvcache's decoding kernel reads K/V through
+  the table; so does flash_attn_varlen_func's without gradients or dropout, which otherwise
+  gathers the pages into packed k/v first (differentiable).
 * Under ``torch.autocast``, q/k/v are cast to autocast's dtype first (flash-attn
   raises on fp32 inputs instead).
 * ``sinks`` (keyword-only, flash_attn_func and flash_attn_varlen_func): one fp32 logit per
@@ -149,15 +150,22 @@ def flash_attn_varlen_func(
 
     Paged k/v (flash-attn 2.8): with ``block_table`` (int32 [batch, max_num_blocks_per_seq]) k/v are page pools
     [num_blocks, page_block_size, kv_heads, head_dim] and sequence b's keys are the logical positions
-    [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages (as in flash_attn_with_kvcache). They are gathered into
-    packed k/v in PyTorch (a copy; cu_seqlens_k read on the host) and the call runs as a packed one, on either
-    backend: the varlen kernel does not read pages itself.
+    [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages (as in flash_attn_with_kvcache; cu_seqlens_k is read on
+    the host to check them). Without gradients (no input requires grad, or grad mode off) and dropout, the decoding
+    kernel reads K/V through the table (the reference backend each sequence's pages); otherwise, or where that kernel
+    does not take the call, the pages are gathered into packed k/v (a copy, differentiable) and the call runs as a
+    packed one. Which path ran, and why, is logged once (``dispatch.paged_varlen_choice``).
     """
     _require_tensors(q=q, k=k, v=v)
     if block_table is not None:
         lengths = validation.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
-        k, v = kvcache.gather_paged_varlen(k, v, block_table, lengths)
-    q, k, v = _autocast_inputs(q, k, v)
+    q, k, v = _autocast_inputs(q, k, v)  # (page pools too: as the gathered k/v would be)
+    paged = None
+    if block_table is not None:
+        paged = (k, v)
+        # check_varlen reads only the packed k/v's shape, dtype and device (the gather's copy would be contiguous):
+        # a stand-in of that shape, one row of memory
+        k, v = (t.new_empty(t.shape[-1]).expand(sum(lengths), *t.shape[2:]) for t in paged)
     max_seqlen_q, max_seqlen_k = validation.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
@@ -167,6 +175,22 @@ def flash_attn_varlen_func(
         batch=cu_seqlens_q.numel() - 1, nheads=q.shape[1],
     )
     validation.check_sinks(sinks, q, q.shape[1])
+    if paged is not None:
+        k_pages, v_pages = paged
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_pages, v_pages, sinks))
+        choice = dispatch.paged_varlen_choice(q, k_pages, v_pages, options, alibi_slopes is not None, needs_grad)
+        if choice.backend == "gather":
+            k, v = kvcache.gather_paged_varlen(k_pages, v_pages, block_table, lengths)
+        else:
+            compiling = torch.compiler.is_compiling()  # the custom op where torch.compile traces, else its body
+            op = dispatch.attention_paged_varlen if compiling else dispatch.attention_paged_varlen_eager
+            out, lse = op(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q,
+                          max(lengths), alibi_slopes, sinks, *options.pack(), choice.backend)
+            if not return_attn_probs:
+                return out
+            return out, lse, attn_probs.s_dmask_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                       options, alibi_slopes)
     out, lse = dispatch.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                                   options, sinks)
     if not return_attn_probs:

@@ -294,16 +294,42 @@ def reference_kvcache_forward(
     first = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
     out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=device)
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=compute_dtype(q.dtype), device=device)
-    page_size = k_cache.shape[1]
     for b, row in enumerate(rows.tolist()):
         slopes = alibi_slopes[b : b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         keys = slice(first[b], ends[b])
         if block_table is None:
             k_b, v_b = k_cache[row, keys], v_cache[row, keys]
-        else:  # gather the entry's pages, in logical order, into one contiguous [pages * page_size, Hkv, D]
-            pages = block_table[b, : -(-ends[b] // page_size)].to(device=k_cache.device, dtype=torch.long)
-            k_b = k_cache[pages].flatten(0, 1)[keys]
-            v_b = v_cache[pages].flatten(0, 1)[keys]
+        else:
+            k_b, v_b = _entry_keys(k_cache, v_cache, block_table, b, ends[b])
         o, l = reference_forward(q[b : b + 1], k_b.unsqueeze(0), v_b.unsqueeze(0), params, slopes)
         out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def _entry_keys(k_pages, v_pages, block_table, b: int, end: int):
+    """Logical keys [0, end) of entry b of a paged cache: its pages ``block_table[b, :ceil(end / page_size)]``, in
+    logical order, copied into contiguous [end, Hkv, D] k and v."""
+    pages = block_table[b, : -(-end // k_pages.shape[1])].to(device=k_pages.device, dtype=torch.long)
+    return k_pages[pages].flatten(0, 1)[:end], v_pages[pages].flatten(0, 1)[:end]
+
+
+def reference_paged_varlen_forward(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_table, params,
+                                   alibi_slopes=None):
+    """flash_attn_varlen_func on a paged cache without gradients, on the reference backend: packed q [total_q, H,
+    D], page pools [num_pages, page_size, Hkv, D], sequence b's keys the logical positions [0, cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]) of its pages ``block_table[b]``. One sequence at a time, each reading only its own pages (what
+    the decoding kernel does); out [total_q, H, Dv] and lse [H, total_q] as :func:`reference_varlen_forward` gives
+    them. No dropout (the paged path runs inference only)."""
+    if params.dropout_p > 0:
+        raise ValueError(f"dropout_p={params.dropout_p}; accepted: 0 (the paged varlen path has no dropout)")
+    out = torch.zeros(q.shape[:2] + (v_pages.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=compute_dtype(q.dtype), device=q.device)
+    for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        k_b, v_b = _entry_keys(k_pages, v_pages, block_table, index, k1 - k0)
+        slopes = alibi_slopes[index : index + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = reference_forward(q[None, q0:q1], k_b[None], v_b[None], params, slopes)
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
     return out, lse

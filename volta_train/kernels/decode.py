@@ -11,6 +11,9 @@ backend (:func:`volta_train.kvcache.append`). Attention runs the forward kernel 
   batches still fill the GPU; each split writes its normalised fp32 partial output and log-sum-exp, which the split
   combine kernel (csrc/split_kv_combine.cu, launched right after with the same parameters) turns into out / lse
   (:func:`combine_splits` is its specification in PyTorch). With one split the kernel writes out / lse itself.
+
+:func:`forward_paged_varlen` runs flash_attn_varlen_func on a paged cache on the same kernel: packed queries
+(``cu_seqlens_q``), each sequence's keys read through its block table, no gather of the pages.
 """
 
 from __future__ import annotations
@@ -134,8 +137,7 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     if paged and (cache_batch_idx is not None or cache_leftpad is not None):  # (validation refuses them first)
         raise ValueError("block_table with cache_batch_idx or cache_leftpad; accepted: a block_table alone (SplitKvParams "
                          "reads k_batch_index / leftpad_k only for contiguous caches)")
-    page_size = k_cache.shape[1] if paged else 0
-    logical_len = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # keys one entry may hold
+    logical_len = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]  # keys one entry may hold
     if key_end < 0 or longest < 0:  # not read on the host: plan for the whole cache (no device read here)
         key_end = longest = logical_len
 
@@ -147,25 +149,104 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     else:
         kc, vc = _for_kernel(k_cache[:, :key_end], d), _for_kernel(v_cache[:, :key_end], d)  # the positions it may read
     out_full = out if d == head_dim else torch.empty(q.shape[:-1] + (d,), dtype=q.dtype, device=device)
-    out_k = out_full
     alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    packed = pack_gqa(seqlen_q, nheads, nheads_kv, alibi is not None, options.window_left)
-    if packed:  # [B, 1, H, D] -> [B, G, H_kv, D]: rows = the G query heads of each KV head, no mask
-        group = nheads // nheads_kv
-        qk, out_k = (t.as_strided((batch, group, nheads_kv, d), (t.stride(0), t.stride(2), group * t.stride(2), 1))
-                     for t in (qk, out_k))
-        lse_k = lse.as_strided((batch, nheads_kv, group), (lse.stride(0), group * lse.stride(1), lse.stride(1)))
-        run = AttentionOptions(softmax_scale=options.softmax_scale, softcap=options.softcap)
-    else:
-        lse_k, run = lse, options
-    rows_k, heads_k = qk.shape[1], qk.shape[2]
+    qk, out_k, lse_k, run = _gqa_views(qk, out_full, lse, nheads_kv, alibi is not None, options)
+    _launch(qk, kc, vc, out_k, lse_k, None, qk.shape[1], longest, run, alibi, _int32(ends),
+            _int32(rows) if cache_batch_idx is not None else None, leftpad, block_table, tile, d, options.softcap > 0,
+            num_splits, partial_fill)
+    if d != head_dim:
+        out.copy_(out_full[..., :head_dim])
+    return out, lse
 
+
+def _gqa_views(q, out, lse, nheads_kv: int, alibi: bool, options: AttentionOptions):
+    """(q, out, lse, options) as the kernel runs a dense call (q/out [B, Nq, H, d], lse [B, H, Nq], any strides):
+    with GQA packing (:func:`pack_gqa`) the strided views [B, G, H_kv, d] / [B, H_kv, G] (rows = the G query heads of
+    each KV head) and the options without masks; otherwise the tensors themselves."""
+    batch, seqlen_q, nheads, d = q.shape
+    if not pack_gqa(seqlen_q, nheads, nheads_kv, alibi, options.window_left):
+        return q, out, lse, options
+    group = nheads // nheads_kv
+    q, out = (t.as_strided((batch, group, nheads_kv, d), (t.stride(0), t.stride(2), group * t.stride(2), 1))
+              for t in (q, out))
+    lse = lse.as_strided((batch, nheads_kv, group), (lse.stride(0), group * lse.stride(1), lse.stride(1)))
+    return q, out, lse, AttentionOptions(softmax_scale=options.softmax_scale, softcap=options.softcap)
+
+
+def forward_paged_varlen(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q: int,
+                         longest: int, options: AttentionOptions, alibi_slopes=None, *,
+                         tile: tiles.FwdTile | None = None, num_splits: int | None = None,
+                         out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                         partial_fill: float | None = None):
+    """flash_attn_varlen_func on a paged cache, on the decoding kernel: returns out [total_q, H, D] (q's dtype) and
+    lse [H, total_q] (fp32), as the varlen forward lays them out.
+
+    q: packed [total_q, H, D] (``cu_seqlens_q``, int32 [B + 1]); k_pages / v_pages: page pools [num_pages,
+    page_block_size, kv_heads, D]; sequence b's keys are the logical positions [0, cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]) of its pages ``block_table[b]`` (int32 [B, max_pages]), read by the kernel through the table
+    (SplitKvParams ``cu_seqlens_q`` with ``block_table``; the key counts go to it as ``seqused_k``, computed on the
+    device). ``max_seqlen_q``: at least every sequence's query count; ``longest``: at least every key count (the
+    split rule's key range). Masks are bottom-right aligned per sequence, as in the varlen forward. fp32 accumulation,
+    no dropout (the caller's options must have dropout_p 0: ``support.unsupported_reason`` of a ``paged_varlen``
+    call). Hooks as in :func:`forward_with_kvcache`.
+    """
+    if options.dropout_p > 0:  # (support.unsupported_reason refuses it first)
+        raise ValueError(f"dropout_p={options.dropout_p}; accepted: 0 (the decoding kernel has no dropout)")
+    total_q, nheads, head_dim = q.shape
+    device = q.device
+    d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))
+    tile = tile or tiles.decode_tile(d, _arch(device))
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if lse is None:
+        lse = torch.empty((nheads, total_q), dtype=torch.float32, device=device)
+    if total_q == 0:
+        return out, lse
+    out_full = out if d == head_dim else torch.empty(q.shape[:-1] + (d,), dtype=q.dtype, device=device)
+    seqused = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(dtype=torch.int32).contiguous()
+    alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    qk, kc, vc = _for_kernel(q, d), _for_kernel(k_pages, d), _for_kernel(v_pages, d)
+    batch = cu_seqlens_q.numel() - 1
+    run, out_k, lse_k, cu_q, rows = options, out_full, lse, cu_seqlens_q.contiguous(), max_seqlen_q
+    lse_dense = None
+    if max_seqlen_q == 1 and total_q == batch:  # one query per sequence: a dense decoding step, GQA packing included
+        # (lse [B, H, 1] of its own: the kernel writes a CTA's rows, here query heads, at unit stride)
+        lse_dense = torch.empty((batch, nheads, 1), dtype=torch.float32, device=device)
+        qk, out_k, lse_k, run = _gqa_views(qk.unsqueeze(1), out_k.unsqueeze(1), lse_dense, k_pages.shape[2],
+                                           alibi is not None, options)
+        cu_q, rows = None, qk.shape[1]
+    _launch(qk, kc, vc, out_k, lse_k, cu_q, rows, longest, run, alibi, seqused, None, None, block_table, tile, d,
+            options.softcap > 0, num_splits, partial_fill)
+    if lse_dense is not None:
+        lse.copy_(lse_dense[..., 0].t())
+    if d != head_dim:
+        out.copy_(out_full[..., :head_dim])
+    return out, lse
+
+
+def _launch(q, k, v, out, lse, cu_seqlens_q, rows: int, longest: int, options: AttentionOptions, alibi, seqused,
+            batch_index, leftpad, block_table, tile: tiles.FwdTile, d: int, softcap: bool, num_splits: int | None,
+            partial_fill: float | None) -> None:
+    """The decoding kernel (and its split combine) on tensors already at the kernel head_dim ``d``: q/out dense [B,
+    rows, H, d] or packed [total_q, H, d] (``cu_seqlens_q``); k/v contiguous [B_kv, N, H_kv, d] or, with
+    ``block_table``, page pools; lse laid out as the forward lays it out. ``seqused`` / ``batch_index`` / ``leftpad``:
+    int32 [B] (SplitKvParams seqused_k / k_batch_index / leftpad_k). ``rows``: query rows per entry (varlen: the
+    most), ``longest``: the most keys an entry sees."""
+    device = q.device
+    paged = block_table is not None
+    page_size = k.shape[1] if paged else 0
     if paged and page_size % tile.block_n:
         raise ValueError(f"k_cache has page_block_size {page_size}; the decoding tile for head_dim {d} reads key blocks "
                          f"of {tile.block_n}: accepted: a multiple of {tile.block_n}")
-    kernel = _kernel(tiles.decode_variant(d, tile, options.softcap > 0), device)
+    kernel = _kernel(tiles.decode_variant(d, tile, softcap), device)
     prm = SplitKvKernelParams()
-    grid = fill_common(prm, qk, kc, vc, out_k, lse_k, None, None, rows_k, longest, run, kernel.geometry.block_m, alibi)
+    grid = fill_common(prm, q, k, v, out, lse, cu_seqlens_q, None, rows, longest, options, kernel.geometry.block_m,
+                       alibi)
+    if cu_seqlens_q is not None:  # packed queries; K/V keep their own [page or batch, row, head] strides
+        for name, t in (("k", k), ("v", v)):
+            for axis, stride in zip(("batch", "row", "head"), t.stride()[:3]):
+                setattr(prm, f"{name}_{axis}_stride", stride)
+    batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
     key_blocks = -(-longest // kernel.geometry.block_n)
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -175,7 +256,6 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
             raise ValueError(f"num_splits={num_splits}; accepted: 1..{COMBINE_MAX_SPLITS} (the split combine's limit)")
         per_split = -(-max(key_blocks, 1) // max(1, num_splits))
         splits = -(-max(key_blocks, 1) // per_split)
-    seqused, batch_index = _int32(ends), _int32(rows) if cache_batch_idx is not None else None
     prm.seqused_k = seqused.data_ptr()
     prm.k_batch_index = batch_index.data_ptr() if batch_index is not None else None
     prm.leftpad_k = leftpad.data_ptr() if leftpad is not None else None
@@ -185,19 +265,17 @@ def forward_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     prm.page_block_size = page_size
     prm.num_splits, prm.blocks_per_split = splits, per_split
     prm.o_partial = prm.lse_partial = None
-    if splits > 1:  # [splits, B, heads_k, rows_k(, D)], fp32
-        shape = (splits, batch, heads_k, rows_k)
+    heads = q.shape[-2]
+    if splits > 1:  # [splits, B, heads, rows(, d)], fp32
+        shape = (splits, batch, heads, rows)
         fill = (lambda s: torch.empty(s, dtype=torch.float32, device=device)) if partial_fill is None else (
             lambda s: torch.full(s, partial_fill, dtype=torch.float32, device=device))
         o_partial, lse_partial = fill(shape + (d,)), fill(shape)
         prm.o_partial, prm.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
 
     kernel.launch(grid + (splits,), [prm])
-    if splits > 1:  # the combine reads the partials and writes out_k / lse_k through the same params
+    if splits > 1:  # the combine reads the partials and writes out / lse through the same params
         combine = tiles.combine_variant(d)
-        row_blocks = -(-rows_k // tiles.COMBINE_ROWS_PER_CTA)
+        row_blocks = -(-rows // tiles.COMBINE_ROWS_PER_CTA)
         # grid x: one per (batch, kernel head), the partials' second axis (not the kernel's CTAs: query blocks too)
-        _kernel(combine, device).launch((batch * heads_k, row_blocks, 1), [prm])
-    if d != head_dim:
-        out.copy_(out_full[..., :head_dim])
-    return out, lse
+        _kernel(combine, device).launch((batch * heads, row_blocks, 1), [prm])

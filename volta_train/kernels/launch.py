@@ -45,8 +45,9 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
         setattr(prm, f"{name}_row_stride", r)
         setattr(prm, f"{name}_head_stride", h)
     prm.lse = lse.data_ptr()
-    if varlen:
-        prm.cu_seqlens_q, prm.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    if varlen:  # (the decoding kernel's packed queries come without cu_seqlens_k: it takes seqused_k)
+        prm.cu_seqlens_q = cu_seqlens_q.data_ptr()
+        prm.cu_seqlens_k = cu_seqlens_k.data_ptr() if cu_seqlens_k is not None else None
         prm.lse_batch_stride, prm.lse_head_stride = 0, lse.stride(0)
     else:
         prm.cu_seqlens_q = prm.cu_seqlens_k = None
