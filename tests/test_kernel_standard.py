@@ -29,8 +29,9 @@ pytestmark = pytest.mark.gpu
 
 TABLES = ("default", "sm70")
 HEAD_DIMS = configs.SUPPORTED_HEAD_DIMS
-# bwd_accum="fp16" given explicitly: the fp16-product tiles' worst ratio to the standard's bound (docs/accuracy.md)
-FP16_PRODUCT_LIMIT = 2.0
+# bwd_accum="fp16" given explicitly: the fp16-product tiles' ratio to the standard's bound, with room over the worst
+# seen on fresh random inputs (docs/accuracy.md)
+FP16_PRODUCT_LIMIT = 2.5
 DEFAULT_BWD_ACCUM = inspect.signature(volta_train.flash_attn_func).parameters["bwd_accum"].default
 
 
