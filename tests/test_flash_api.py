@@ -1132,6 +1132,30 @@ def test_value_head_dim_sinks_and_large_head_dims_match_eager(causal, dims, with
         assert want[-1].abs().max() > 1e-3  # the sinks' gradient is not trivially zero
 
 
+@pytest.mark.gpu
+def test_head_dim_512_on_the_gpu_runs_the_reference_with_its_log(caplog, monkeypatch):
+    """fp16 head_dim 512 on a GPU (Gemma 4's global layers): no refusal; the reference backend runs it, logged with
+    the reason, forward and backward within fp16 rounding of float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 37, heads, 512, device="cuda", generator=generator).half().requires_grad_()
+               for heads in (4, 2, 2))
+    with caplog.at_level(logging.INFO, logger="volta_train"):
+        out = volta_train.flash_attn_func(q, k, v, causal=True)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "reference" in messages and "head_dim 512" in messages
+    dout = torch.randn(out.shape, device="cuda", generator=generator).half()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = _eager_attention(q64, k64, v64, True, None)
+    want = torch.autograd.grad(expected, (q64, k64, v64), dout.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
+
+
 def test_sinks_errors_name_the_argument():
     q = torch.randn(1, 3, 4, 8)
     with pytest.raises(TypeError, match="sinks must be float32"):

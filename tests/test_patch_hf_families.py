@@ -489,3 +489,24 @@ def test_model_type_membership_is_generic():
         assert model_type in hf.FAMILIES
     for model_type in ("bloom", "t5", "no_such_model"):
         assert model_type not in hf.FAMILIES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo"])
+def test_swapped_flash_classes_run_the_kernel_on_the_gpu(family, monkeypatch):
+    """fp16 on a GPU with VOLTA_TRAIN_BACKEND=kernel (a call the kernel cannot run raises): Falcon's and GPT-Neo's
+    swapped flash classes give eager fp32's logits at the real tokens within fp16 rounding, with right padding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference = build(family).cuda()
+    model = build(family).cuda().half()
+    ids, mask = tokens().cuda(), padding_mask("right").cuda()
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits[mask.bool()]
+    volta_train.patch(model)
+    monkeypatch.setenv("VOLTA_TRAIN_BACKEND", "kernel")
+    with spies() as (dense, varlen), torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[mask.bool()].float()
+    assert varlen.call_count == LAYERS
+    assert torch.isfinite(logits).all()
+    assert_close(logits, expected, family, rtol=2e-2)
