@@ -91,6 +91,12 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple] = {}
         self.total = 0
+        self.tokens = 0  # a storage with a dimension of this size grows with the sequence
+        self.tile = 0  # ... with the tiled MLP's tile
+        self.part = [0, 0, 0]  # live bytes: fixed, growing with the tokens, with the tile
+        self.project = (1.0, 1.0)  # token and tile factors to the real scale
+        self.token_peaks: dict[str, tuple[float, list, str, list]] = {}  # phase -> (projected, part, op, live)
+        self.excluded: set[int] = set()  # storages that live in host memory on a GPU (offloaded, optimizer)
         self.peaks: dict[str, tuple[int, str, list]] = {}  # phase -> (peak bytes, operator, live storages)
         self.label = label  # callable: (phase of the step, where in it)
         self.recording = False
@@ -98,16 +104,26 @@ class LiveBytes(TorchDispatchMode):
     def track(self, t: torch.Tensor, origin: str) -> None:
         st = t.untyped_storage()
         key, size = st.data_ptr(), st.nbytes()
-        if size == 0 or key in self.live:
+        if size == 0 or key in self.live or key in self.excluded:
             return
-        self.live[key] = (size, origin, tuple(t.shape), str(t.dtype).removeprefix("torch."), self.label()[1])
+        grows = 1 if self.tokens in t.shape else 2 if self.tile in t.shape else 0
+        self.live[key] = (size, origin, tuple(t.shape), str(t.dtype).removeprefix("torch."), self.label()[1], grows)
         self.total += size
+        self.part[grows] += size
         weakref.finalize(st, self._free, key)
+
+    def exclude(self, t: torch.Tensor) -> None:
+        """t lives in host memory on a GPU: not counted from here on."""
+        key = t.untyped_storage().data_ptr()
+        self._free(key)
+        self.excluded.add(key)
+        weakref.finalize(t.untyped_storage(), self.excluded.discard, key)
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
         if entry is not None:
             self.total -= entry[0]
+            self.part[entry[-1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -118,10 +134,18 @@ class LiveBytes(TorchDispatchMode):
             phase, where = self.label()
             if self.total > self.peaks.get(phase, (-1,))[0]:
                 self.peaks[phase] = (self.total, f"{func.overloadpacket.__name__} in {where}", list(self.live.values()))
+            projected = self.part[0] + self.part[1] * self.project[0] + self.part[2] * self.project[1]
+            if projected > self.token_peaks.get(phase, (-1,))[0]:
+                self.token_peaks[phase] = (projected, list(self.part), f"{func.overloadpacket.__name__} in {where}",
+                                           list(self.live.values()))
         return out
 
 
-def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, tile_tokens: int) -> dict:
+def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, tile_tokens: int,
+        project: tuple[int, int] = (0, 0)) -> dict:
+    """Peaks per phase of the second training step; ``project`` (tokens, tile tokens): the moment of each phase
+    listed in detail is the one with the most bytes at that scale (the parts growing with the tokens and with the
+    tile scaled up), where the peak of the real shape falls."""
     probe = _probe()
     from volta_train.training import activation_offload, chunked_loss, tiled_mlp
 
@@ -136,8 +160,20 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
     if features["optim_offload"]:
         host = model._probe_host_adamw = probe.HostAdamW(model, torch.bfloat16)
     tiled_mlp.tile_mlps(model, tile_tokens, "on" if features["tiled"] else "off")
+    mode = LiveBytes(lambda: label())
+    mode.tokens, mode.tile = tokens, tile_tokens if features["tiled"] else -1
+    mode.project = ((project[0] or tokens) / tokens, (project[1] or tile_tokens) / tile_tokens)
     if features["offload"]:
-        activation_offload.enable(model)
+        offloader = activation_offload.enable(model)
+        pack = offloader._pack
+
+        def pack_to_host(t):  # the copy is host memory on a GPU (what stays on the GPU: docs/long_context.md)
+            stash = pack(t)
+            if not isinstance(stash, torch.Tensor):
+                mode.exclude(stash.host)
+            return stash
+
+        offloader._pack = pack_to_host
     names = {m: n for n, m in model.named_modules()}
     stack: list[str] = []
     state = {"stage": "forward", "layer": None}
@@ -176,6 +212,7 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
 
     def step():
         state.update(stage="forward", layer=None)
+        stack.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=host is None):
             loss = chunked_loss.causal_lm_loss(model, {"input_ids": ids, "labels": ids}, budget_mib=budget)
         state.update(stage="backward", layer=None)
@@ -190,7 +227,6 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = flash_memory_sdpa
-    mode = LiveBytes(label)
     try:
         step()  # AdamW's state exists from here on
         with mode:
@@ -205,17 +241,23 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
             step()
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
-    phases = {}
-    for phase, (peak, where, live) in mode.peaks.items():
+    def table(live):
         inventory = collections.defaultdict(lambda: [0, 0])
-        for size, origin, shape, dtype, created in live:
+        for size, origin, shape, dtype, created, grows in live:
             shape_text = "x".join("n" if s == tokens else str(s) for s in shape)
             module = created.split(" / ")[-1] if not origin.startswith(("parameter", "adamw")) else ""
             node = created.split(" / ")[0] if " / " in created else ""
-            inventory[(origin, shape_text, dtype, f"{node} {module}".strip())][0] += 1
-            inventory[(origin, shape_text, dtype, f"{node} {module}".strip())][1] += size
-        phases[phase] = {"peak_bytes": peak, "where": where,
-                         "inventory": sorted(([*k, *v] for k, v in inventory.items()), key=lambda r: -r[-1])}
+            key = (origin, shape_text, dtype, f"{node} {module}".strip())
+            inventory[key][0] += 1
+            inventory[key][1] += size
+        return sorted(([*k, *v] for k, v in inventory.items()), key=lambda r: -r[-1])
+
+    phases = {}
+    for phase, (peak, where, live) in mode.peaks.items():
+        _, parts, token_where, token_live = mode.token_peaks[phase]
+        phases[phase] = {"peak_bytes": peak, "where": where, "inventory": table(live),
+                         "token_bytes": parts[1], "tile_bytes": parts[2], "other_bytes_then": parts[0],
+                         "token_where": token_where, "token_inventory": table([e for e in token_live if e[-1]])}
     return {"variant": variant, "tokens": tokens, "layers": layers, "vocab": vocab, "chunk_tokens": chunk_tokens,
             "tile_tokens": tile_tokens, "parameters": sum(p.numel() for p in model.parameters()), "phases": phases}
 
@@ -228,18 +270,24 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--chunk-tokens", type=int, default=256, help="the chunked loss's tokens per chunk")
     p.add_argument("--tile-tokens", type=int, default=256, help="the tiled MLP's tokens per tile")
+    p.add_argument("--project", default="114688,4096",
+                   help="tokens,tile tokens of the real run: the moment listed per phase is its peak at that scale")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = []
     for variant in args.variants.split(","):
         for n in (int(t) for t in args.tokens.split(",")):
-            r = run(variant, n, args.layers, args.vocab, args.chunk_tokens, args.tile_tokens)
+            r = run(variant, n, args.layers, args.vocab, args.chunk_tokens, args.tile_tokens,
+                    tuple(int(x) for x in args.project.split(",")))
             results.append(r)
             for phase, ph in r["phases"].items():
-                print(f"\n## {variant}, {n} tokens, {args.layers} layers, vocab {args.vocab}, {phase}: peak "
-                      f"{ph['peak_bytes']:,} B at {ph['where']}\n\n| created by | shape | dtype | where | count | "
+                print(f"\n## {variant}, {n} tokens, {args.layers} layers, vocab {args.vocab}, {phase}\n\npeak "
+                      f"{ph['peak_bytes']:,} B at {ph['where']}; the peak at --project's scale at "
+                      f"{ph['token_where']}: here {ph['token_bytes']:,} B growing with the tokens "
+                      f"({ph['token_bytes'] / n:,.0f} per token), {ph['tile_bytes']:,} B with the tile, "
+                      f"{ph['other_bytes_then']:,} B other\n\n| created by | shape | dtype | where | count | "
                       "bytes |\n| --- | --- | --- | --- | --- | --- |", flush=True)
-                for row in ph["inventory"]:
+                for row in ph["token_inventory"]:
                     print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
