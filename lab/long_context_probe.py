@@ -76,41 +76,127 @@ def _bench_train():
 
 bench = _bench_train()
 
-# ---- memory model (docs/long_context.md); every coefficient is an estimate until measured ------------------------
+# ---- memory model (docs/long_context.md, "Memory model") --------------------------------------------------------
+
+# The caching allocator reserves more than the live tensors: reserved minus the model's live bytes at the three
+# measured 32 GiB points (docs/long_context.md) is 0.98, 1.98 and 0.36 GiB; the model counts 1 GiB.
+OVERHEAD_GIB = 1.0
 
 
 def model_shape(name: str, vocab: int) -> dict:
-    """Shape figures of a bench_train model: layers, width, key/value width, MLP width, parameters."""
+    """Shape figures of a bench_train model: layers, width, key/value width, MLP width, heads, head width, words,
+    parameters (all, one layer's, one layer's matmul weights)."""
     s = bench.LLAMA[name]
     h, kv_width = s["n_embd"], s["n_embd"] // s["n_head"] * s["n_kv_head"]
-    per_layer = h * (2 * h + 2 * kv_width) + 3 * h * s["intermediate"] + 2 * h
+    linear = h * (2 * h + 2 * kv_width) + 3 * h * s["intermediate"]
+    per_layer = linear + 2 * h
     return {"layers": s["n_layer"], "hidden": h, "kv_width": kv_width, "intermediate": s["intermediate"],
-            "parameters": s["n_layer"] * per_layer + vocab * h + h, "layer_parameters": per_layer}
+            "heads": s["n_head"], "head_dim": h // s["n_head"], "vocab": vocab,
+            "parameters": s["n_layer"] * per_layer + vocab * h + h, "layer_parameters": per_layer,
+            "layer_linear_parameters": linear}
+
+
+def _layer_working_set(shape: dict, tiled: bool, amp: bool) -> dict:
+    """Bytes per token of one block's backward at its peak, beyond the checkpointed inputs (lab/memory_inventory.py
+    lists them): what the block's recompute saved and is still alive, the gradient flowing in, and the temporaries
+    of the backward op running then. amp: fp32 residual stream under fp16 autocast; else a 16-bit model."""
+    h, kv, inter, heads = shape["hidden"], shape["kv_width"], shape["intermediate"], shape["heads"]
+    # flash attention saves its 16-bit q, k, v, output and an fp32 log-sum-exp per head
+    sdpa = 2 * h + 2 * kv + 2 * kv + 2 * h + 4 * heads
+    if amp:
+        # input norm's fp32 x * rsqrt (saved for its weight's gradient), the q, k and v projections' fp16 copies of
+        # its output (autocast casts for each), the residual sum and the post-attention norm's x * rsqrt (fp32)
+        saved = 4 * h + 3 * 2 * h + sdpa + 4 * h + 4 * h
+        gradient = 4 * h
+        if tiled:  # peak at the post-attention norm's backward: the MLP input's gradient and two fp32 temporaries
+            mlp = 4 * h + 2 * 4 * h
+        else:  # peak at the backward of act(gate) * up: the two fp16 input copies, gate, up, act(gate), and the
+            mlp = 2 * 2 * h + 6 * 2 * inter  # gradients of the product, of act(gate) and of up ([tokens, I] each)
+    else:
+        # the input norm's fp32 upcast and its 16-bit x * rsqrt and output (shared by q, k, v); the post-attention
+        # norm's fp32 upcast
+        saved = 4 * h + 2 * h + 2 * h + sdpa + 4 * h
+        gradient = 2 * h
+        if tiled:  # peak at the post-attention norm's backward: five fp32 temporaries
+            mlp = 5 * 4 * h
+        else:
+            mlp = 2 * 2 * h + 6 * 2 * inter
+    return {"saved": saved, "gradient": gradient, "mlp": mlp}
+
+
+def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | None = None,
+                   loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1,
+                   state_bytes_per_parameter: float = 16.0, overhead_gib: float = OVERHEAD_GIB,
+                   hidden_bytes: int = 4) -> dict:
+    """The moments of a training step where the peak can fall, each {fixed bytes, bytes per local token, terms}
+    (docs/long_context.md, "Memory model"). tile_tokens does not enter: a tile's [tile, intermediate] tensors are
+    freed before its block's peak, and the moment they are alive holds less at these lengths."""
+    h, inter, layers, d = shape["hidden"], shape["intermediate"], shape["layers"], shape["head_dim"]
+    vh = shape["vocab"] * h
+    amp = hidden_bytes == 4
+    b = hidden_bytes
+    state = state_bytes_per_parameter
+    grad = min(state, 4.0 if amp else 2.0)  # gradients accumulate during the backward: fp32 (amp) or 16-bit
+    params = shape["parameters"] / gpus
+    layer, linear = shape["layer_parameters"] / gpus, shape["layer_linear_parameters"]
+    attention_linear = linear - 3 * h * inter
+    kept = (state - grad) * params  # weights and optimizer state, all step long
+    overhead = overhead_gib * 2**30
+    if gpus > 1:  # ZeRO-3: the layers gathered ahead (~2 at a time, 16-bit) and the head for the loss
+        overhead += 2 * 2 * shape["layer_linear_parameters"] + 2 * vh
+    small = 2 * b * d + 16  # rotary cos and sin (the residual's dtype), position ids and targets (int64)
+    work = _layer_working_set(shape, tiled, amp)
+    work_bytes = sum(work.values())
+    if tiled:  # the MLP's gradients are complete; autocast's fp16 copies of the attention weights are cached
+        in_layer = grad * 3 * h * inter / gpus + (2 * attention_linear if amp else 0)
+    else:  # the down projection's gradient is complete; fp16 copies of the other weights cached
+        in_layer = grad * h * inter / gpus + (2 * (linear - h * inter) if amp else 0)
+    head_grad = grad * vh if state else 0.0  # the chunked loss's head gradient, from the loss's forward on
+    chunk = chunked_loss.chunk_size(shape["vocab"], 1 << 40, budget_mib=loss_chunk_mib)
+    # offload: the block's input copied back, the next one prefetched, and the last block's input, which the
+    # offload holds on the GPU from the forward's last copy out until the next step's first (activation_offload.py)
+    offloaded = 3 * b * h
+    checkpoints_last = offloaded if offload else layers * b * h
+    moments = {
+        "backward, last block": {
+            "fixed": kept + head_grad + in_layer + overhead,
+            "terms": {"checkpointed_hidden": checkpoints_last, **work, "small": small}},
+        "backward, first block": {
+            "fixed": kept + head_grad + grad * (layers - 1) * layer + in_layer + overhead,
+            "terms": {"checkpointed_hidden": offloaded if offload else b * h, **work, "small": small}},
+        "forward, loss": {  # all checkpoints (offload: the last block's output and one copy in flight), the final
+            # norm's saved tensors, the loss's fp32 gradient of the hidden states; autocast's fp16 weight copies,
+            # the fp16 head weight, the fp32 head gradient and one chunk's fp16 + fp32 logits
+            "fixed": kept + (2 * layers * linear + 2 * vh if amp else 0) + 4 * vh + 6 * chunk * shape["vocab"]
+                     + overhead,
+            "terms": {"checkpointed_hidden": (2 if offload else layers + 1) * b * h, "final_norm": 8 * h,
+                      "loss_gradient": 4 * h, "small": small}},
+        "backward, embedding": {  # all gradients, and the embedding's own gradient and its sum with the head's
+            "fixed": kept + grad * params + 2 * grad * vh + overhead,
+            "terms": {"gradient": b * h}},
+    }
+    for m in moments.values():
+        m["bytes_per_token"] = sum(m["terms"].values())
+    return moments
 
 
 def memory_model(shape: dict, tokens: int, tiled: bool, offload: bool, tile_tokens: int | None = None,
                  loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1, sp: int = 1,
-                 state_bytes_per_parameter: float = 16.0, overhead_gib: float = 1.0, hidden_bytes: int = 4) -> dict:
-    """Predicted peak bytes per GPU of a training step at ``tokens`` tokens per sequence (docs/long_context.md):
-    fixed = state_bytes_per_parameter x parameters / gpus + chunked-loss chunk + one MLP tile + overhead;
-    per token (of the tokens/sp this GPU holds) = checkpointed hidden states + one layer's recompute working set.
-    state_bytes_per_parameter: 16 for fp32 weights + gradients + AdamW on the GPU (bench_train; ZeRO-3 divides it by
-    the GPUs); ZeRO-3 with the optimizer in host memory ~4 (fp16 weights + gradients), with the weights too ~0 plus
-    the gathered layers' working set, which is then the overhead. hidden_bytes: 4 where the residual stream is fp32
-    (fp32 weights under autocast, as here), 2 with fp16 weights (DeepSpeed fp16). Unverified until measured."""
-    h, kv, inter, layers = shape["hidden"], shape["kv_width"], shape["intermediate"], shape["layers"]
-    kept = (layers + 1) * h * hidden_bytes if not offload else 2 * h * hidden_bytes  # offload: two layers in flight
-    attention = 2 * (4 * h + 2 * kv) + 2 * h * hidden_bytes  # fp16 norm out, q, attention out, o input; k, v; residual
-    mlp_width = 0 if tiled else 8 * inter  # gate, up, act(gate), act(gate) * up in fp16
-    mlp = mlp_width + 2 * h + h * hidden_bytes
-    gradient = 2 * h * hidden_bytes  # the hidden state's gradient flowing back, and its predecessor's
-    per_token = kept + attention + mlp + gradient
-    tile = (tile_tokens or tiled_mlp.auto_tile_tokens(inter)) if tiled else 0
-    fixed = (state_bytes_per_parameter * shape["parameters"] / gpus + loss_chunk_mib * 2**20
-             + 8 * inter * tile + overhead_gib * 2**30)
+                 state_bytes_per_parameter: float = 16.0, overhead_gib: float = OVERHEAD_GIB,
+                 hidden_bytes: int = 4) -> dict:
+    """Predicted peak bytes per GPU of a training step at ``tokens`` tokens per sequence (``tokens / sp`` on each
+    GPU): the largest of memory_moments' fixed + bytes per token x local tokens. state_bytes_per_parameter: GPU bytes
+    per parameter at the end of the backward (16: fp32 weights, gradients and AdamW, as bench_train; 4: 16-bit
+    weights and gradients with the optimizer in host memory; 0: ZeRO-3 with weights and optimizer in host memory);
+    hidden_bytes: 4 for fp32 weights under fp16 autocast (fp32 residual stream), 2 for a 16-bit model."""
+    moments = memory_moments(shape, tiled, offload, tile_tokens, loss_chunk_mib, gpus, state_bytes_per_parameter,
+                             overhead_gib, hidden_bytes)
     local = math.ceil(tokens / sp)
-    return {"fixed_bytes": fixed, "bytes_per_token": per_token, "peak_bytes": fixed + per_token * local,
-            "terms_per_token": {"checkpointed_hidden": kept, "attention": attention, "mlp": mlp, "gradient": gradient}}
+    name = max(moments, key=lambda k: moments[k]["fixed"] + moments[k]["bytes_per_token"] * local)
+    m = moments[name]
+    return {"moment": name, "fixed_bytes": m["fixed"], "bytes_per_token": m["bytes_per_token"],
+            "peak_bytes": m["fixed"] + m["bytes_per_token"] * local, "terms_per_token": m["terms"],
+            "moments": moments}
 
 
 def variant_memory(features: dict) -> dict:
@@ -123,9 +209,9 @@ def variant_memory(features: dict) -> dict:
 
 def predicted_max_tokens(shape: dict, cap_gib: float, tiled: bool, offload: bool, **kw) -> int:
     """The longest sequence the memory model fits in ``cap_gib`` GiB per GPU (multiple of 1024 x sp)."""
-    m = memory_model(shape, 0, tiled, offload, **kw)
-    sp = kw.get("sp", 1)
-    tokens = (cap_gib * 2**30 - m["fixed_bytes"]) / m["bytes_per_token"] * sp
+    sp = kw.pop("sp", 1)
+    moments = memory_moments(shape, tiled, offload, **kw)
+    tokens = min((cap_gib * 2**30 - m["fixed"]) / m["bytes_per_token"] for m in moments.values()) * sp
     return max(0, int(tokens) // (1024 * sp) * 1024 * sp)
 
 
