@@ -132,6 +132,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the model's own loss (whole [tokens, vocab] logits) instead of the chunked one")
     p.add_argument("--tiled-mlp", default="off", choices=["auto", "on", "off"],
                    help="the recipes' tiled MLP (auto: by the tokens per GPU of the longest fitted step)")
+    p.add_argument("--tile-tokens", type=int, default=None,
+                   help="tiled MLP: tokens per tile (auto: ~256 MiB of activations; under ZeRO-3 every tile gathers "
+                        "the MLP's weights again, so fewer, longer tiles cost less there)")
     p.add_argument("--activation-offload", action="store_true",
                    help="checkpointed hidden states in pinned host memory between forward and backward")
     p.add_argument("--zero-init", action="store_true",
@@ -202,10 +205,12 @@ def offloads(ds_config: dict) -> tuple[bool, bool]:
 
 def gpu_state_bytes(stage: int, offload_param: bool, offload_optimizer: bool) -> float:
     """GPU bytes per parameter (before ZeRO-3's division over the processes) at the end of a fp16 DeepSpeed backward:
-    16-bit weights and gradients, fp32 master weights and AdamW's two moments, less what is offloaded."""
+    16-bit weights (in host memory with offload_param); the 16-bit gradient partition, fp32 master weights and
+    AdamW's two moments (all in host memory with offload_optimizer: DeepSpeed's ZeRO-3 puts its gradient buffer on
+    the optimizer's device)."""
     if stage != 3:
         raise ValueError(f"the memory model here covers ZeRO-3 only, got stage {stage}")
-    return (0.0 if offload_param else 2.0) + 2.0 + (0.0 if offload_optimizer else 12.0)
+    return (0.0 if offload_param else 2.0) + (0.0 if offload_optimizer else 14.0)
 
 
 def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bool, offload: bool,
@@ -319,7 +324,7 @@ def main(argv=None) -> dict:
         **shape, seq_len=args.max_len if args.arch == "gpt2" else 4096, gradient_checkpointing=True,
         deepspeed=args.deepspeed, sequence_parallel_size=args.sp, steps=1, batch_size=1, grad_accum=1, lr=1e-5,
         cpu=args.cpu, mixed_precision="no" if args.cpu else "fp16", tiled_mlp=args.tiled_mlp,
-        tiled_mlp_tokens=64 if args.cpu and args.tiled_mlp != "off" else None,
+        tiled_mlp_tokens=64 if args.cpu and args.tiled_mlp != "off" else args.tile_tokens,
         activation_offload=args.activation_offload,
     ), device.type, world)
     if args.tiled_mlp == "auto":  # the recipes' rule at the longest fitted step (cfg.seq_len is the probe's 4096)
@@ -498,7 +503,7 @@ def main(argv=None) -> dict:
             f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens")
     if args.arch == "llama" and ds_config["zero_optimization"].get("stage") == 3:
         m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget)
-        result["model"] = m
+        result["memory_model"] = m
         if cuda:
             candidates["model"] = m["predicted_length"]
         log(f"memory model: {m['fixed_gib']:.2f} GiB + {m['kib_per_token']:.1f} KiB x tokens at {m['moment']}; "
