@@ -47,7 +47,8 @@ else
   llama_args=(--shard-lengths 16384 --tile-tokens "${TILE_TOKENS:-8192}")
 fi
 
-{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+    || echo "no nvidia-smi"
   grep -E "MemTotal|MemAvailable" /proc/meminfo; echo "cpus $(nproc)"
   echo "c++: $(command -v c++ || echo none); ninja: $(command -v ninja || echo none)"
 } > "$dest/env.txt" 2>&1
@@ -75,13 +76,14 @@ ds["fp16"]["initial_scale_power"] = int(sys.argv[2])
 json.dump(ds, open(sys.argv[1], "w"), indent=2)
 EOF
 
-# probe NAME NEED_S ARGS...: two processes of sp_memory_probe.py if NEED_S seconds are left; hard timeout at what is
-# left, retries stop by --time-budget-s 20 s before that
+# probe NAME NEED_S MAX_S ARGS...: two processes of sp_memory_probe.py if NEED_S seconds are left, for at most MAX_S
+# seconds or what is left (a hard timeout); its retries start only if they end 20 s before that (--time-budget-s)
 probe() {
-  local name=$1 need=$2
-  shift 2
+  local name=$1 need=$2 max=$3
+  shift 3
   local rest
   rest=$(left)
+  [ "$rest" -gt "$max" ] && rest=$max
   if [ "$rest" -lt "$need" ]; then
     stamp "$name: skipped, ${rest} s left (needs ${need})"
     echo "$name" >> "$dest/skipped.txt"
@@ -91,19 +93,19 @@ probe() {
   timeout --signal=INT --kill-after=15 "$((rest - 5))" \
     $PY -m torch.distributed.run --nproc_per_node 2 --master_port 0 --rdzv_backend c10d \
     --rdzv_endpoint 127.0.0.1:0 lab/gpu_checks/sp_memory_probe.py --sp 2 --memory-gb "$MEM_GB" \
-    --time-budget-s "$((rest - 25))" "${smoke[@]}" "$@" >> "$dest/$name.log" 2>&1
+    --time-budget-s "$((rest - 20))" "${smoke[@]}" "$@" >> "$dest/$name.log" 2>&1
   local rc=$?
   stamp "$name: exit $rc"
   grep -E "^\[sp_memory_probe" "$dest/$name.log" | cut -c1-240 | tail -n 12 | tee -a "$log"
   return $rc
 }
 
-probe medium 120 --twin-shard-length 0 --warmup-steps 1 --retries 2 "${medium_args[@]}" --out "$dest/medium.json"
+probe medium 120 200 --twin-shard-length 0 --warmup-steps 1 --retries 2 "${medium_args[@]}" --out "$dest/medium.json"
 
 LLAMA=(--shape llama3.1-8b --deepspeed "$dest/ds_zero3_offload.json" --zero-init --tiled-mlp on --activation-offload
        --cpu-optimizer "$CPU_OPTIMIZER" --warmup-steps 0 --twin-shard-length 0 --retries 2 --nccl-timeout 240
        "${llama_args[@]}")
-probe llama8b 200 "${LLAMA[@]}" --out "$dest/llama8b.json"
+probe llama8b 200 "$BUDGET_S" "${LLAMA[@]}" --out "$dest/llama8b.json"
 retry=$($PY - "$dest/llama8b.json" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -116,7 +118,7 @@ EOF
 )
 if [ "${retry:-0}" -gt 0 ]; then
   cp "$dest/llama8b.json" "$dest/llama8b_first.json"
-  probe llama8b_relaunch "$RELAUNCH_S" "${LLAMA[@]}" --target "$retry" --out "$dest/llama8b.json" || true
+  probe llama8b_relaunch "$RELAUNCH_S" "$BUDGET_S" "${LLAMA[@]}" --target "$retry" --out "$dest/llama8b.json" || true
 fi
 
 $PY - "$dest" <<'EOF' 2>&1 | tee -a "$log"
@@ -162,8 +164,9 @@ for name, r in runs.items():
     lines += ["| tokens | per GPU | trained | peak allocated GiB | peak reserved GiB | s | loss |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in r["steps"]:
-        lines.append(f"| {s['length']:,} | {s['shard']:,} | "
-                     f"{'yes' if s['ok'] else 'OUT OF MEMORY'}{' (step skipped: fp16 overflow)' if s.get('skipped_step') else ''} | "
+        trained = ("yes" if s["ok"] else "OUT OF MEMORY") + (" (step skipped: fp16 overflow)"
+                                                             if s.get("skipped_step") else "")
+        lines.append(f"| {s['length']:,} | {s['shard']:,} | {trained} | "
                      f"{s['peak_allocated_gib']:.2f} | {s['peak_reserved_gib']:.2f} | {s['seconds']} | {s['loss']} |")
     longest = r.get("max_length")
     lines += ["", f"**longest trained: {longest:,} tokens**" if longest else "**nothing trained**", ""]

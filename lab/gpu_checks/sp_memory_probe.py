@@ -451,7 +451,8 @@ def main(argv=None) -> dict:
     kv_heads = getattr(model.config, "num_key_value_heads", cfg.n_head)
     mlp = getattr(model.config, "intermediate_size", None) or 4 * cfg.n_embd
     log(f"{args.arch} {args.shape or cfg.model} ({cfg.n_layer} layers, {cfg.n_head} heads, {kv_heads} key/value "
-        f"heads, width {cfg.n_embd}, MLP {mlp}, {model.config.vocab_size} words): {n_params / 1e6:.1f} M parameters, {world} processes, sequence parallel {lay.sp} x data parallel {lay.dp}, "
+        f"heads, width {cfg.n_embd}, MLP {mlp}, {model.config.vocab_size} words): {n_params / 1e6:.1f} M parameters, "
+        f"{world} processes, sequence parallel {lay.sp} x data parallel {lay.dp}, "
         f"ZeRO-{ds_config['zero_optimization']['stage']}"
         + "".join(f", {k} to CPU" for k, on in (("offload_param", offload_param), ("offload_optimizer",
                                                                                    offload_optimizer)) if on)

@@ -33,7 +33,8 @@ def _launch(tmp_path: Path, *args: str) -> dict:
            "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", str(PROBE), "--cpu", "--sp", "2",
            "--window", "8", *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, \
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     return json.loads(out.read_text())
 
 
