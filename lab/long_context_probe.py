@@ -87,12 +87,17 @@ def model_shape(name: str, vocab: int) -> dict:
     """Shape figures of a bench_train model: layers, width, key/value width, MLP width, heads, head width, words,
     parameters (all, one layer's, one layer's matmul weights)."""
     s = bench.LLAMA[name]
-    h, kv_width = s["n_embd"], s["n_embd"] // s["n_head"] * s["n_kv_head"]
-    linear = h * (2 * h + 2 * kv_width) + 3 * h * s["intermediate"]
+    return llama_shape(s["n_layer"], s["n_embd"], s["n_head"], s["n_kv_head"], s["intermediate"], vocab)
+
+
+def llama_shape(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> dict:
+    """model_shape's figures for a Llama of these widths with tied embeddings (gated MLP, no biases)."""
+    h, kv_width = hidden, hidden // heads * kv_heads
+    linear = h * (2 * h + 2 * kv_width) + 3 * h * intermediate
     per_layer = linear + 2 * h
-    return {"layers": s["n_layer"], "hidden": h, "kv_width": kv_width, "intermediate": s["intermediate"],
-            "heads": s["n_head"], "head_dim": h // s["n_head"], "vocab": vocab,
-            "parameters": s["n_layer"] * per_layer + vocab * h + h, "layer_parameters": per_layer,
+    return {"layers": layers, "hidden": h, "kv_width": kv_width, "intermediate": intermediate,
+            "heads": heads, "head_dim": h // heads, "vocab": vocab,
+            "parameters": layers * per_layer + vocab * h + h, "layer_parameters": per_layer,
             "layer_linear_parameters": linear}
 
 
@@ -127,10 +132,12 @@ def _layer_working_set(shape: dict, tiled: bool, amp: bool) -> dict:
 def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | None = None,
                    loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1,
                    state_bytes_per_parameter: float = 16.0, overhead_gib: float = OVERHEAD_GIB,
-                   hidden_bytes: int = 4) -> dict:
+                   hidden_bytes: int = 4, all_to_all: bool = False) -> dict:
     """The moments of a training step where the peak can fall, each {fixed bytes, bytes per local token, terms}
     (docs/long_context.md, "Memory model"). tile_tokens does not enter: a tile's [tile, intermediate] tensors are
-    freed before its block's peak, and the moment they are alive holds less at these lengths."""
+    freed before its block's peak, and the moment they are alive holds less at these lengths. all_to_all: Ulysses
+    (sp > 1) adds to each block's backward the 16-bit query, key and value gradients on both sides of their
+    all-to-all (an upper bound: they are alive at the attention's backward, not at the MLP's)."""
     h, inter, layers, d = shape["hidden"], shape["intermediate"], shape["layers"], shape["head_dim"]
     vh = shape["vocab"] * h
     amp = hidden_bytes == 4
@@ -146,6 +153,8 @@ def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | N
         overhead += 2 * 2 * shape["layer_linear_parameters"] + 2 * vh
     small = 2 * b * d + 16  # rotary cos and sin (the residual's dtype), position ids and targets (int64)
     work = _layer_working_set(shape, tiled, amp)
+    if all_to_all:
+        work["all_to_all"] = 2 * 2 * (h + 2 * shape["kv_width"])
     work_bytes = sum(work.values())
     if tiled:  # the MLP's gradients are complete; autocast's fp16 copies of the attention weights are cached
         in_layer = grad * 3 * h * inter / gpus + (2 * attention_linear if amp else 0)

@@ -447,6 +447,7 @@ def test_memory_probe_cpu_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert (result["sp"], result["dp"], result["device"]) == (2, 1, "cpu")
     assert [(r["length"], r["attention"]) for r in result["steps"]] == [
-        (64, "window 8"), (128, "window 8"), (96, "window 8"), (96, "full")]
+        (64, "window 8"), (64, "window 8"), (64, "window 8"), (128, "window 8"), (96, "window 8"), (96, "full"),
+        (256, "window 8")]
     assert result["verified"]["ok"] and result["max_length"] == 256
     assert all(math.isfinite(r["loss"]) for r in result["steps"])

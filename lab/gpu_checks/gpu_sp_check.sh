@@ -8,7 +8,8 @@
 #   memory  lab/gpu_checks/sp_memory_probe.py with sp=1 and sp=PROBE_SP (default: all GPUs), the same GPUs, ZeRO-3, fp16,
 #           activation checkpointing, a GPT-2-medium-shaped model (24 layers, 16 heads, width 1024; Llama-style so
 #           no position table grows with the sequence), each process capped at MEM_GB GiB: the longest sequence
-#           that trains (fitted on three lengths, then verified by a step), and the ratio sp=N / sp=1, which must be
+#           that trains (the shorter of a line fitted on three lengths and the memory model's prediction, verified
+#           by a step, retried 10% shorter after an out-of-memory error), and the ratio sp=N / sp=1, which must be
 #           at least RATIO_MIN (default 0.875 x N: 3.5 for sp=4). The search runs the Volta kernel with a local
 #           window (its memory does not depend on the window; full attention over 1M tokens would take hours on
 #           an emulating GPU); a window-vs-full step at TWIN_SHARD tokens per GPU checks that premise (TOL_TWIN).
@@ -60,7 +61,7 @@ LOSS_SCALE_POWER=${LOSS_SCALE_POWER:-12}
 MEM_GB=${MEM_GB:-32}
 PROBE_ARCH=${PROBE_ARCH:-llama}
 PROBE_MODEL=${PROBE_MODEL:-medium}
-SHARD_LENGTHS=${SHARD_LENGTHS:-16384,32768,65536}
+SHARD_LENGTHS=${SHARD_LENGTHS:-32768,65536,131072}
 TWIN_SHARD=${TWIN_SHARD:-16384}
 WINDOW=${WINDOW:-256}
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-240}

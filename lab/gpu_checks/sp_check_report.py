@@ -111,7 +111,9 @@ def main(out: Path) -> int:
         print("| sp | attention | tokens | per GPU | peak allocated (GiB) | peak reserved (GiB) | s |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for sp, p in probes.items():
-            for r in p["steps"] + ([p["verified"]] if p.get("verified", {}).get("ok") else []):
+            # the verification is among the steps since the probe lists every step (its "prediction" tells)
+            extra = [] if "prediction" in p or not p.get("verified", {}).get("ok") else [p["verified"]]
+            for r in p["steps"] + extra:
                 print(f"| {sp} | {r['attention']} | {r['length']:,} | {r['shard']:,} | {r['peak_allocated_gib']:.2f} | "
                       f"{r['peak_reserved_gib']:.2f} | {r['seconds']} |")
         print()

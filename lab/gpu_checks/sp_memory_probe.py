@@ -16,24 +16,53 @@ attention and reports both peaks.
 
 Steps, all processes together, one micro-batch of one sequence per data-parallel replica:
 
-1. two warm-up steps at the shortest length (optimizer state allocated, kernels compiled);
+1. ``--warmup-steps`` (default two) steps at the shortest length (optimizer state allocated, kernels compiled);
 2. one step at each ``--shard-lengths`` (tokens per GPU; the sequence is that times ``--sp``): peak
    ``max_memory_reserved`` (what the cap limits; largest process, cache emptied before each step)
-   against the sequence length, fitted by a line (``max_memory_allocated`` is reported too);
+   against the sequence length, fitted by a line when there are two or more (``max_memory_allocated`` is
+   reported too);
 3. the twin check (window vs full attention, same length);
-4. the longest length the line allows within ``--memory-gb`` less ``--margin``, rounded down to a
-   multiple of 1024 x sp, trained for one step (the verification; OOM on any process is a failure).
+4. the target: the shortest of the line's prediction, the memory model's (``lab/long_context_probe.py``'s
+   ``memory_moments`` for this shape, GPU count, ZeRO-3 state and features, with Ulysses' all-to-all buffers),
+   the host-memory limit (below) and ``--max-len``, each within ``--memory-gb`` less ``--margin``, rounded down
+   to a multiple of 1024 x sp; ``--target`` names it instead;
+5. one step at the target (the verification). A step that runs out of memory is followed by one at a length
+   ``--backoff`` shorter, up to ``--retries`` times and while ``--time-budget-s`` allows, so the run ends with a
+   verified length: the longest step that trained (a fitted one if every retry failed).
 
-Output: one JSON (``--out``) with every step's peaks and seconds, the fit, the prediction and the
-verification. ``--cpu``: gloo, a tiny model, no memory figures (a smoke test of the code path).
+A line through short steps alone was optimistic here (its slope misses what grows late); the fitted steps'
+default lengths are therefore longer, and the memory model bounds the prediction from an inventory of the
+step rather than from the steps' trend.
+
+Llama-3.1-8B (``--shape llama3.1-8b``: 32 layers, width 4096, 32 heads, 8 key/value heads, MLP 14336, 128,256
+words) does not fit one GPU in fp32 or fp16 next to anything else, so ``--zero-init`` builds it inside
+``deepspeed.zero.Init``: each module's weights are partitioned over the processes as they are created, in host
+memory under ``offload_param`` (``--deepspeed zero3_offload``). With ``offload_optimizer`` the fp32 master
+weights, gradients and AdamW moments live in host memory and the step runs on the CPU: torch's AdamW with
+``fused=True`` (one pass, no temporaries; ``zero_force_ds_cpu_optimizer: false`` lets DeepSpeed take it) or,
+with ``--cpu-optimizer deepspeed``, DeepSpeed's CPU Adam (a C++ extension built on first use: needs a compiler
+and ninja). ``--tiled-mlp on``, ``--activation-offload`` turn on the recipes' long-context features. Host memory:
+ZeRO's offload keeps ~18 bytes per parameter per process (fp16 weights; fp32 weights, gradients and AdamW
+moments), and the activation offload one pinned copy of each layer's checkpointed input, which PyTorch's pinned
+allocator rounds up to a power of two; ``--host-memory-gb`` (default: the machine's) caps the target so that
+both fit.
+
+Output: one JSON (``--out``, rewritten after every step) with every step's peaks and seconds, the fit, the
+predictions, the target and the verification. ``--cpu``: gloo, a tiny model, no memory figures (a smoke test of
+the code path; ``--shape`` gives the tiny model its head layout).
 
     python -m torch.distributed.run --nproc_per_node 4 lab/gpu_checks/sp_memory_probe.py --sp 4 --out sp4.json
+    python -m torch.distributed.run --nproc_per_node 2 lab/gpu_checks/sp_memory_probe.py --sp 2 \
+        --shape llama3.1-8b --deepspeed zero3_offload --zero-init --tiled-mlp on --activation-offload \
+        --warmup-steps 0 --shard-lengths 16384 --twin-shard-length 0 --out llama8b_sp2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import importlib.util
 import json
 import math
 import os
@@ -47,9 +76,18 @@ import torch  # noqa: E402
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
-from volta_train.training import data, distributed, gpt, optim, sequence_parallel, trainer  # noqa: E402
+from volta_train.training import data, distributed, gpt, sequence_parallel, tiled_mlp, trainer  # noqa: E402
 
 PROBE = "volta_train_probe"
+ROOT = Path(__file__).resolve().parents[2]
+# Model shapes beyond gpt.PRESETS (Llama-style; vocab: words of the model and the random tokens)
+SHAPES = {
+    "llama3.1-8b": {"arch": "llama", "n_layer": 32, "n_head": 32, "n_kv_head": 8, "n_embd": 4096,
+                    "intermediate_size": 14336, "rope_theta": 500000.0, "vocab": 128256},
+}
+# --cpu: a tiny model (with --shape: its ratio of heads to key/value heads)
+CPU_SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64}
+CPU_SHAPE_HEADS = 8
 _WINDOW = {"left": -1}  # keys before the diagonal each query sees; -1: full causal attention
 
 
@@ -79,7 +117,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="medium", choices=list(gpt.PRESETS))
     p.add_argument("--max-len", type=int, default=4 * 1024 * 1024,
                    help="longest sequence tried (GPT-2: also its n_positions, so keep it small there)")
-    p.add_argument("--shard-lengths", default="16384,32768,65536", help="tokens per GPU of the fitted steps")
+    p.add_argument("--shape", default=None, choices=list(SHAPES),
+                   help="a model shape of its own (overrides --arch, --model and --vocab)")
+    p.add_argument("--shard-lengths", default="32768,65536,131072", help="tokens per GPU of the fitted steps")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps at the shortest length before the others")
     p.add_argument("--twin-shard-length", type=int, default=16384,
                    help="tokens per GPU of the window-vs-full check (0: skip it)")
     p.add_argument("--window", type=int, default=256, help="keys per query in the search steps")
@@ -89,10 +130,37 @@ def parse(argv=None) -> argparse.Namespace:
                    help="vocabulary of the model and the random tokens (0: the byte tokenizer's, ~256 words)")
     p.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_false",
                    help="the model's own loss (whole [tokens, vocab] logits) instead of the chunked one")
+    p.add_argument("--tiled-mlp", default="off", choices=["auto", "on", "off"],
+                   help="the recipes' tiled MLP (auto: by the tokens per GPU of the longest fitted step)")
+    p.add_argument("--tile-tokens", type=int, default=None,
+                   help="tiled MLP: tokens per tile (auto: ~256 MiB of activations; under ZeRO-3 every tile gathers "
+                        "the MLP's weights again, so fewer, longer tiles cost less there)")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="checkpointed hidden states in pinned host memory between forward and backward")
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model inside deepspeed.zero.Init (partitioned as created; in host memory with "
+                        "offload_param): no process ever holds the whole model")
+    p.add_argument("--cpu-optimizer", default="fused", choices=["fused", "deepspeed"],
+                   help="with offload_optimizer: torch AdamW with fused=True, or DeepSpeed's CPU Adam (JIT-built)")
+    p.add_argument("--target", type=int, default=0, help="tokens of the verification step (0: predicted)")
+    p.add_argument("--backoff", type=float, default=0.1,
+                   help="after a step that runs out of memory, try one this share shorter")
+    p.add_argument("--retries", type=int, default=3, help="shorter steps tried after the target fails")
+    p.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="start no retry that would end past this many seconds after the start (0: no limit)")
+    p.add_argument("--host-memory-gb", type=float, default=0.0,
+                   help="host memory the processes of this machine may use (0: 92%% of MemTotal)")
     p.add_argument("--cpu", action="store_true", help="gloo, tiny shapes, no memory figures: a smoke test")
+    p.add_argument("--cpu-oom-above", type=int, default=0,
+                   help="--cpu: steps longer than this raise torch.OutOfMemoryError as their backward starts (tests "
+                        "the retries)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.shard_lengths = sorted(int(x) for x in args.shard_lengths.split(","))
+    if not 0 < args.backoff < 1:
+        p.error(f"--backoff must be between 0 and 1 (a share of the length), got {args.backoff}")
+    if args.shape:
+        args.arch, args.vocab = SHAPES[args.shape]["arch"], SHAPES[args.shape]["vocab"]
     return args
 
 
@@ -117,8 +185,126 @@ def start(args):
     return state, cap
 
 
+def _simulated_oom(grad):
+    raise torch.OutOfMemoryError("simulated out-of-memory error (--cpu-oom-above)")
+
+
+def _memory_model():
+    """lab/long_context_probe.py as a module (its memory model)."""
+    spec = importlib.util.spec_from_file_location("long_context_probe", ROOT / "lab" / "long_context_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def offloads(ds_config: dict) -> tuple[bool, bool]:
+    """(offload_param, offload_optimizer) to the CPU in a DeepSpeed config."""
+    zero = ds_config.get("zero_optimization", {})
+    return tuple(str(zero.get(k, {}).get("device", "none")) == "cpu" for k in ("offload_param", "offload_optimizer"))
+
+
+def gpu_state_bytes(stage: int, offload_param: bool, offload_optimizer: bool) -> float:
+    """GPU bytes per parameter (before ZeRO-3's division over the processes) at the end of a fp16 DeepSpeed backward:
+    16-bit weights (in host memory with offload_param); the 16-bit gradient partition, fp32 master weights and
+    AdamW's two moments (all in host memory with offload_optimizer: DeepSpeed's ZeRO-3 puts its gradient buffer on
+    the optimizer's device)."""
+    if stage != 3:
+        raise ValueError(f"the memory model here covers ZeRO-3 only, got stage {stage}")
+    return (0.0 if offload_param else 2.0) + (0.0 if offload_optimizer else 14.0)
+
+
+def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bool, offload: bool,
+                     budget_gib: float) -> dict:
+    """The memory model's longest sequence for this run within budget_gib per GPU, and the moment that binds."""
+    lcp = _memory_model()
+    heads = config.num_attention_heads
+    shape = lcp.llama_shape(config.num_hidden_layers, config.hidden_size, heads,
+                            getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size,
+                            config.vocab_size)
+    state = gpu_state_bytes(int(ds_config["zero_optimization"]["stage"]), *offloads(ds_config))
+    moments = lcp.memory_moments(shape, tiled, offload, gpus=processes, state_bytes_per_parameter=state,
+                                 hidden_bytes=2, all_to_all=sp > 1)
+    local = {k: (budget_gib * 2**30 - m["fixed"]) / m["bytes_per_token"] for k, m in moments.items()}
+    binding = min(local, key=local.get)
+    return {"predicted_length": max(0, int(local[binding] * sp)), "moment": binding,
+            "fixed_gib": moments[binding]["fixed"] / 2**30,
+            "kib_per_token": moments[binding]["bytes_per_token"] / sp / 1024,
+            "state_bytes_per_parameter": state}
+
+
+def host_bytes(length: int, sp: int, processes: int, parameters: int, layers: int, hidden: int,
+               offload_param: bool, offload_optimizer: bool, activation_offload: bool) -> float:
+    """Host memory the processes of one machine hold at ``length`` tokens: ZeRO's offloaded share of the model per
+    process (fp16 weights 2, fp32 weights, gradients and AdamW moments 16 bytes per parameter; x1.15 for the
+    pinned allocator's rounding of each tensor to a power of two), one pinned fp16 copy of each layer's
+    checkpointed input (rounded up to a power of two, as PyTorch's pinned allocator does), 6 GiB per process for
+    the rest (CUDA context, libraries)."""
+    share = parameters / processes
+    zero = 1.15 * share * ((2 if offload_param else 0) + (16 if offload_optimizer else 0))
+    per_layer = math.ceil(length / sp) * hidden * 2
+    pinned = layers * (1 << max(0, per_layer - 1).bit_length()) if activation_offload else 0
+    return processes * (zero + pinned + 6 * 2**30)
+
+
+def host_limit(args, quantum: int, limit_bytes: float, **kw) -> int:
+    """The longest multiple of ``quantum`` tokens (up to --max-len) whose host_bytes fit in limit_bytes."""
+    n = args.max_len // quantum * quantum
+    while n > quantum and host_bytes(n, **kw) > limit_bytes:
+        n -= quantum
+    return n
+
+
+def mem_total_bytes() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    return math.inf
+
+
+def build_model(cfg, tokenizer, args, ds_config: dict, device: torch.device):
+    """gpt.build_model, inside deepspeed.zero.Init with --zero-init (fp16 on a GPU; in host memory with
+    offload_param)."""
+    if not args.zero_init:
+        return gpt.build_model(cfg, tokenizer)
+    import deepspeed
+
+    offload_param, _ = offloads(ds_config)
+    dtype = torch.float32 if device.type == "cpu" else torch.float16
+    # imported before zero.Init patches the tensor constructors, which modules imported inside it trip over
+    importlib.import_module("torch._dynamo")
+    importlib.import_module("transformers.models.gpt2.modeling_gpt2")
+    importlib.import_module("transformers.models.llama.modeling_llama")
+    with deepspeed.zero.Init(remote_device="cpu" if offload_param else None, pin_memory=offload_param and
+                             device.type == "cuda", dtype=dtype):
+        model = gpt.build_model(cfg, tokenizer)
+    # transformers' initialisation ran on the empty partitions, leaving each module's own: N(0, 1) for the (tied)
+    # embedding, whose logits then overflow fp16; the recipes' N(0, 0.02), gathered for the write
+    embedding = model.get_input_embeddings().weight
+    with deepspeed.zero.GatheredParameters([embedding], modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                embedding.normal_(0.0, model.config.initializer_range)
+    return model
+
+
+def adamw(model, cpu_optimizer: str, offload_optimizer: bool):
+    """AdamW over the model's parameters, matrices decayed (by their full shape: ZeRO-3 partitions are flat);
+    DeepSpeed's CPU Adam when asked for with offload_optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": 0.1},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    if offload_optimizer and cpu_optimizer == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=1e-5, betas=(0.9, 0.95), adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=1e-5, betas=(0.9, 0.95))
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
+    began_run = time.perf_counter()
     state, cap = start(args)
     rank, world = state.process_index, state.num_processes
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
@@ -126,22 +312,42 @@ def main(argv=None) -> dict:
 
     set_seed(0)
     shape = {"arch": args.arch, "model": args.model}
+    if args.shape:
+        shape.update({k: v for k, v in SHAPES[args.shape].items() if k not in ("arch", "vocab")}, model=None)
     if args.cpu:
-        shape.update(model="nano", n_layer=2, n_head=4, n_embd=64)
+        kv = shape.get("n_kv_head")
+        shape.update(model="nano", **CPU_SHAPE)
+        if kv:  # the shape's grouping of query heads per key/value head
+            shape.update(n_head=CPU_SHAPE_HEADS, n_kv_head=CPU_SHAPE_HEADS * kv // SHAPES[args.shape]["n_head"],
+                         intermediate_size=96)
     cfg = gpt.resolve(gpt.GPTTrainConfig(
         **shape, seq_len=args.max_len if args.arch == "gpt2" else 4096, gradient_checkpointing=True,
         deepspeed=args.deepspeed, sequence_parallel_size=args.sp, steps=1, batch_size=1, grad_accum=1, lr=1e-5,
-        cpu=args.cpu, mixed_precision="no" if args.cpu else "fp16",
+        cpu=args.cpu, mixed_precision="no" if args.cpu else "fp16", tiled_mlp=args.tiled_mlp,
+        tiled_mlp_tokens=64 if args.cpu and args.tiled_mlp != "off" else args.tile_tokens,
+        activation_offload=args.activation_offload,
     ), device.type, world)
+    if args.tiled_mlp == "auto":  # the recipes' rule at the longest fitted step (cfg.seq_len is the probe's 4096)
+        cfg.seq_len = args.shard_lengths[-1] * args.sp
     gpt.check_sequence_parallel(cfg, world)
     tokenizer = data.ByteTokenizer()
-    if args.vocab:  # a vocabulary of that size (the model's embedding and head; tokens drawn from it)
+    if args.vocab or args.zero_init:  # a vocabulary of that size (the model's embedding and head; tokens drawn
+        # from it); under zero.Init no padding row (transformers zeroes it by indexing the weight, empty there)
         import types
 
-        tokenizer = types.SimpleNamespace(vocab_size=args.vocab, eos_token_id=tokenizer.eos_token_id,
-                                          pad_token_id=getattr(tokenizer, "pad_token_id", None))
+        tokenizer = types.SimpleNamespace(vocab_size=args.vocab or tokenizer.vocab_size,
+                                          eos_token_id=tokenizer.eos_token_id,
+                                          pad_token_id=None if args.zero_init else getattr(tokenizer, "pad_token_id",
+                                                                                           None))
     words = args.vocab or 256
-    model = gpt.build_model(cfg, tokenizer)
+    ds_file = distributed.resolve_deepspeed_spec(args.deepspeed)
+    ds_json = json.loads(ds_file.read_text()) if ds_file else {}
+    offload_param, offload_optimizer = offloads(ds_json)
+    if args.activation_offload and args.cpu:
+        from volta_train.training import activation_offload
+
+        activation_offload.MIN_BYTES = 1  # the tiny model's hidden states are below the GPU threshold
+    model = build_model(cfg, tokenizer, args, ds_json, device)
     register_probe()
     model.set_attn_implementation(PROBE)
     parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
@@ -151,18 +357,40 @@ def main(argv=None) -> dict:
     acc = setup.accelerator
     ds_config = acc.state.deepspeed_plugin.deepspeed_config
     factor = sequence_parallel.gradient_factor(ds_config, args.sp)
-    optimizer = optim.build_adamw(model, 1e-5, 0.1, (0.9, 0.95))
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    base_optimizer = adamw(model, args.cpu_optimizer, offload_optimizer)
     with sequence_parallel.kv_heads_alias(model.config):
-        engine, optimizer = acc.prepare(model, optimizer)
+        engine, optimizer = acc.prepare(model, base_optimizer)
+    if offload_optimizer and isinstance(base_optimizer, torch.optim.AdamW):
+        for group in base_optimizer.param_groups:  # one pass over DeepSpeed's flat fp32 partitions on the CPU
+            group.update(fused=True, foreach=False)
     lay = sequence_parallel.layout(rank, world, args.sp)
     if lay.enabled:
         sequence_parallel.install(PROBE)
     cuda = device.type == "cuda"
+    tiled_on = any(hasattr(m, tiled_mlp._ATTR) for m in model.modules())
 
     def log(message: str) -> None:
         if rank == 0:
             print(f"[sp_memory_probe sp={args.sp}] {message}", flush=True)
+
+    def agreed(value: float, op=torch.distributed.ReduceOp.MAX) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=op)
+        return t.item()
+
+    def recover() -> None:
+        """After an out-of-memory error: gathered ZeRO-3 weights released, gradients dropped, caches emptied."""
+        try:
+            optimizer.zero_grad()
+        except Exception as e:  # noqa: BLE001 - reported, the next step tells whether the engine still works
+            log(f"zero_grad after out-of-memory: {type(e).__name__}: {e}")
+        if hasattr(engine, "empty_partition_cache"):
+            engine.empty_partition_cache()
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
 
     def step(length: int, left: int) -> dict:
         _WINDOW["left"] = left
@@ -174,48 +402,92 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        if cuda:
-            torch.cuda.synchronize(device)
+        error, loss_value = None, math.nan
+        skipped_before = getattr(engine, "skipped_steps", 0)
+        try:
+            loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
+            if args.cpu and args.cpu_oom_above and length > args.cpu_oom_above:
+                loss.register_hook(_simulated_oom)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            loss_value = loss.item()
+            del loss
+            if cuda:
+                torch.cuda.synchronize(device)
+        except torch.OutOfMemoryError as e:  # noqa: F821 - torch >= 2.1
+            error = str(e).splitlines()[0]
         seconds = time.perf_counter() - began
+        if error is not None:
+            recover()
         figures = torch.tensor([
             torch.cuda.max_memory_allocated(device) if cuda else math.nan,
-            torch.cuda.max_memory_reserved(device) if cuda else math.nan, seconds,
+            torch.cuda.max_memory_reserved(device) if cuda else math.nan, seconds, float(error is not None),
         ], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
         row = {"length": length, "shard": length // lay.sp, "attention": "full" if left < 0 else f"window {left + 1}",
-               "peak_allocated_gib": figures[0].item() / 2**30, "peak_reserved_gib": figures[1].item() / 2**30,
-               "seconds": round(figures[2].item(), 3), "loss": round(loss.item(), 4)}
-        log(f"{row['attention']:>11} | {length:>9,} tokens ({row['shard']:,} per GPU) | peak allocated "
-            f"{row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB | "
-            f"{row['seconds']:.1f} s | loss {row['loss']}")
+               "ok": figures[3].item() == 0, "peak_allocated_gib": figures[0].item() / 2**30,
+               "peak_reserved_gib": figures[1].item() / 2**30, "seconds": round(figures[2].item(), 3),
+               "loss": round(loss_value, 4)}
+        if error is None and getattr(engine, "skipped_steps", 0) != skipped_before:
+            row["skipped_step"] = True  # fp16 overflow: DeepSpeed skipped the optimizer step
+        if error is not None:
+            row["error"] = error
+        result["steps"].append(row)
+        log(f"{row['attention']:>11} | {length:>9,} tokens ({row['shard']:,} per GPU) | "
+            + (f"peak allocated {row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB"
+               if row["ok"] else "OUT OF MEMORY" + (f" ({error})" if error else " (another process)"))
+            + f" | {row['seconds']:.1f} s | loss {row['loss']}"
+            + (" | optimizer step SKIPPED (fp16 overflow)" if row.get("skipped_step") else ""))
+        save()
         return row
 
+    def save() -> None:
+        if rank == 0:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
     window_left = args.window - 1
-    log(f"{args.arch} {cfg.model} ({cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}): "
-        f"{n_params / 1e6:.1f} M parameters, {world} processes, sequence parallel {lay.sp} x data parallel {lay.dp}, "
-        f"ZeRO-{ds_config['zero_optimization']['stage']}, {setup.precision}, activation checkpointing, cap "
-        f"{args.memory_gb:g} GiB per process" + ("" if cuda else " (CPU smoke: no memory figures)"))
-    result = {"sp": lay.sp, "dp": lay.dp, "processes": world, "arch": args.arch, "model": cfg.model,
-              "shape": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd},
+    kv_heads = getattr(model.config, "num_key_value_heads", cfg.n_head)
+    mlp = getattr(model.config, "intermediate_size", None) or 4 * cfg.n_embd
+    log(f"{args.arch} {args.shape or cfg.model} ({cfg.n_layer} layers, {cfg.n_head} heads, {kv_heads} key/value "
+        f"heads, width {cfg.n_embd}, MLP {mlp}, {model.config.vocab_size} words): {n_params / 1e6:.1f} M parameters, "
+        f"{world} processes, sequence parallel {lay.sp} x data parallel {lay.dp}, "
+        f"ZeRO-{ds_config['zero_optimization']['stage']}"
+        + "".join(f", {k} to CPU" for k, on in (("offload_param", offload_param), ("offload_optimizer",
+                                                                                   offload_optimizer)) if on)
+        + (f" ({type(base_optimizer).__name__}{' fused' if isinstance(base_optimizer, torch.optim.AdamW) else ''} "
+           "on the CPU)" if offload_optimizer else "")
+        + f", {setup.precision}, activation checkpointing"
+        + (", tiled MLP" if tiled_on else "") + (", activation offload" if args.activation_offload else "")
+        + (", zero.Init" if args.zero_init else "") + f", cap {args.memory_gb:g} GiB per process"
+        + ("" if cuda else " (CPU smoke: no memory figures)") + f"; set up in {time.perf_counter() - began_run:.0f} s")
+    result = {"sp": lay.sp, "dp": lay.dp, "processes": world, "arch": args.arch, "model": args.shape or cfg.model,
+              "shape": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                        "n_kv_head": getattr(model.config, "num_key_value_heads", cfg.n_head),
+                        "intermediate": getattr(model.config, "intermediate_size", None)},
               "parameters": n_params, "memory_gb": args.memory_gb, "margin": args.margin, "window": args.window,
-              "vocab": model.config.vocab_size, "chunked_loss": args.chunked_loss,
+              "vocab": model.config.vocab_size, "chunked_loss": args.chunked_loss, "tiled_mlp": tiled_on,
+              "activation_offload": args.activation_offload, "zero_init": args.zero_init,
+              "offload_param": offload_param, "offload_optimizer": offload_optimizer,
+              "cpu_optimizer": type(base_optimizer).__name__ if offload_optimizer else None,
+              "setup_seconds": round(time.perf_counter() - began_run, 1),
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "steps": []}
     first = args.shard_lengths[0] * lay.sp
-    for _ in range(2):
+    for _ in range(args.warmup_steps):
         step(first, window_left)
+    result["fitted_steps"] = len(args.shard_lengths)
     fitted = [step(s * lay.sp, window_left) for s in args.shard_lengths]
-    result["steps"] += fitted
+    fitted = [r for r in fitted if r["ok"]]
     if args.twin_shard_length:
         twin_len = args.twin_shard_length * lay.sp
         twin = [step(twin_len, window_left), step(twin_len, -1)]
-        result["steps"] += twin
         result["twin"] = {"length": twin_len, "window_gib": twin[0]["peak_allocated_gib"],
                           "full_gib": twin[1]["peak_allocated_gib"]}
 
+    quantum = (1024 if cuda else 16) * lay.sp
+    budget = args.memory_gb * (1.0 - args.margin)
+    candidates = {"max_len": args.max_len}
     xs = [r["length"] for r in fitted]
     ys = [r["peak_reserved_gib"] for r in fitted]  # the cap limits what the allocator reserves
     if cuda and len(xs) >= 2:
@@ -224,26 +496,70 @@ def main(argv=None) -> dict:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         intercept = my - slope * mx
         worst = max(abs(intercept + slope * x - y) for x, y in zip(xs, ys))
-        budget = args.memory_gb * (1.0 - args.margin)
-        quantum = 1024 * lay.sp
         predicted = int((budget - intercept) / slope) if slope > 0 else args.max_len
-        target = max(quantum, min(args.max_len, predicted) // quantum * quantum)
+        candidates["fit"] = predicted
         result["fit"] = {"intercept_gib": intercept, "kib_per_token": slope * 2**20, "worst_residual_gib": worst,
                          "budget_gib": budget, "predicted_length": predicted}
         log(f"fit: peak reserved = {intercept:.2f} GiB + {slope * 2**20:.1f} KiB x tokens (worst residual "
-            f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens; verifying {target:,}")
-    else:
-        target = xs[-1] * 2  # CPU smoke: exercise the verification step
-    try:
-        verified = step(target, window_left)
-        result["verified"] = {**verified, "ok": True}
-    except torch.OutOfMemoryError as e:  # noqa: F821 - torch >= 2.1
-        result["verified"] = {"length": target, "ok": False, "error": str(e).splitlines()[0]}
-        log(f"verification at {target:,} tokens ran out of memory: {str(e).splitlines()[0]}")
-    result["max_length"] = result["verified"]["length"] if result["verified"]["ok"] else None
-    if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens")
+    if args.arch == "llama" and ds_config["zero_optimization"].get("stage") == 3:
+        m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget)
+        result["memory_model"] = m
+        if cuda:
+            candidates["model"] = m["predicted_length"]
+        log(f"memory model: {m['fixed_gib']:.2f} GiB + {m['kib_per_token']:.1f} KiB x tokens at {m['moment']}; "
+            f"{budget:.1f} GiB allows {m['predicted_length']:,} tokens")
+    limit = args.host_memory_gb * 2**30 if args.host_memory_gb else 0.92 * mem_total_bytes()
+    host_kw = dict(sp=lay.sp, processes=world, parameters=n_params, layers=cfg.n_layer, hidden=cfg.n_embd,
+                   offload_param=offload_param, offload_optimizer=offload_optimizer,
+                   activation_offload=args.activation_offload and cuda)
+    candidates["host"] = host_limit(args, quantum, limit, **host_kw)
+    result["host"] = {"limit_gib": limit / 2**30, "longest_fitting": candidates["host"]}
+    if args.target:
+        target, bound = args.target, "--target"
+    elif cuda:
+        bound = min(candidates, key=candidates.get)
+        target = max(quantum, candidates[bound] // quantum * quantum)
+    else:  # CPU smoke: exercise the verification step
+        target, bound = xs[-1] * 2 if xs else first * 2, "cpu smoke"
+    result["prediction"] = {"candidates": candidates, "bound_by": bound, "target": target,
+                            "host_gib_at_target": host_bytes(target, **host_kw) / 2**30}
+    log(f"target {target:,} tokens (bound by {bound}; candidates "
+        + ", ".join(f"{k} {v:,}" for k, v in candidates.items()) + f"); host memory at it "
+        f"~{result['prediction']['host_gib_at_target']:.0f} of {limit / 2**30:.0f} GiB")
+
+    tries = []
+    length = target
+    for attempt in range(args.retries + 1):
+        row = step(length, window_left)
+        tries.append(row)
+        if row["ok"]:
+            break
+        shorter = int(length * (1.0 - args.backoff)) // quantum * quantum
+        best = max((r["length"] for r in result["steps"] if r["ok"] and r["attention"] != "full"), default=0)
+        elapsed = agreed(time.perf_counter() - began_run)
+        # a shorter step takes about as long as the failed one (which ran out of memory at some point of its step)
+        need = max(r["seconds"] for r in tries) * 1.2
+        if shorter <= best or attempt == args.retries:
+            break
+        if args.time_budget_s and elapsed + need > args.time_budget_s:
+            log(f"no retry at {shorter:,} tokens: {elapsed:.0f} s spent, ~{need:.0f} s more exceeds "
+                f"--time-budget-s {args.time_budget_s:g}")
+            result["stopped_by_time"] = True
+            break
+        length = shorter
+    result["verified"] = {**tries[-1]}
+    trained = [r for r in result["steps"] if r["ok"] and r["attention"] != "full"]
+    result["max_length"] = max((r["length"] for r in trained), default=None)
+    at = next((r for r in trained if r["length"] == result["max_length"]), None)
+    log(f"longest trained: {result['max_length']:,} tokens"
+        + (f" ({at['peak_reserved_gib']:.2f} GiB reserved, {at['seconds']:.1f} s)" if at and cuda else "")
+        + f"; target {target:,} " + ("trained" if tries[0]["ok"] else "ran out of memory")
+        if result["max_length"] else "nothing trained")
+    steps = [float(st["step"]) for st in base_optimizer.state.values() if "step" in st]
+    result["optimizer_steps"] = max(steps, default=0.0)  # AdamW steps taken (skipped fp16 steps do not count)
+    result["seconds"] = round(time.perf_counter() - began_run, 1)
+    save()
     trainer.end_training(acc)  # all processes together (a barrier first)
     return result
 
