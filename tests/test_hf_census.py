@@ -2,8 +2,8 @@
 
 Every text model type the installed transformers declares flash-attention capable is a test; the recorded results
 are volta_train/integrations/hf/census.json (``python tests/hf_census.py`` rewrites it and docs/hf_integration.md).
-All of them run under ``-m slow``; by default a deterministic sample runs: every type the census did not find ``ok``
-and every SAMPLE_EVERY-th of the others, in name order, to keep the suite within its CPU budget.
+The README's test command runs all of them (about a minute). ``-m "not slow"`` runs a deterministic sample: every
+type the census did not find ``ok`` and every SAMPLE_EVERY-th of the others, in name order.
 """
 
 from __future__ import annotations
