@@ -172,3 +172,43 @@ def test_padded_rows_default_scale():
     additive = masking_utils.eager_mask(BATCH, q_length=SEQ, kv_length=SEQ, mask_function=masking_utils.causal_mask_function,
                                         attention_mask=mask.bool(), dtype=torch.float64)
     torch.testing.assert_close(out, eager(q, k, v, additive, DIM ** -0.5), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_padded_rows_by_what_they_see(padding, causal, window, sinks, monkeypatch):
+    """Rows that see every token key run one varlen call, rows that see none (without gradients) the mean of v, and
+    only the rest the dense PyTorch path; every row equals eager's, with and without gradients."""
+    dense, original = [], padded_rows._rows
+    monkeypatch.setattr(padded_rows, "_rows", lambda *a: dense.append(a[0].shape[0]) or original(*a))
+    valid, out, ref, grads, ref_grads = run_both(padding, causal, window, sinks=sinks, seed=5)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for grad, ref_grad in zip(grads[:3], ref_grads[:3]):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-10, atol=1e-10)
+    with_grad = sum(dense)
+    dense.clear()
+    with torch.no_grad():
+        _, out_no_grad, ref_no_grad, *_ = run_both_forward(padding, causal, window, sinks=sinks, seed=5)
+    torch.testing.assert_close(out_no_grad, ref_no_grad, rtol=1e-10, atol=1e-10)
+    padded_count = int((~valid).sum())
+    if window is None and (padding == "right" or not causal):
+        assert with_grad == 0 and sum(dense) == 0  # every padded row sees every token key: the varlen call
+    if window is None and padding == "left" and causal:
+        assert with_grad >= padded_count and sum(dense) == 0  # no key: dense with gradients, the mean without
+
+
+def run_both_forward(padding, causal, window, sinks=False, seed=0):
+    """run_both's outputs without autograd (the inference path of the padded rows)."""
+    torch.manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, SEQ, DIM, dtype=torch.float64)
+    k = torch.randn(BATCH, HEADS_KV, SEQ, DIM, dtype=torch.float64)
+    v = torch.randn(BATCH, HEADS_KV, SEQ, DIM, dtype=torch.float64)
+    s_aux = torch.randn(HEADS).double() if sinks else None  # fp32-exact: the API takes sinks in fp32
+    mask, function, scale = two_d_mask(padding), mask_function(causal, window), DIM ** -0.5
+    additive = masking_utils.eager_mask(BATCH, q_length=SEQ, kv_length=SEQ, mask_function=function,
+                                        attention_mask=mask.bool(), dtype=torch.float64)
+    ours = hf.padding_mask(BATCH, SEQ, 0, mask_function=function, attention_mask=mask, q_length=SEQ, q_offset=0)
+    out, _ = hf.hf_attention_forward(module(causal), q, k, v, ours, scaling=scale, s_aux=s_aux)
+    return mask.bool(), out.double(), eager(q, k, v, additive, scale, None, s_aux)
