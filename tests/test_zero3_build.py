@@ -1,0 +1,66 @@
+"""gpt_long under ZeRO-3 builds its model partitioned (``distributed.partitioned_build``): two gloo processes, each
+holding half of every parameter and no whole one from the build on; from the same saved weights the loss trajectory
+is that of the unpartitioned build (the model built whole, partitioned at prepare()), and the weight-decay groups are
+the same."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
+
+from volta_train.training import logs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _saved_model(directory: Path) -> Path:
+    """A tiny GPT-2 with random weights, as a pretrained directory (what --model-path loads)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1234)
+    config = GPT2Config(vocab_size=263, n_positions=96, n_embd=48, n_layer=3, n_head=3, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def _run(tmp_path: Path, name: str, model: Path, *extra: str) -> tuple[list[float], list[dict]]:
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/zero3.yaml"),
+           "--num_processes", "2", str(ROOT / "tests/zero3_build_child.py"), "--cpu", "--model-path", str(model),
+           "--seq-len", "96", "--batch-size", "3", "--steps", "4", "--lr", "3e-3", "--warmup-steps", "1",
+           "--log-interval", "1", "--eval-batches", "0", "--checkpoint-interval", "0", "--synthetic-mb", "0.05",
+           "--mixed-precision", "no", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+           "--no-save", "--cpu-threads", "1", *extra]
+    proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=without_collective_warnings(env),
+                                                          capture_output=True, text=True, timeout=300))
+    assert proc.returncode == 0, stderr_tail(proc.stderr)
+    losses = [float(r["loss"]) for r in logs.read_csv(out / "train.csv")]
+    return losses, [json.loads((out / f"build-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_path):
+    model = _saved_model(tmp_path / "model")
+    partitioned, seen = _run(tmp_path, "partitioned", model)
+    whole, seen_whole = _run(tmp_path, "whole", model, "--unpartitioned")
+    full = seen_whole[0]["full"]
+    assert full == seen_whole[0]["held"] > 0 and not seen_whole[0]["ds_id"]
+    for rank in seen:  # every parameter partitioned at its creation: none whole in any process after the build
+        assert rank["ds_id"] and rank["held"] == 0 and rank["full"] == full
+        assert full / 2 <= rank["partition"] <= full / 2 + 64, (rank["partition"], full)
+    assert seen[0]["decay"] == seen_whole[0]["decay"] and seen[0]["no_decay"] == seen_whole[0]["no_decay"]
+    assert any(n.endswith(".bias") for n in seen[0]["no_decay"]) and seen[0]["decay"]
+    assert len(partitioned) == len(whole) == 4
+    assert all(math.isclose(a, b, rel_tol=0, abs_tol=1e-6) for a, b in zip(partitioned, whole)), (partitioned, whole)
+    assert partitioned[-1] < partitioned[0]
