@@ -49,8 +49,9 @@ def _saved_model(directory: Path) -> Path:
 def _launch(tmp_path: Path, out: Path, *args: str) -> tuple[list[float], list[dict]]:
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/zero3.yaml"),
-           "--num_processes", "2", str(ROOT / "tests/zero3_build_child.py"), *args]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/zero3.yaml"), "--num_processes", "2", str(ROOT / "tests/zero3_build_child.py"),
+           *args]
     proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=without_collective_warnings(env),
                                                           capture_output=True, text=True, timeout=300))
     assert proc.returncode == 0, stderr_tail(proc.stderr)
@@ -60,10 +61,11 @@ def _launch(tmp_path: Path, out: Path, *args: str) -> tuple[list[float], list[di
 
 def _gpt_long(tmp_path: Path, name: str, model: Path, *extra: str) -> tuple[list[float], list[dict]]:
     out = tmp_path / name
-    return _launch(tmp_path, out, "gpt_long", "--cpu", "--model-path", str(model), "--seq-len", "96", "--batch-size", "3", "--steps", "4", "--lr", "3e-3", "--warmup-steps", "1",
-           "--log-interval", "1", "--eval-batches", "0", "--checkpoint-interval", "0", "--synthetic-mb", "0.05",
-           "--mixed-precision", "no", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
-           "--no-save", "--cpu-threads", "1", *extra)
+    return _launch(tmp_path, out, "gpt_long", "--cpu", "--model-path", str(model), "--seq-len", "96", "--batch-size",
+                   "3", "--steps", "4", "--lr", "3e-3", "--warmup-steps", "1", "--log-interval", "1", "--eval-batches",
+                   "0", "--checkpoint-interval", "0", "--synthetic-mb", "0.05", "--mixed-precision", "no", "--out-dir",
+                   str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--no-save", "--cpu-threads", "1",
+                   *extra)
 
 
 @pytest.mark.slow
@@ -86,9 +88,8 @@ def _finetune(tmp_path: Path, name: str, model: Path, *extra: str) -> tuple[list
 @pytest.mark.slow
 def test_finetune_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_path):
     """finetune.py, a Llama with a padding token, packed documents (the packing check runs on the partitioned model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(4321)
     config = AutoConfig.from_pretrained(ROOT / "configs/finetune/models/tiny_llama")
