@@ -76,6 +76,20 @@ def test_gpt_long_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_pat
     _check(partitioned, seen, whole, seen_whole, 4)
 
 
+@pytest.mark.slow
+def test_gpt_long_zero3_random_weights_partitioned(tmp_path):
+    """cpu_tiny's GPT-2 from its config: initialised on gathered copies (the first loss near ln(vocabulary), as the
+    N(0, 0.02) weights give), and every process's generator left where process 0's is, as after a whole build."""
+    cpu_tiny = str(ROOT / "configs/gpt_long/cpu_tiny.yaml")
+    losses, seen = _launch(tmp_path, tmp_path / "random", "gpt_long", "--config", cpu_tiny,
+                           "--steps", "2", "--log-interval", "1", "--eval-batches", "0", "--checkpoint-interval", "0",
+                           "--synthetic-mb", "0.05", "--out-dir", str(tmp_path / "random"), "--cache-dir",
+                           str(tmp_path / "cache"), "--no-progress", "--no-save", "--cpu-threads", "1")
+    assert all(rank["ds_id"] and rank["held"] == 0 for rank in seen)
+    assert seen[0]["rng"] == seen[1]["rng"]
+    assert abs(losses[0] - math.log(seen[0]["vocab"])) < 0.1, (losses, seen[0]["vocab"])
+
+
 def _finetune(tmp_path: Path, name: str, model: Path, *extra: str) -> tuple[list[float], list[dict]]:
     out = tmp_path / name
     return _launch(tmp_path, out, "finetune", "--config", str(ROOT / "configs/finetune/llama_text_packed.yaml"),

@@ -1,15 +1,19 @@
 """One process of a two-process recipe run under ZeRO-3, started by tests/test_zero3_build.py with accelerate launch:
 ``zero3_build_child.py gpt_long|finetune [--unpartitioned] <recipe options>``. ``--unpartitioned`` builds the model
 whole before prepare() (the build without ``distributed.partitioned_build``). The process writes what the model held
-when the optimizer was made (after the build, before prepare()) and the weight-decay groups to
+when the optimizer was made (after the build, before prepare()), its random generator's state and the
+weight-decay groups to
 ``<out-dir>/build-rank<r>.json``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 from volta_train.recipes import finetune, gpt_long
 from volta_train.training import distributed, optim
@@ -32,6 +36,8 @@ def main(argv: list[str]) -> None:
         seen["held"] = sum(p.numel() for p in params.values())  # elements in this process's parameter tensors
         seen["partition"] = sum(p.ds_tensor.numel() for p in params.values() if hasattr(p, "ds_tensor"))
         seen["full"] = sum(distributed.param_numel(p) for p in params.values())
+        seen["vocab"] = model.config.vocab_size
+        seen["rng"] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()  # the generator after the build
         names = {id(p): n for n, p in params.items()}
         result = groups(model, weight_decay)
         seen["decay"] = sorted(names[id(p)] for p in result[0]["params"])
