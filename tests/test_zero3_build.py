@@ -50,8 +50,8 @@ def _launch(tmp_path: Path, out: Path, *args: str) -> tuple[list[float], list[di
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/zero3.yaml"), "--num_processes", "2", str(ROOT / "tests/zero3_build_child.py"),
-           *args]
+           str(ROOT / "configs/accelerate/zero3.yaml"), "--num_processes", "2",
+           str(ROOT / "tests/zero3_build_child.py"), *args]
     proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=without_collective_warnings(env),
                                                           capture_output=True, text=True, timeout=300))
     assert proc.returncode == 0, stderr_tail(proc.stderr)
