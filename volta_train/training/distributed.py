@@ -9,8 +9,9 @@ Where DeepSpeed comes from, in order:
 
 The JSON's ``"auto"`` values are filled from the recipe (micro-batch size,
 gradient accumulation, clipping, fp16 on/off); a number that disagrees with the
-recipe is an error naming both, never a silent override. ZeRO-3 runs gather the
-full weights when the final model is saved.
+recipe is an error naming both, never a silent override. Under ZeRO-3 the recipes build
+the model partitioned (:func:`partitioned_build`), and gather the full weights when the
+final model is saved.
 
 DeepSpeed also runs on CPU (gloo), for tests: :func:`init_state` then starts the
 process group itself and turns off DeepSpeed's shared-memory all-reduce, a C++
