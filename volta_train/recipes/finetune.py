@@ -104,11 +104,18 @@ def _prepare(cfg, state):
     """Everything before the first step: data, model, accelerator, trainer (a failure here leaves no files)."""
     t, d = cfg.train, cfg.data
     tokenizer, names, train_arrays, eval_arrays = _load_data(cfg, state)
-    model, chunked = _build_model(cfg, tokenizer, names)
+    try:
+        zero3 = distributed.zero3_init_config(mixed_precision=_precision(cfg, state), grad_accum=t.grad_accum,
+                                              batch_size=t.batch_size, grad_clip=t.grad_clip,
+                                              deepspeed_spec=t.deepspeed)
+    except config.ConfigError as e:
+        _fail(str(e))
+    with distributed.partitioned_build(zero3):  # ZeRO-3: no process ever holds the whole model
+        model, chunked = _build_model(cfg, tokenizer, names)
     impl = model.config._attn_implementation
     train_set, eval_set, collate = _datasets(cfg, model, tokenizer, train_arrays, eval_arrays)
     causal = cfg.task == "causal_lm"
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(distributed.param_numel(p) for p in model.parameters())
     n_layer, hidden = models.layers_and_hidden(model.config)
     flops = metrics.FlopCounter(metrics.matmul_parameters(model), n_layer, hidden, causal=causal)
     log.info("model: %s for %s, %.2fM parameters, attention %s%s%s", model.config.model_type, cfg.task,
@@ -242,13 +249,9 @@ def _accelerator(cfg, state, model, n_train: int):
     """(accelerate setup, optimizer, steps, warmup steps), the device line logged; precision "auto": fp16 on a
     GPU, fp32 on CPU, unless ``accelerate config`` chose one."""
     t, o = cfg.train, cfg.optimizer
-    on_gpu = state.device.type == "cuda"
-    precision = t.mixed_precision
-    if precision == "auto":
-        precision = models.auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
     try:
         setup = distributed.build_accelerator(
-            cpu=t.cpu, mixed_precision=precision, grad_accum=t.grad_accum, batch_size=t.batch_size,
+            cpu=t.cpu, mixed_precision=_precision(cfg, state), grad_accum=t.grad_accum, batch_size=t.batch_size,
             grad_clip=t.grad_clip, deepspeed_spec=t.deepspeed, loss_scale_init=t.loss_scale_init,
             loss_scale_window=t.loss_scale_window,
         )
@@ -268,6 +271,15 @@ def _accelerator(cfg, state, model, n_train: int):
     log.info("device: %s x %d process(es), %s; %d steps of %d x %d x %d, %s lr %.1e, warmup %d", accelerator.device,
              world, setup.precision, steps, t.batch_size, t.grad_accum, world, cfg.schedule.name, o.lr, warmup)
     return setup, optimizer, steps, warmup
+
+
+def _precision(cfg, state) -> str:
+    """train.mixed_precision resolved: "auto" is fp16 on a GPU, fp32 on CPU, unless ``accelerate config`` chose one."""
+    precision = cfg.train.mixed_precision
+    if precision == "auto":
+        on_gpu = state.device.type == "cuda"
+        precision = models.auto_precision("fp16" if on_gpu else "no", "cuda" if on_gpu else "cpu")
+    return precision
 
 
 def _batches(cfg, accelerator, train_set, collate):

@@ -111,11 +111,18 @@ def main(argv=None, prog: str = "gpt_long.py") -> dict:
 def _prepare(cfg, state):
     """Everything before the first step: data, model, accelerator, trainer (a failure here leaves no files)."""
     tokenizer, train_tokens, val_tokens = _load_data(cfg, state)
-    model = _build_model(cfg, state, tokenizer)
+    try:
+        zero3 = distributed.zero3_init_config(mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum,
+                                              batch_size=cfg.batch_size, grad_clip=cfg.grad_clip,
+                                              deepspeed_spec=cfg.deepspeed)
+    except config.ConfigError as e:
+        _fail(str(e))
+    with distributed.partitioned_build(zero3):  # ZeRO-3: no process ever holds the whole model
+        model = _build_model(cfg, state, tokenizer)
     shape = gpt.describe(model)
     impl = model.config._attn_implementation
     documents, packing_note = resolve_packing(cfg, model)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(distributed.param_numel(p) for p in model.parameters())
     flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
     log.info(
         "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",

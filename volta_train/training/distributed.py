@@ -9,8 +9,9 @@ Where DeepSpeed comes from, in order:
 
 The JSON's ``"auto"`` values are filled from the recipe (micro-batch size,
 gradient accumulation, clipping, fp16 on/off); a number that disagrees with the
-recipe is an error naming both, never a silent override. ZeRO-3 runs gather the
-full weights when the final model is saved.
+recipe is an error naming both, never a silent override. Under ZeRO-3 the recipes build
+the model partitioned (:func:`partitioned_build`), and gather the full weights when the
+final model is saved.
 
 DeepSpeed also runs on CPU (gloo), for tests: :func:`init_state` then starts the
 process group itself and turns off DeepSpeed's shared-memory all-reduce, a C++
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +117,103 @@ def _fill(ds: dict, key: str, value, what: str) -> None:
                           "make them agree, or write \"auto\" in the JSON")
 
 
+def _plugin(deepspeed_spec: str | None):
+    """accelerate's DeepSpeedPlugin for the recipe's ``deepspeed`` option, or None (DeepSpeed from the environment, or
+    none)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    path = resolve_deepspeed_spec(deepspeed_spec)
+    if path is None:
+        return None
+    try:
+        ds = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({e})") from None
+    ds.setdefault("gradient_accumulation_steps", "auto")
+    return DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
+
+
+def _complete(ds: dict, batch_size: int, grad_accum: int, grad_clip: float) -> int:
+    """Fill the recipe's values into a DeepSpeed config's "auto" entries; returns the ZeRO stage."""
+    _fill(ds, "train_micro_batch_size_per_gpu", batch_size, "batch_size")
+    _fill(ds, "gradient_accumulation_steps", grad_accum, "grad_accum")
+    _fill(ds, "gradient_clipping", float(grad_clip), "grad_clip")
+    zero = ds.setdefault("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return stage
+
+
+def zero3_init_config(*, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,
+                      deepspeed_spec: str | None) -> dict | None:
+    """The completed DeepSpeed config a ZeRO-3 model is built under (:func:`partitioned_build`), or None when the run
+    is not ZeRO-3. The entries accelerate fills from the model at prepare() (bucket sizes, persistence threshold) and
+    the global batch are left to DeepSpeed's defaults here: building the model reads only the partitioning, the
+    offload of the weights and their dtype."""
+    if not (deepspeed_spec or deepspeed_from_env()):
+        return None
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = _plugin(deepspeed_spec) or DeepSpeedPlugin(zero3_init_flag=False)
+    ds = plugin.deepspeed_config
+    if int(ds.get("zero_optimization", {}).get("stage", 0)) != 3:
+        return None
+    plugin.set_mixed_precision(mixed_precision)
+    _complete(ds, batch_size, grad_accum, grad_clip)
+    ds = json.loads(json.dumps(ds))
+    if ds.get("train_batch_size") == "auto":
+        del ds["train_batch_size"]
+    zero = ds["zero_optimization"]
+    for key in [k for k, v in zero.items() if v == "auto"]:
+        del zero[key]
+    return ds
+
+
+@contextmanager
+def partitioned_build(ds_config: dict | None):
+    """Build the model inside this under ZeRO-3 (``ds_config`` from :func:`zero3_init_config`; None: a plain build).
+
+    transformers' ``from_config`` / ``from_pretrained`` then create the model inside ``deepspeed.zero.Init``: each
+    parameter is partitioned over the processes as its module is created (in host memory with offload_param), its
+    initialisation or checkpoint values written on gathered copies by process 0, so that no process holds the whole
+    model. Only process 0 draws the initial weights; the random generators of the others are then set to its state,
+    as they would be after an unpartitioned build from the same seed.
+    """
+    if ds_config is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
+    _share_rng_of_rank0()
+
+
+def _share_rng_of_rank0() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    dist.broadcast_object_list(states, src=0)
+    torch.set_rng_state(states[0])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[1])
+
+
+def param_numel(p: torch.Tensor) -> int:
+    """The number of elements of a parameter, its full count where ZeRO-3 partitioned it."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
 def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,
                       deepspeed_spec: str | None, loss_scale_init: float = 65536.0,
                       loss_scale_window: int = 1000, parallelism_config=None) -> Setup:
@@ -124,17 +223,9 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
     (:func:`volta_train.training.sequence_parallel.parallelism_config`); DeepSpeed only.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin, GradScalerKwargs
+    from accelerate.utils import GradientAccumulationPlugin, GradScalerKwargs
 
-    plugin = None
-    path = resolve_deepspeed_spec(deepspeed_spec)
-    if path is not None:
-        try:
-            ds = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({e})") from None
-        ds.setdefault("gradient_accumulation_steps", "auto")
-        plugin = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
+    plugin = _plugin(deepspeed_spec)
     use_ds = plugin is not None or deepspeed_from_env()
     if parallelism_config is not None and not use_ds:
         raise ConfigError("sequence parallelism runs under DeepSpeed only: set deepspeed (e.g. zero3) or launch with "
@@ -150,15 +241,10 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
     )
     if use_ds:
         ds_plugin = accelerator.state.deepspeed_plugin
-        ds_plugin.zero3_init_flag = False  # the recipe builds the model before prepare(); ZeRO partitions it there
+        ds_plugin.zero3_init_flag = False  # the recipes build a ZeRO-3 model in partitioned_build, not accelerate
         ds = ds_plugin.deepspeed_config
-        _fill(ds, "train_micro_batch_size_per_gpu", batch_size, "batch_size")
-        _fill(ds, "gradient_accumulation_steps", grad_accum, "grad_accum")
-        _fill(ds, "gradient_clipping", float(grad_clip), "grad_clip")
-        zero = ds.setdefault("zero_optimization", {})
-        stage = int(zero.get("stage", 0))
-        if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        stage = _complete(ds, batch_size, grad_accum, grad_clip)
+        zero = ds["zero_optimization"]
         fp16 = ds.get("fp16", {})
         if str(fp16.get("enabled", False)).lower() == "true":
             power = fp16.get("initial_scale_power", 16)

@@ -38,10 +38,12 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (weights, embeddings), not biases or norm parameters."""
+    """Decay matrices (weights, embeddings), not biases or norm parameters; a ZeRO-3 partition (flat) by its
+    parameter's full shape."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    decay = [p for p, m in zip(params, matrix) if m]
+    no_decay = [p for p, m in zip(params, matrix) if not m]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
