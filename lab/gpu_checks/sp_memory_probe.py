@@ -35,8 +35,8 @@ default lengths are therefore longer, and the memory model bounds the prediction
 step rather than from the steps' trend.
 
 Llama-3.1-8B (``--shape llama3.1-8b``: 32 layers, width 4096, 32 heads, 8 key/value heads, MLP 14336, 128,256
-words) does not fit one GPU in fp32 or fp16 next to anything else, so ``--zero-init`` builds it inside
-``deepspeed.zero.Init``: each module's weights are partitioned over the processes as they are created, in host
+words) does not fit one GPU in fp32 or fp16 next to anything else, so ``--zero-init`` builds it as the recipes do
+under ZeRO-3 (``distributed.partitioned_build``, inside ``deepspeed.zero.Init``): each module's weights are partitioned over the processes as they are created, in host
 memory under ``offload_param`` (``--deepspeed zero3_offload``). With ``offload_optimizer`` the fp32 master
 weights, gradients and AdamW moments live in host memory and the step runs on the CPU: torch's AdamW with
 ``fused=True`` (one pass, no temporaries; ``zero_force_ds_cpu_optimizer: false`` lets DeepSpeed take it) or,
@@ -262,30 +262,18 @@ def mem_total_bytes() -> float:
     return math.inf
 
 
-def build_model(cfg, tokenizer, args, ds_config: dict, device: torch.device):
-    """gpt.build_model, inside deepspeed.zero.Init with --zero-init (fp16 on a GPU; in host memory with
-    offload_param)."""
+def build_model(cfg, tokenizer, args):
+    """gpt.build_model; with --zero-init the way the recipes build under ZeRO-3 (``distributed.partitioned_build``:
+    partitioned as created, in host memory with offload_param, initialised on gathered copies)."""
     if not args.zero_init:
         return gpt.build_model(cfg, tokenizer)
-    import deepspeed
-
-    offload_param, _ = offloads(ds_config)
-    dtype = torch.float32 if device.type == "cpu" else torch.float16
-    # imported before zero.Init patches the tensor constructors, which modules imported inside it trip over
-    importlib.import_module("torch._dynamo")
-    importlib.import_module("transformers.models.gpt2.modeling_gpt2")
-    importlib.import_module("transformers.models.llama.modeling_llama")
-    with deepspeed.zero.Init(remote_device="cpu" if offload_param else None, pin_memory=offload_param and
-                             device.type == "cuda", dtype=dtype):
-        model = gpt.build_model(cfg, tokenizer)
-    # transformers' initialisation ran on the empty partitions, leaving each module's own: N(0, 1) for the (tied)
-    # embedding, whose logits then overflow fp16; the recipes' N(0, 0.02), gathered for the write
-    embedding = model.get_input_embeddings().weight
-    with deepspeed.zero.GatheredParameters([embedding], modifier_rank=0):
-        if torch.distributed.get_rank() == 0:
-            with torch.no_grad():
-                embedding.normal_(0.0, model.config.initializer_range)
-    return model
+    zero3 = distributed.zero3_init_config(mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum,
+                                          batch_size=cfg.batch_size, grad_clip=cfg.grad_clip,
+                                          deepspeed_spec=cfg.deepspeed)
+    if zero3 is None:
+        raise SystemExit(f"--zero-init needs a ZeRO-3 DeepSpeed config; {args.deepspeed!r} is not one")
+    with distributed.partitioned_build(zero3):
+        return gpt.build_model(cfg, tokenizer)
 
 
 def adamw(model, cpu_optimizer: str, offload_optimizer: bool):
@@ -347,7 +335,7 @@ def main(argv=None) -> dict:
         from volta_train.training import activation_offload
 
         activation_offload.MIN_BYTES = 1  # the tiny model's hidden states are below the GPU threshold
-    model = build_model(cfg, tokenizer, args, ds_json, device)
+    model = build_model(cfg, tokenizer, args)
     register_probe()
     model.set_attn_implementation(PROBE)
     parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
