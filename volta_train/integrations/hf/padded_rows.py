@@ -95,7 +95,7 @@ def fill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     if sees_none.any():
         none = padded[sees_none]
         index.append(none)
-        parts.append(_no_key_rows(v[none[:, 0]], q.shape[2], sinks))
+        parts.append(_no_key_rows(v, q.shape[2], sinks)[none[:, 0]])
     if sees_all.any():
         every = padded[sees_all]
         index.append(every)
@@ -117,8 +117,9 @@ def fill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
 
 
 def _no_key_rows(v: torch.Tensor, heads: int, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Rows that see no key, v [n, sk, hkv, dv] (each row's sequence) -> [n, h, dv]: eager's equal weights over every
-    key slot (its mask adds the dtype's lowest value everywhere), or zero where a sink logit takes the whole weight."""
+    """What a row that sees no key holds, per batch entry: v [b, sk, hkv, dv] -> [b, h, dv], eager's equal weights
+    over every key slot (its mask adds the dtype's lowest value everywhere), or zero where a sink logit takes the
+    whole weight."""
     dtype = compute_dtype(v.dtype)
     mean = v.to(dtype).mean(dim=1)
     out = mean.repeat_interleave(heads // v.shape[2], dim=1)
@@ -133,12 +134,12 @@ def _token_key_rows(q, k, v, key_valid, rows, scale, softcap, sinks) -> torch.Te
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     cu_q = torch.cat([zero, counts.cumsum(0).to(torch.int32)])
     cu_k = torch.cat([zero, lengths.cumsum(0).to(torch.int32)])
-    chosen = key_valid[batches]
+    entry, slot = key_valid[batches].nonzero(as_tuple=True)  # the token keys of those sequences, in order
     options = {"softmax_scale": scale, "causal": False}
     if softcap:
         options["softcap"] = softcap
     if sinks is not None:
         options["sinks"] = sinks
-    out = flash_attn_varlen_func(q[rows[:, 0], rows[:, 1]], k[batches][chosen], v[batches][chosen], cu_q,
-                                           cu_k, int(counts.max()), int(lengths.max()), **options)
+    out = flash_attn_varlen_func(q[rows[:, 0], rows[:, 1]], k[batches[entry], slot], v[batches[entry], slot], cu_q,
+                                 cu_k, int(counts.max()), int(lengths.max()), **options)
     return out.to(compute_dtype(q.dtype))
