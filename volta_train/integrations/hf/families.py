@@ -44,15 +44,12 @@ CROSS_ATTENTION_NAMES = ("crossattention", "cross_attention", "cross_attn", "enc
 """Attribute names under which models hold a cross-attention module that does not say so itself (BART's encoder_attn)."""
 
 
-def _no_default_scaling(module: nn.Module) -> float | None:
+def _unset(module: nn.Module) -> None:
+    """The default of a family's per-module hooks: nothing of the family's own (the generic behaviour)."""
     return None
 
 
 def _no_check(model: nn.Module, modules: list[nn.Module]) -> None:
-    return None
-
-
-def _no_window(module: nn.Module) -> int | None:
     return None
 
 
@@ -67,12 +64,12 @@ class Family:
         "(cache_position) and is not tested"
     )
     check: Callable[[nn.Module, list[nn.Module]], None] = _no_check  # family-specific validation of a model
-    default_scaling: Callable[[nn.Module], float | None] = _no_default_scaling  # when no `scaling` kwarg comes
-    own_window: Callable[[nn.Module], int | None] = _no_window  # window of a swapped module (own_attention_modules)
-    is_causal: Callable[[nn.Module], bool | None] = _no_window  # where no is_causal kwarg comes; None: the module's
+    default_scaling: Callable[[nn.Module], float | None] = _unset  # when no `scaling` kwarg comes
+    own_window: Callable[[nn.Module], int | None] = _unset  # window of a swapped module (own_attention_modules)
+    is_causal: Callable[[nn.Module], bool | None] = _unset  # where no is_causal kwarg comes; None: the module's
 
 
-# ---- the one family that needs its own code --------------------------------------------------------------
+# ---- the families that need code of their own ---------------------------------------------------------
 
 GPT2_ENCODER_MASK_FIXED = "5.16.0"  # GPT2Model of 5.2.0-5.15.1 sets encoder_attention_mask = None before using it
 
