@@ -76,7 +76,7 @@ import torch  # noqa: E402
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
-from volta_train.training import data, distributed, gpt, sequence_parallel, tiled_mlp, trainer  # noqa: E402
+from volta_train.training import data, distributed, gpt, optim, sequence_parallel, tiled_mlp, trainer  # noqa: E402
 
 PROBE = "volta_train_probe"
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,10 +279,7 @@ def build_model(cfg, tokenizer, args):
 def adamw(model, cpu_optimizer: str, offload_optimizer: bool):
     """AdamW over the model's parameters, matrices decayed (by their full shape: ZeRO-3 partitions are flat);
     DeepSpeed's CPU Adam when asked for with offload_optimizer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": 0.1},
-              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    groups = optim.param_groups(model, 0.1)
     if offload_optimizer and cpu_optimizer == "deepspeed":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
