@@ -7,14 +7,15 @@
 #      the memory model's prediction, a step there, shorter steps (10% each) after an out-of-memory error;
 #   2. llama8b: Llama-3.1-8B's shape (32 layers, width 4096, 8 key/value heads, MLP 14336, 128,256 words) built
 #      inside deepspeed.zero.Init, ZeRO-3 with offload_param and offload_optimizer to the CPU (torch AdamW, fused, on
-#      the CPU), tiled MLP, activation offload: one step at 32,768 tokens, then one at the target (memory model and
-#      host memory; retries 10% shorter while the budget allows). If the process dies without a trained target and
+#      the CPU), tiled MLP, activation offload: steps at 32,768 and 131,072 tokens, then one at the target (memory
+#      model; host memory measured at the longer step, grown by the offload's pinned copies; retries 10% shorter
+#      while the budget allows). If the process dies without a trained target and
 #      at least RELAUNCH_S seconds are left, it is started once more at 90% of that target.
 # From the repository root:  OUT=/some/dir bash lab/gpu_checks/long_context_sp2_check.sh
 # DeepSpeed is installed from the wheels in .whl/ when missing (lab/gpu_checks/gpu_train_check.sh lists them; the
 # DeepSpeed wheel: DS_BUILD_OPS=0 pip wheel deepspeed==0.19.8 --no-deps -w .whl). Carry .whl with the run.
 # Output in $OUT: report.md, long_context_sp2_check.json (both probes' JSON), long_context_sp2_check.png,
-# medium.log, llama8b.log, env.txt. CPU_SMOKE=1: the same flow on two CPU processes (gloo, tiny models; no figures).
+# medium.log, llama8b.log, env.txt. PROBES="llama8b" runs one of the two. CPU_SMOKE=1: the same flow on two CPU processes (gloo, tiny models; no figures).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -44,7 +45,7 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
 else
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} VOLTA_TRAIN_BACKEND=${VOLTA_TRAIN_BACKEND:-kernel}
   medium_args=(--shard-lengths 32768,65536,131072)
-  llama_args=(--shard-lengths 16384 --tile-tokens "${TILE_TOKENS:-8192}")
+  llama_args=(--shard-lengths "${LLAMA_SHARDS:-16384,65536}" --tile-tokens "${TILE_TOKENS:-8192}")
 fi
 
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
@@ -100,19 +101,22 @@ probe() {
   return $rc
 }
 
-probe medium 120 200 --twin-shard-length 0 --warmup-steps 1 --retries 2 "${medium_args[@]}" --out "$dest/medium.json"
+PROBES=${PROBES:-medium llama8b}  # which of the two to run
+[[ " $PROBES " == *" medium "* ]] && probe medium 120 200 --twin-shard-length 0 --warmup-steps 1 --retries 2 "${medium_args[@]}" --out "$dest/medium.json"
 
 LLAMA=(--shape llama3.1-8b --deepspeed "$dest/ds_zero3_offload.json" --zero-init --tiled-mlp on --activation-offload
        --cpu-optimizer "$CPU_OPTIMIZER" --warmup-steps 0 --twin-shard-length 0 --retries 2 --nccl-timeout 240
        "${llama_args[@]}")
-probe llama8b 200 "$BUDGET_S" "${LLAMA[@]}" --out "$dest/llama8b.json"
+[[ " $PROBES " == *" llama8b "* ]] && probe llama8b 200 "$BUDGET_S" "${LLAMA[@]}" --out "$dest/llama8b.json"
 retry=$($PY - "$dest/llama8b.json" <<'EOF'
 import json, sys
 from pathlib import Path
 path = Path(sys.argv[1])
 r = json.loads(path.read_text()) if path.exists() else {}
 target = r.get("prediction", {}).get("target")
-trained = any(s["ok"] and s["length"] >= (target or 0) * 0.5 for s in r.get("steps", [])[1:]) if target else False
+steps = r.get("steps", [])
+fitted = max((s["length"] for s in steps[:r.get("fitted_steps", 1)]), default=0)
+trained = any(s["ok"] and s["length"] > fitted for s in steps)  # the target or a shorter retry above the fitted
 print(int(target * 0.9) // 2048 * 2048 if target and not trained else 0)
 EOF
 )

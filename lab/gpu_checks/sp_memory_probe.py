@@ -66,6 +66,7 @@ import importlib.util
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -241,8 +242,7 @@ def host_bytes(length: int, sp: int, processes: int, parameters: int, layers: in
     the rest (CUDA context, libraries)."""
     share = parameters / processes
     zero = 1.15 * share * ((2 if offload_param else 0) + (16 if offload_optimizer else 0))
-    per_layer = math.ceil(length / sp) * hidden * 2
-    pinned = layers * (1 << max(0, per_layer - 1).bit_length()) if activation_offload else 0
+    pinned = layers * pinned_layer_bytes(length, sp, hidden) if activation_offload else 0
     return processes * (zero + pinned + 6 * 2**30)
 
 
@@ -250,6 +250,64 @@ def host_limit(args, quantum: int, limit_bytes: float, **kw) -> int:
     """The longest multiple of ``quantum`` tokens (up to --max-len) whose host_bytes fit in limit_bytes."""
     n = args.max_len // quantum * quantum
     while n > quantum and host_bytes(n, **kw) > limit_bytes:
+        n -= quantum
+    return n
+
+
+class HostPeak:
+    """The most host memory in use on this machine (MemTotal - MemAvailable) while the block runs, sampled every
+    ``period`` seconds by a thread: ZeRO's offload and the activation offload live there, and a machine that runs
+    out of it kills a process instead of raising."""
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.peak = period, 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def in_use() -> float:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = float(value.split()[0]) * 1024
+        return fields.get("MemTotal", 0.0) - fields.get("MemAvailable", 0.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.in_use())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "HostPeak":
+        self.peak = self.in_use()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.in_use())
+
+
+def pinned_layer_bytes(length: int, sp: int, hidden: int) -> int:
+    """One layer's checkpointed fp16 input in pinned host memory, as PyTorch's pinned allocator rounds it (a power
+    of two)."""
+    per_layer = math.ceil(length / sp) * hidden * 2
+    return 1 << max(0, per_layer - 1).bit_length()
+
+
+def measured_host_limit(args, quantum: int, limit_bytes: float, measured: dict, sp: int, processes: int,
+                        layers: int, hidden: int, activation_offload: bool) -> int:
+    """The longest multiple of ``quantum`` tokens whose host memory, extrapolated from a step's measured peak by
+    the activation offload's pinned copies alone (ZeRO's offload does not grow with the sequence), stays within
+    limit_bytes less 3%."""
+    def need(n: int) -> float:
+        grow = pinned_layer_bytes(n, sp, hidden) - pinned_layer_bytes(measured["length"], sp, hidden)
+        return measured["host_peak_bytes"] + (processes * layers * grow if activation_offload else 0)
+
+    n = args.max_len // quantum * quantum
+    while n > quantum and need(n) > 0.97 * limit_bytes:
         n -= quantum
     return n
 
@@ -389,6 +447,7 @@ def main(argv=None) -> dict:
         began = time.perf_counter()
         error, loss_value = None, math.nan
         skipped_before = getattr(engine, "skipped_steps", 0)
+        host = HostPeak().__enter__()
         try:
             loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
             if args.cpu and args.cpu_oom_above and length > args.cpu_oom_above:
@@ -403,17 +462,24 @@ def main(argv=None) -> dict:
         except torch.OutOfMemoryError as e:  # noqa: F821 - torch >= 2.1
             error = str(e).splitlines()[0]
         seconds = time.perf_counter() - began
+        host.__exit__(None, None, None)
         if error is not None:
             recover()
         figures = torch.tensor([
             torch.cuda.max_memory_allocated(device) if cuda else math.nan,
             torch.cuda.max_memory_reserved(device) if cuda else math.nan, seconds, float(error is not None),
+            host.peak,
         ], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
         row = {"length": length, "shard": length // lay.sp, "attention": "full" if left < 0 else f"window {left + 1}",
                "ok": figures[3].item() == 0, "peak_allocated_gib": figures[0].item() / 2**30,
                "peak_reserved_gib": figures[1].item() / 2**30, "seconds": round(figures[2].item(), 3),
-               "loss": round(loss_value, 4)}
+               "loss": round(loss_value, 4), "host_peak_gib": figures[4].item() / 2**30}
+        if cuda:  # this process's share: its resident memory and the pinned allocator's blocks (rank 0's)
+            import psutil  # DeepSpeed's dependency
+
+            row["rank0_rss_gib"] = psutil.Process().memory_info().rss / 2**30
+            row["rank0_pinned_gib"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30
         if error is None and getattr(engine, "skipped_steps", 0) != skipped_before:
             row["skipped_step"] = True  # fp16 overflow: DeepSpeed skipped the optimizer step
         if error is not None:
@@ -422,6 +488,8 @@ def main(argv=None) -> dict:
         log(f"{row['attention']:>11} | {length:>9,} tokens ({row['shard']:,} per GPU) | "
             + (f"peak allocated {row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB"
                if row["ok"] else "OUT OF MEMORY" + (f" ({error})" if error else " (another process)"))
+            + f" | host {row['host_peak_gib']:.1f} GiB"
+            + (f" (rank 0: resident {row['rank0_rss_gib']:.1f}, pinned {row['rank0_pinned_gib']:.1f})" if cuda else "")
             + f" | {row['seconds']:.1f} s | loss {row['loss']}"
             + (" | optimizer step SKIPPED (fp16 overflow)" if row.get("skipped_step") else ""))
         save()
@@ -499,7 +567,25 @@ def main(argv=None) -> dict:
                    offload_param=offload_param, offload_optimizer=offload_optimizer,
                    activation_offload=args.activation_offload and cuda)
     candidates["host"] = host_limit(args, quantum, limit, **host_kw)
-    result["host"] = {"limit_gib": limit / 2**30, "longest_fitting": candidates["host"]}
+    result["host"] = {"limit_gib": limit / 2**30, "longest_fitting": candidates["host"],
+                      "formula_gib_at_longest_fitted": host_bytes(xs[-1], **host_kw) / 2**30 if xs else None}
+    anchor = max(fitted, key=lambda r: r["length"]) if fitted and cuda else None
+    if anchor is not None:  # a measured peak beats the formula: extrapolate it by the offload's pinned copies
+        measured = {"length": anchor["length"], "host_peak_bytes": anchor["host_peak_gib"] * 2**30}
+        host_growth = dict(sp=lay.sp, processes=world, layers=cfg.n_layer, hidden=cfg.n_embd,
+                           activation_offload=args.activation_offload)
+        candidates["host"] = measured_host_limit(args, quantum, limit, measured, **host_growth)
+        result["host"].update(longest_fitting=candidates["host"], measured_at=anchor["length"],
+                              measured_peak_gib=anchor["host_peak_gib"])
+        log(f"host memory: {anchor['host_peak_gib']:.1f} GiB in use at {anchor['length']:,} tokens (the formula "
+            f"says {result['host']['formula_gib_at_longest_fitted']:.1f}); within {0.97 * limit / 2**30:.0f} GiB "
+            f"that allows {candidates['host']:,} tokens")
+    def host_at(n: int) -> float:
+        if anchor is None:
+            return host_bytes(n, **host_kw)
+        grow = pinned_layer_bytes(n, lay.sp, cfg.n_embd) - pinned_layer_bytes(anchor["length"], lay.sp, cfg.n_embd)
+        return anchor["host_peak_gib"] * 2**30 + (world * cfg.n_layer * grow if args.activation_offload else 0)
+
     if args.target:
         target, bound = args.target, "--target"
     elif cuda:
@@ -508,10 +594,11 @@ def main(argv=None) -> dict:
     else:  # CPU smoke: exercise the verification step
         target, bound = xs[-1] * 2 if xs else first * 2, "cpu smoke"
     result["prediction"] = {"candidates": candidates, "bound_by": bound, "target": target,
-                            "host_gib_at_target": host_bytes(target, **host_kw) / 2**30}
+                            "host_gib_at_target": host_at(target) / 2**30}
     log(f"target {target:,} tokens (bound by {bound}; candidates "
         + ", ".join(f"{k} {v:,}" for k, v in candidates.items()) + f"); host memory at it "
         f"~{result['prediction']['host_gib_at_target']:.0f} of {limit / 2**30:.0f} GiB")
+    save()  # the target is known before its step: a process killed in it (host memory) leaves it for a relaunch
 
     tries = []
     length = target
