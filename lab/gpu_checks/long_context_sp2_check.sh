@@ -31,6 +31,8 @@ MEM_GB=${MEM_GB:-32}
 WHEELS=${WHEELS:-.whl}
 RELAUNCH_S=${RELAUNCH_S:-240}
 LOSS_SCALE_POWER=${LOSS_SCALE_POWER:-8}  # fp16 from 2^8: no first step skipped on overflow (a full optimizer step)
+DS_PIN_MEMORY=${DS_PIN_MEMORY:-true}    # ZeRO's host buffers page-locked (PyTorch rounds each to a power of two)
+OFFLOAD_KEEP=${OFFLOAD_KEEP:-0}          # 8B: the top N blocks keep their checkpointed inputs on the GPU
 CPU_OPTIMIZER=${CPU_OPTIMIZER:-fused}    # or deepspeed: DeepSpeed's CPU Adam, built on first use (c++ and ninja)
 PY=${PYTHON:-python3}
 began=$(date +%s)
@@ -70,10 +72,12 @@ if [ "$CPU_OPTIMIZER" = deepspeed ] && ! { command -v c++ && command -v ninja; }
   CPU_OPTIMIZER=fused
 fi
 cat "$dest/env.txt" | tee -a "$log"
-$PY - "$dest/ds_zero3_offload.json" "$LOSS_SCALE_POWER" <<'EOF'
+$PY - "$dest/ds_zero3_offload.json" "$LOSS_SCALE_POWER" "$DS_PIN_MEMORY" <<'EOF'
 import json, sys
 ds = json.load(open("configs/deepspeed/zero3_offload.json"))
 ds["fp16"]["initial_scale_power"] = int(sys.argv[2])
+for part in ("offload_optimizer", "offload_param"):  # DS_PIN_MEMORY=false: pageable, exact-size host buffers
+    ds["zero_optimization"][part]["pin_memory"] = sys.argv[3] == "true"
 json.dump(ds, open(sys.argv[1], "w"), indent=2)
 EOF
 
@@ -105,7 +109,7 @@ PROBES=${PROBES:-medium llama8b}  # which of the two to run
 [[ " $PROBES " == *" medium "* ]] && probe medium 120 200 --twin-shard-length 0 --warmup-steps 1 --retries 2 "${medium_args[@]}" --out "$dest/medium.json"
 
 LLAMA=(--shape llama3.1-8b --deepspeed "$dest/ds_zero3_offload.json" --zero-init --tiled-mlp on --activation-offload
-       --cpu-optimizer "$CPU_OPTIMIZER" --warmup-steps 0 --twin-shard-length 0 --retries 2 --nccl-timeout 240
+       --cpu-optimizer "$CPU_OPTIMIZER" --offload-keep "$OFFLOAD_KEEP" --warmup-steps 0 --twin-shard-length 0 --retries 2 --nccl-timeout 240
        "${llama_args[@]}")
 [[ " $PROBES " == *" llama8b "* ]] && probe llama8b 200 "$BUDGET_S" "${LLAMA[@]}" --out "$dest/llama8b.json"
 retry=$($PY - "$dest/llama8b.json" <<'EOF'

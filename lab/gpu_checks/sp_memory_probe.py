@@ -60,6 +60,7 @@ the code path; ``--shape`` gives the tiny model its head layout).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import importlib.util
@@ -138,6 +139,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "the MLP's weights again, so fewer, longer tiles cost less there)")
     p.add_argument("--activation-offload", action="store_true",
                    help="checkpointed hidden states in pinned host memory between forward and backward")
+    p.add_argument("--offload-keep", type=int, default=0,
+                   help="activation offload: the top N blocks keep their inputs on the GPU (host memory for spare "
+                        "GPU memory)")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model inside deepspeed.zero.Init (partitioned as created; in host memory with "
                         "offload_param): no process ever holds the whole model")
@@ -215,8 +219,9 @@ def gpu_state_bytes(stage: int, offload_param: bool, offload_optimizer: bool) ->
 
 
 def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bool, offload: bool,
-                     budget_gib: float) -> dict:
-    """The memory model's longest sequence for this run within budget_gib per GPU, and the moment that binds."""
+                     budget_gib: float, keep: int = 0) -> dict:
+    """The memory model's longest sequence for this run within budget_gib per GPU, and the moment that binds
+    (``keep``: blocks whose 16-bit checkpointed input stays on the GPU under the offload)."""
     lcp = _memory_model()
     heads = config.num_attention_heads
     shape = lcp.llama_shape(config.num_hidden_layers, config.hidden_size, heads,
@@ -225,6 +230,8 @@ def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bo
     state = gpu_state_bytes(int(ds_config["zero_optimization"]["stage"]), *offloads(ds_config))
     moments = lcp.memory_moments(shape, tiled, offload, gpus=processes, state_bytes_per_parameter=state,
                                  hidden_bytes=2, all_to_all=sp > 1)
+    for m in moments.values():
+        m["bytes_per_token"] += keep * config.hidden_size * 2
     local = {k: (budget_gib * 2**30 - m["fixed"]) / m["bytes_per_token"] for k, m in moments.items()}
     binding = min(local, key=local.get)
     return {"predicted_length": max(0, int(local[binding] * sp)), "moment": binding,
@@ -242,7 +249,7 @@ def host_bytes(length: int, sp: int, processes: int, parameters: int, layers: in
     the rest (CUDA context, libraries)."""
     share = parameters / processes
     zero = 1.15 * share * ((2 if offload_param else 0) + (16 if offload_optimizer else 0))
-    pinned = layers * pinned_layer_bytes(length, sp, hidden) if activation_offload else 0
+    pinned = layers * pinned_layer_bytes(length, sp, hidden) if activation_offload else 0  # offloaded layers
     return processes * (zero + pinned + 6 * 2**30)
 
 
@@ -290,11 +297,17 @@ class HostPeak:
         self.peak = max(self.peak, self.in_use())
 
 
+def trim_host_heap() -> None:
+    """Return glibc's free heap memory to the system (what the model build and the steps freed), where glibc is."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def pinned_layer_bytes(length: int, sp: int, hidden: int) -> int:
-    """One layer's checkpointed fp16 input in pinned host memory, as PyTorch's pinned allocator rounds it (a power
-    of two)."""
-    per_layer = math.ceil(length / sp) * hidden * 2
-    return 1 << max(0, per_layer - 1).bit_length()
+    """One layer's checkpointed fp16 input in page-locked host memory (the offload's pool holds exact sizes)."""
+    return math.ceil(length / sp) * hidden * 2
 
 
 def measured_host_limit(args, quantum: int, limit_bytes: float, measured: dict, sp: int, processes: int,
@@ -391,6 +404,10 @@ def main(argv=None) -> dict:
 
         activation_offload.MIN_BYTES = 1  # the tiny model's hidden states are below the GPU threshold
     model = build_model(cfg, tokenizer, args)
+    if args.activation_offload and args.offload_keep:
+        from volta_train.training import activation_offload
+
+        activation_offload.enable(model, min_bytes=1 if args.cpu else None, keep_last=args.offload_keep)
     register_probe()
     model.set_attn_implementation(PROBE)
     parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
@@ -445,15 +462,18 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        error, loss_value = None, math.nan
+        error, loss_value, phases = None, math.nan, []
         skipped_before = getattr(engine, "skipped_steps", 0)
         host = HostPeak().__enter__()
         try:
             loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
+            phases = [HostPeak.in_use()]
             if args.cpu and args.cpu_oom_above and length > args.cpu_oom_above:
                 loss.register_hook(_simulated_oom)
             acc.backward(loss)
+            phases.append(HostPeak.in_use())
             optimizer.step()
+            phases.append(HostPeak.in_use())
             optimizer.zero_grad()
             loss_value = loss.item()
             del loss
@@ -463,6 +483,8 @@ def main(argv=None) -> dict:
             error = str(e).splitlines()[0]
         seconds = time.perf_counter() - began
         host.__exit__(None, None, None)
+        if cuda:
+            trim_host_heap()
         if error is not None:
             recover()
         figures = torch.tensor([
@@ -475,6 +497,7 @@ def main(argv=None) -> dict:
                "ok": figures[3].item() == 0, "peak_allocated_gib": figures[0].item() / 2**30,
                "peak_reserved_gib": figures[1].item() / 2**30, "seconds": round(figures[2].item(), 3),
                "loss": round(loss_value, 4), "host_peak_gib": figures[4].item() / 2**30}
+        row["host_after_forward_backward_step_gib"] = [round(h / 2**30, 2) for h in phases]  # this machine's
         if cuda:  # this process's share: its resident memory and the pinned allocator's blocks (rank 0's)
             import psutil  # DeepSpeed's dependency
 
@@ -490,6 +513,8 @@ def main(argv=None) -> dict:
                if row["ok"] else "OUT OF MEMORY" + (f" ({error})" if error else " (another process)"))
             + f" | host {row['host_peak_gib']:.1f} GiB"
             + (f" (rank 0: resident {row['rank0_rss_gib']:.1f}, pinned {row['rank0_pinned_gib']:.1f})" if cuda else "")
+            + " (after forward, backward, step: " + ", ".join(f"{h:.1f}" for h in
+                                                            row["host_after_forward_backward_step_gib"]) + ")"
             + f" | {row['seconds']:.1f} s | loss {row['loss']}"
             + (" | optimizer step SKIPPED (fp16 overflow)" if row.get("skipped_step") else ""))
         save()
@@ -526,6 +551,11 @@ def main(argv=None) -> dict:
               "cpu_optimizer": type(base_optimizer).__name__ if offload_optimizer else None,
               "setup_seconds": round(time.perf_counter() - began_run, 1),
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "steps": []}
+    if cuda:
+        before = HostPeak.in_use()
+        trim_host_heap()
+        log(f"host memory after set-up: {before / 2**30:.1f} GiB in use, {HostPeak.in_use() / 2**30:.1f} after "
+            "malloc_trim")
     first = args.shard_lengths[0] * lay.sp
     for _ in range(args.warmup_steps):
         step(first, window_left)
@@ -556,14 +586,16 @@ def main(argv=None) -> dict:
         log(f"fit: peak reserved = {intercept:.2f} GiB + {slope * 2**20:.1f} KiB x tokens (worst residual "
             f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens")
     if args.arch == "llama" and ds_config["zero_optimization"].get("stage") == 3:
-        m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget)
+        m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget,
+                             keep=args.offload_keep if args.activation_offload else 0)
         result["memory_model"] = m
         if cuda:
             candidates["model"] = m["predicted_length"]
         log(f"memory model: {m['fixed_gib']:.2f} GiB + {m['kib_per_token']:.1f} KiB x tokens at {m['moment']}; "
             f"{budget:.1f} GiB allows {m['predicted_length']:,} tokens")
     limit = args.host_memory_gb * 2**30 if args.host_memory_gb else 0.92 * mem_total_bytes()
-    host_kw = dict(sp=lay.sp, processes=world, parameters=n_params, layers=cfg.n_layer, hidden=cfg.n_embd,
+    host_kw = dict(sp=lay.sp, processes=world, parameters=n_params, layers=cfg.n_layer - args.offload_keep,
+                   hidden=cfg.n_embd,
                    offload_param=offload_param, offload_optimizer=offload_optimizer,
                    activation_offload=args.activation_offload and cuda)
     candidates["host"] = host_limit(args, quantum, limit, **host_kw)
@@ -572,7 +604,7 @@ def main(argv=None) -> dict:
     anchor = max(fitted, key=lambda r: r["length"]) if fitted and cuda else None
     if anchor is not None:  # a measured peak beats the formula: extrapolate it by the offload's pinned copies
         measured = {"length": anchor["length"], "host_peak_bytes": anchor["host_peak_gib"] * 2**30}
-        host_growth = dict(sp=lay.sp, processes=world, layers=cfg.n_layer, hidden=cfg.n_embd,
+        host_growth = dict(sp=lay.sp, processes=world, layers=cfg.n_layer - args.offload_keep, hidden=cfg.n_embd,
                            activation_offload=args.activation_offload)
         candidates["host"] = measured_host_limit(args, quantum, limit, measured, **host_growth)
         result["host"].update(longest_fitting=candidates["host"], measured_at=anchor["length"],
@@ -584,7 +616,8 @@ def main(argv=None) -> dict:
         if anchor is None:
             return host_bytes(n, **host_kw)
         grow = pinned_layer_bytes(n, lay.sp, cfg.n_embd) - pinned_layer_bytes(anchor["length"], lay.sp, cfg.n_embd)
-        return anchor["host_peak_gib"] * 2**30 + (world * cfg.n_layer * grow if args.activation_offload else 0)
+        offloaded = cfg.n_layer - args.offload_keep
+        return anchor["host_peak_gib"] * 2**30 + (world * offloaded * grow if args.activation_offload else 0)
 
     if args.target:
         target, bound = args.target, "--target"

@@ -61,8 +61,8 @@ def test_llama8b_shape_zero_init_offload_and_retries(tmp_path):
 def test_prediction_and_host_memory_arithmetic():
     """The memory model's prediction for the GPT-2-medium-shaped Llama at sp=2 (ZeRO-3, 16 bytes per parameter)
     lands within 2% of the 477,184 tokens measured in 32 GiB (docs/sequence_parallel.md) once Ulysses' all-to-all
-    buffers are counted, and the 8B case's host memory doubles past 262,144 tokens, where each layer's pinned
-    checkpoint copy passes 1 GiB and is rounded up to 2 GiB."""
+    buffers are counted, and the 8B case's host memory grows by the offload's exact-size pinned copies, from the
+    formula and from a measured step."""
     probe = _module()
     from types import SimpleNamespace
 
@@ -84,8 +84,17 @@ def test_prediction_and_host_memory_arithmetic():
     kw = dict(sp=2, processes=2, parameters=7.5e9, layers=32, hidden=4096, offload_param=True,
               offload_optimizer=True, activation_offload=True)
     at, above = probe.host_bytes(262144, **kw), probe.host_bytes(262144 + 2048, **kw)
-    assert above - at == 2 * 32 * 2**30  # two processes, 32 layers, 1 GiB more each
+    assert above - at == 2 * 32 * 1024 * 4096 * 2  # two processes, 32 layers, 1,024 more tokens each (exact sizes)
     args = SimpleNamespace(max_len=1 << 20)
-    assert probe.host_limit(args, 2048, 235 * 2**30, **kw) == 262144
+    fits = probe.host_limit(args, 2048, 235 * 2**30, **kw)
+    assert probe.host_bytes(fits, **kw) <= 235 * 2**30 < probe.host_bytes(fits + 2048, **kw)
+    # measured: 200 GiB at 131,072 tokens; each 2,048 more add 2 x 32 x 8 MiB until 97% of the limit
+    measured = {"length": 131072, "host_peak_bytes": 200 * 2**30}
+    grow = dict(sp=2, processes=2, layers=32, hidden=4096, activation_offload=True)
+    n = probe.measured_host_limit(args, 2048, 240 * 2**30, measured, **grow)
+    per = 2 * 32 * 1024 * 4096 * 2
+    assert n == 131072 + int((0.97 * 240 * 2**30 - 200 * 2**30) // per) * 2048, n
+    keep = probe.measured_host_limit(args, 2048, 240 * 2**30, measured, **{**grow, "layers": 24})
+    assert keep > n  # blocks kept on the GPU leave host memory for more tokens
     with pytest.raises(ValueError, match="ZeRO-3 only"):
         probe.gpu_state_bytes(2, False, False)

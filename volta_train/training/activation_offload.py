@@ -10,7 +10,9 @@ On CUDA (not exercised by the CPU tests):
 
 * pack: the input is copied into pinned host memory on a side stream, after the compute stream's work up to that
   point (an event), so the copy overlaps the next blocks' forward; the GPU tensor is held until its copy has finished
-  and released at a later pack (or returned directly if the backward reaches it first: the last block);
+  and released at a later pack (or returned directly if the backward reaches it first: the last block). The host
+  buffers come from :class:`PinnedPool`: exact sizes (PyTorch's pinned allocator rounds each to a power of two and
+  keeps every size it has seen), reused by the next step;
 * unpack (the checkpoint's recompute in the backward): the block's input is copied back on the side stream unless it
   was prefetched, and the block before it (the next one the backward needs) is prefetched, so the host-to-device
   copy of one block overlaps the recompute and backward of the one after it; the compute stream waits on the copy's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,66 @@ class OffloadStats:
     direct: int = 0  # unpacks served by the device tensor still held (its copy out not yet released)
 
 
+def _register(buf: torch.Tensor) -> None:
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1))  # 1: portable
+    if err:
+        raise RuntimeError(f"activation offload: cudaHostRegister of {buf.numel():,} bytes failed (CUDA error {err}); "
+                           "the host may be out of memory or the process's locked-memory limit (ulimit -l) too low")
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+class PinnedPool:
+    """Page-locked host buffers of exactly the sizes asked for, kept for reuse: a buffer returns to the pool when the
+    stash that used it is freed, and a request that finds no free buffer of its size first releases the free
+    buffers of sizes this step has not asked for (a change of sequence length), so the pool holds about one step's
+    worth. ``register``/``unregister`` page-lock and unlock a uint8 CPU tensor (CUDA's host registration)."""
+
+    def __init__(self, register: Callable[[torch.Tensor], None] = _register,
+                 unregister: Callable[[torch.Tensor], None] = _unregister):
+        self._register, self._unregister = register, unregister
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._asked: set[int] = set()
+        self.held_bytes = 0  # registered: in use and free
+
+    def new_step(self) -> None:
+        """A new forward begins: sizes asked for from here on are this step's."""
+        self._asked.clear()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A page-locked uint8 buffer of nbytes bytes."""
+        self._asked.add(nbytes)
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        for size in [size for size in self._free if size not in self._asked]:
+            for buf in self._free.pop(size):
+                self._drop(buf)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._register(buf)
+        self.held_bytes += nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer taken earlier; the caller's copies from or into it are ordered before its next use."""
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+    def release(self) -> int:
+        """Unlock and free every free buffer; returns the bytes released."""
+        released = 0
+        for size in list(self._free):
+            for buf in self._free.pop(size):
+                released += buf.numel()
+                self._drop(buf)
+        return released
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self._unregister(buf)
+        self.held_bytes -= buf.numel()
+
+
 class _Stash:
     """One checkpoint input in host memory: its host copy, the device tensor until the copy out is done, and the
     copy back once started."""
@@ -76,6 +139,19 @@ class ActivationOffload:
         self._last: _Stash | None = None
         self._pending: list[_Stash] = []  # CUDA stashes whose device tensor is still held
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pools: dict[torch.device, PinnedPool] = {}  # one per device: its copies share one side stream
+        self._in_backward = False
+
+    def release_host_memory(self) -> int:
+        """Unlock and free the host buffers that no saved activation still uses (they are otherwise kept for the next
+        step); returns the bytes freed."""
+        for stash in self._pending:  # copies out still reading device tensors finish first
+            if stash.copied is not None:
+                stash.copied.synchronize()
+            stash.source = None
+        self._pending = []
+        self._last = None  # the last stash is otherwise kept as the next one's predecessor
+        return sum(pool.release() for pool in self._pools.values())
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context under which a checkpoint call saves its inputs to host memory."""
@@ -88,6 +164,10 @@ class ActivationOffload:
                 t.numel() * t.element_size() < self.min_bytes:
             self.stats.kept += 1
             return t
+        if self._in_backward:  # the first pack after a backward: a new step
+            self._in_backward = False
+            for pool in self._pools.values():
+                pool.new_step()
         self.stats.packed += 1
         self.stats.packed_bytes += t.numel() * t.element_size()
         if t.device.type != "cuda":
@@ -100,13 +180,21 @@ class ActivationOffload:
     def _copy_out(self, t: torch.Tensor) -> _Stash:
         self._release_finished()
         stream = self._stream(t.device)
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        if t.is_contiguous():
+            pool = self._pools.setdefault(t.device, PinnedPool())
+            buf = pool.take(t.numel() * t.element_size())
+            host = buf.view(t.dtype).view(t.shape)
+        else:
+            pool = buf = None
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete on the compute stream
         with torch.cuda.stream(stream):
             host.copy_(t.detach(), non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         stash = _Stash(host, t.device, self._last)
+        if pool is not None:  # back to the pool with the stash; its copies run on this one side stream, in order
+            weakref.finalize(stash, pool.give, buf)
         stash.source, stash.copied = t, copied  # held: t's memory must outlive the copy reading it
         self._pending.append(stash)
         return stash
@@ -136,6 +224,7 @@ class ActivationOffload:
         if isinstance(obj, torch.Tensor):
             return obj
         stash: _Stash = obj
+        self._in_backward = True
         self.stats.unpacked += 1
         if stash.source is not None:  # the copy out may still run (the last block): use the device tensor itself
             self.stats.direct += 1
@@ -176,24 +265,32 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if getattr(m, "gradient_checkpointing", False) and callable(getattr(m, "_gradient_checkpointing_func", None))]
 
 
-def enable(model: torch.nn.Module, min_bytes: int | None = None) -> ActivationOffload:
+def enable(model: torch.nn.Module, min_bytes: int | None = None, keep_last: int = 0) -> ActivationOffload:
     """Keep the checkpoint inputs of ``model``'s checkpointed blocks in host memory. Call it after
-    ``gradient_checkpointing_enable()``; again, it replaces the earlier offload. Raises ActivationOffloadError when
-    no block is checkpointed."""
+    ``gradient_checkpointing_enable()``; again, it replaces the earlier offload. ``keep_last`` blocks at the top of
+    the model (the first the backward needs) keep theirs on the GPU: host memory for spare GPU memory. Raises
+    ActivationOffloadError when no block is checkpointed or keep_last is not in [0, blocks)."""
+    disable(model)
     modules = checkpointed_modules(model)
     if not modules:
         raise ActivationOffloadError(f"activation_offload: {type(model).__name__} has no checkpointed blocks; it "
                                      "offloads what activation checkpointing keeps, so turn gradient_checkpointing on")
+    ids = {id(m) for m in modules}
+    blocks = [m for m in modules if not any(id(c) in ids for c in m.modules() if c is not m)]  # innermost
+    if not 0 <= keep_last < len(blocks):
+        raise ActivationOffloadError(f"activation_offload: keep_last must be in [0, {len(blocks)}) for "
+                                     f"{type(model).__name__}'s {len(blocks)} checkpointed blocks, got {keep_last}")
+    kept = {id(m) for m in blocks[len(blocks) - keep_last:]}
+    modules = [m for m in modules if id(m) not in kept]
     offload = ActivationOffload(MIN_BYTES if min_bytes is None else min_bytes)
     for module in modules:
-        original = getattr(module, _ATTR, None) or module._gradient_checkpointing_func
+        original = module._gradient_checkpointing_func
         module._gradient_checkpointing_func = functools.partial(_offloaded, offload, original)
         setattr(module, _ATTR, original)
     setattr(model, "_volta_activation_offloader", offload)
-    ids = {id(m) for m in modules}
-    blocks = sum(1 for m in modules if not any(id(c) in ids for c in m.modules() if c is not m))  # innermost
     log.info("activation offload: the inputs of %d checkpointed blocks (%s bytes or more) wait in host memory for the "
-             "backward", blocks, f"{offload.min_bytes:,}")
+             "backward%s", len(blocks) - keep_last, f"{offload.min_bytes:,}",
+             f"; the top {keep_last} keep theirs on the GPU" if keep_last else "")
     return offload
 
 
@@ -206,7 +303,9 @@ def disable(model: torch.nn.Module) -> int:
             module._gradient_checkpointing_func = original
             delattr(module, _ATTR)
             n += 1
-    if hasattr(model, "_volta_activation_offloader"):
+    offload = getattr(model, "_volta_activation_offloader", None)
+    if offload is not None:
+        offload.release_host_memory()
         delattr(model, "_volta_activation_offloader")
     return n
 
