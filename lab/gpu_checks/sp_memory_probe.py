@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import datetime
 import gc
 import importlib.util
@@ -139,9 +140,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "the MLP's weights again, so fewer, longer tiles cost less there)")
     p.add_argument("--activation-offload", action="store_true",
                    help="checkpointed hidden states in pinned host memory between forward and backward")
-    p.add_argument("--offload-keep", type=int, default=0,
+    p.add_argument("--offload-keep", default="0",
                    help="activation offload: the top N blocks keep their inputs on the GPU (host memory for spare "
-                        "GPU memory)")
+                        "GPU memory); auto: none in the fitted steps, then the fewest that let the target's host "
+                        "memory fit while the GPU (line fit and memory model) has room for them")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model inside deepspeed.zero.Init (partitioned as created; in host memory with "
                         "offload_param): no process ever holds the whole model")
@@ -312,17 +314,28 @@ def pinned_layer_bytes(length: int, sp: int, hidden: int) -> int:
 
 def measured_host_limit(args, quantum: int, limit_bytes: float, measured: dict, sp: int, processes: int,
                         layers: int, hidden: int, activation_offload: bool) -> int:
-    """The longest multiple of ``quantum`` tokens whose host memory, extrapolated from a step's measured peak by
-    the activation offload's pinned copies alone (ZeRO's offload does not grow with the sequence), stays within
-    limit_bytes less 3%."""
+    """The longest multiple of ``quantum`` tokens whose host memory, extrapolated from a step's measured peak (its
+    transient host buffers included) by the activation offload's pinned copies alone (ZeRO's offload does not grow
+    with the sequence), stays within limit_bytes."""
     def need(n: int) -> float:
         grow = pinned_layer_bytes(n, sp, hidden) - pinned_layer_bytes(measured["length"], sp, hidden)
         return measured["host_peak_bytes"] + (processes * layers * grow if activation_offload else 0)
 
     n = args.max_len // quantum * quantum
-    while n > quantum and need(n) > 0.97 * limit_bytes:
+    while n > quantum and need(n) > limit_bytes:
         n -= quantum
     return n
+
+
+def longest_with_kept_blocks(lengths, layers: int, host_fits, gpu_fits) -> tuple[int, int] | None:
+    """The first of ``lengths`` (longest first) where some number of blocks kept on the GPU fits both: host memory
+    falls and GPU memory rises with each kept block, so the fewest that fit the host are tried against the GPU.
+    Returns (length, blocks kept) or None."""
+    for n in lengths:
+        k = next((k for k in range(layers) if host_fits(n, k)), None)
+        if k is not None and gpu_fits(n, k):
+            return n, k
+    return None
 
 
 def mem_total_bytes() -> float:
@@ -404,10 +417,19 @@ def main(argv=None) -> dict:
 
         activation_offload.MIN_BYTES = 1  # the tiny model's hidden states are below the GPU threshold
     model = build_model(cfg, tokenizer, args)
-    if args.activation_offload and args.offload_keep:
+    keep_auto = args.offload_keep == "auto"
+    try:
+        keep = 0 if keep_auto else int(args.offload_keep)
+    except ValueError:
+        raise SystemExit(f"--offload-keep takes a block count or auto, got {args.offload_keep!r}") from None
+
+    def set_keep(n: int) -> None:
         from volta_train.training import activation_offload
 
-        activation_offload.enable(model, min_bytes=1 if args.cpu else None, keep_last=args.offload_keep)
+        activation_offload.enable(model, min_bytes=1 if args.cpu else None, keep_last=n)
+
+    if args.activation_offload and keep:
+        set_keep(keep)
     register_probe()
     model.set_attn_implementation(PROBE)
     parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
@@ -587,14 +609,14 @@ def main(argv=None) -> dict:
             f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens")
     if args.arch == "llama" and ds_config["zero_optimization"].get("stage") == 3:
         m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget,
-                             keep=args.offload_keep if args.activation_offload else 0)
+                             keep=keep if args.activation_offload else 0)
         result["memory_model"] = m
         if cuda:
             candidates["model"] = m["predicted_length"]
         log(f"memory model: {m['fixed_gib']:.2f} GiB + {m['kib_per_token']:.1f} KiB x tokens at {m['moment']}; "
             f"{budget:.1f} GiB allows {m['predicted_length']:,} tokens")
     limit = args.host_memory_gb * 2**30 if args.host_memory_gb else 0.92 * mem_total_bytes()
-    host_kw = dict(sp=lay.sp, processes=world, parameters=n_params, layers=cfg.n_layer - args.offload_keep,
+    host_kw = dict(sp=lay.sp, processes=world, parameters=n_params, layers=cfg.n_layer - keep,
                    hidden=cfg.n_embd,
                    offload_param=offload_param, offload_optimizer=offload_optimizer,
                    activation_offload=args.activation_offload and cuda)
@@ -602,22 +624,48 @@ def main(argv=None) -> dict:
     result["host"] = {"limit_gib": limit / 2**30, "longest_fitting": candidates["host"],
                       "formula_gib_at_longest_fitted": host_bytes(xs[-1], **host_kw) / 2**30 if xs else None}
     anchor = max(fitted, key=lambda r: r["length"]) if fitted and cuda else None
-    if anchor is not None:  # a measured peak beats the formula: extrapolate it by the offload's pinned copies
+    # a measured peak beats the formula (whose 92% leaves room for what it does not count): extrapolate it by the
+    # offload's pinned copies within 95% of the machine's memory
+    measured_limit = args.host_memory_gb * 2**30 if args.host_memory_gb else 0.95 * mem_total_bytes()
+    if anchor is not None:
         measured = {"length": anchor["length"], "host_peak_bytes": anchor["host_peak_gib"] * 2**30}
-        host_growth = dict(sp=lay.sp, processes=world, layers=cfg.n_layer - args.offload_keep, hidden=cfg.n_embd,
+        host_growth = dict(sp=lay.sp, processes=world, layers=cfg.n_layer - keep, hidden=cfg.n_embd,
                            activation_offload=args.activation_offload)
-        candidates["host"] = measured_host_limit(args, quantum, limit, measured, **host_growth)
+        candidates["host"] = measured_host_limit(args, quantum, measured_limit, measured, **host_growth)
         result["host"].update(longest_fitting=candidates["host"], measured_at=anchor["length"],
-                              measured_peak_gib=anchor["host_peak_gib"])
+                              measured_peak_gib=anchor["host_peak_gib"], limit_gib=measured_limit / 2**30)
         log(f"host memory: {anchor['host_peak_gib']:.1f} GiB in use at {anchor['length']:,} tokens (the formula "
-            f"says {result['host']['formula_gib_at_longest_fitted']:.1f}); within {0.97 * limit / 2**30:.0f} GiB "
+            f"says {result['host']['formula_gib_at_longest_fitted']:.1f}); within {measured_limit / 2**30:.0f} GiB "
             f"that allows {candidates['host']:,} tokens")
-    def host_at(n: int) -> float:
+    def host_at(n: int, kept: int = keep) -> float:
         if anchor is None:
             return host_bytes(n, **host_kw)
-        grow = pinned_layer_bytes(n, lay.sp, cfg.n_embd) - pinned_layer_bytes(anchor["length"], lay.sp, cfg.n_embd)
-        offloaded = cfg.n_layer - args.offload_keep
-        return anchor["host_peak_gib"] * 2**30 + (world * offloaded * grow if args.activation_offload else 0)
+        if not args.activation_offload:
+            return anchor["host_peak_gib"] * 2**30
+        layer = functools.partial(pinned_layer_bytes, sp=lay.sp, hidden=cfg.n_embd)
+        return (anchor["host_peak_gib"] * 2**30 + world * (cfg.n_layer - kept) * layer(n)
+                - world * (cfg.n_layer - keep) * layer(anchor["length"]))
+
+    def gpu_room(n: int, kept: int) -> bool:
+        """Whether the line fit and the memory model both leave room at n tokens for `kept` more blocks' inputs."""
+        extra = (kept - keep) * pinned_layer_bytes(n, lay.sp, cfg.n_embd)
+        if "fit" in result and (result["fit"]["intercept_gib"] + result["fit"]["kib_per_token"] * n / 2**20) * 2**30 \
+                + extra > budget * 2**30:
+            return False
+        m = result.get("memory_model")
+        return m is None or (m["fixed_gib"] * 2**30 + m["kib_per_token"] * 1024 * n + extra <= budget * 2**30)
+
+    chosen_keep = keep
+    if keep_auto and args.activation_offload and anchor is not None:
+        # the longest length (GPU-bound candidates first) where some number of kept blocks fits host and GPU
+        gpu_bound = min(v for k, v in candidates.items() if k != "host")
+        found = longest_with_kept_blocks(range(gpu_bound // quantum * quantum, quantum - 1, -quantum), cfg.n_layer,
+                                         lambda n, k: host_at(n, k) <= measured_limit, gpu_room)
+        if found is not None:
+            candidates["host"], chosen_keep = found
+        log(f"offload keep auto: {chosen_keep} blocks on the GPU allow {candidates['host']:,} tokens within host "
+            f"and GPU memory")
+    result["offload_keep"] = chosen_keep
 
     if args.target:
         target, bound = args.target, "--target"
@@ -626,8 +674,10 @@ def main(argv=None) -> dict:
         target = max(quantum, candidates[bound] // quantum * quantum)
     else:  # CPU smoke: exercise the verification step
         target, bound = xs[-1] * 2 if xs else first * 2, "cpu smoke"
+    if chosen_keep != keep:
+        set_keep(chosen_keep)
     result["prediction"] = {"candidates": candidates, "bound_by": bound, "target": target,
-                            "host_gib_at_target": host_at(target) / 2**30}
+                            "offload_keep": chosen_keep, "host_gib_at_target": host_at(target, chosen_keep) / 2**30}
     log(f"target {target:,} tokens (bound by {bound}; candidates "
         + ", ".join(f"{k} {v:,}" for k, v in candidates.items()) + f"); host memory at it "
         f"~{result['prediction']['host_gib_at_target']:.0f} of {limit / 2**30:.0f} GiB")

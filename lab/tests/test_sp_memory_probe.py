@@ -91,10 +91,23 @@ def test_prediction_and_host_memory_arithmetic():
     # measured: 200 GiB at 131,072 tokens; each 2,048 more add 2 x 32 x 8 MiB until 97% of the limit
     measured = {"length": 131072, "host_peak_bytes": 200 * 2**30}
     grow = dict(sp=2, processes=2, layers=32, hidden=4096, activation_offload=True)
-    n = probe.measured_host_limit(args, 2048, 240 * 2**30, measured, **grow)
+    n = probe.measured_host_limit(args, 2048, 0.97 * 240 * 2**30, measured, **grow)
     per = 2 * 32 * 1024 * 4096 * 2
     assert n == 131072 + int((0.97 * 240 * 2**30 - 200 * 2**30) // per) * 2048, n
-    keep = probe.measured_host_limit(args, 2048, 240 * 2**30, measured, **{**grow, "layers": 24})
+    keep = probe.measured_host_limit(args, 2048, 0.97 * 240 * 2**30, measured, **{**grow, "layers": 24})
     assert keep > n  # blocks kept on the GPU leave host memory for more tokens
     with pytest.raises(ValueError, match="ZeRO-3 only"):
         probe.gpu_state_bytes(2, False, False)
+
+
+def test_longest_with_kept_blocks():
+    probe = _module()
+    # host: 100 + 2 x (32 - k) x n/1000 units within 300; GPU: 10 + n/100 + 3 k within 60
+    host = lambda n, k: 100 + 2 * (32 - k) * n / 1000 <= 300  # noqa: E731
+    gpu = lambda n, k: 10 + n / 100 + 3 * k <= 60  # noqa: E731
+    lengths = range(5000, 0, -100)
+    n, k = probe.longest_with_kept_blocks(lengths, 32, host, gpu)
+    assert host(n, k) and gpu(n, k) and not (k and host(n, k - 1))
+    longer = [m for m in lengths if m > n]  # none of them fits with any number of kept blocks
+    assert not any(host(m, j) and gpu(m, j) for m in longer for j in range(32))
+    assert probe.longest_with_kept_blocks(lengths, 32, lambda n, k: False, gpu) is None
