@@ -296,3 +296,45 @@ def test_lean_norm_option(tmp_path):
     assert swapped(tiled_mlp="on") == (5, True)  # auto follows the tiled MLP
     assert swapped(tiled_mlp="on", lean_norm="off") == (0, True)
     assert swapped(lean_norm="on") == (5, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_bitwise_and_memory(dtype):
+    """On a GPU: the output bit for bit (also under fp16 autocast), gradients against float64, and the memory: what
+    the forward keeps beyond its output and the backward's peak beyond its input gradient, against the module's."""
+    device, shape = torch.device("cuda"), (2, 9, 256)
+    module = _norm(shape[-1], dtype, 21).to(device)
+    x = _input(shape, dtype, 22).to(device)
+    assert torch.equal(rms_norm.rms_norm(x, module.weight, module.variance_epsilon), module(x))
+    with torch.autocast("cuda", dtype=torch.float16):
+        w32 = _norm(shape[-1], torch.float32, 23).to(device)
+        x32 = _input(shape, torch.float32, 24).to(device).requires_grad_()
+        assert torch.equal(rms_norm.rms_norm(x32, w32.weight, 1e-5), w32(x32))
+    assert rms_norm.probe(module) == ""
+    grad = torch.randn(shape, device=device).to(dtype)
+    lean = _grads(lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon), x, module.weight, grad)
+    reference = copy.deepcopy(module).double()
+    want = _grads(reference, x.double(), reference.weight, grad.double())
+    eager = _grads(module, x, module.weight, grad)
+    for got, base, ref in zip(lean, eager, want):
+        assert (got.double() - ref).abs().max() <= 1.5 * (base.double() - ref).abs().max() + 1e-3 * ref.abs().max()
+
+    tokens, width = 65536, 2048  # 512 MiB per fp32 [tokens, width]
+    module = _norm(width, dtype, 25).to(device)
+    x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, width, device=device, dtype=dtype)
+    kept, peak = [], []
+    for fn in (module, lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        y = fn(x)
+        kept.append(torch.cuda.memory_allocated() - base - y.nbytes)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        dx, _ = torch.autograd.grad(y, (x, module.weight), grad)
+        peak.append(torch.cuda.max_memory_allocated() - start - dx.nbytes)
+        del y, dx
+    per_token = (4 if dtype == torch.float32 else 6) * width + 4
+    assert kept[0] >= tokens * per_token and kept[1] <= tokens * 4 + 2**20, kept
+    assert peak[0] >= 2 * 4 * tokens * width and peak[1] <= 8 * rms_norm.CHUNK_BYTES, peak
