@@ -184,19 +184,25 @@ def _step(model, ids):
     return loss.detach()
 
 
-@pytest.mark.parametrize("setup", ["plain", "checkpointing", "tiled"])
+@pytest.mark.parametrize("setup", ["plain", "checkpointing", "tiled", "offload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_whole_llama_swapped(dtype, setup):
     """Every norm of a tiny Llama swapped: the loss is bitwise the unswapped model's, every parameter gradient equal
-    up to rounding (also with non-reentrant checkpointing, and with the tiled MLP under checkpointing)."""
+    up to rounding (also with non-reentrant checkpointing, with the tiled MLP under checkpointing, and with the
+    activation offload and the tiled MLP)."""
     reference = _tiny().to(dtype)
     model = copy.deepcopy(reference)
     if setup != "plain":
         for m in (model, reference):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if setup == "tiled":
+    if setup in ("tiled", "offload"):
         for m in (model, reference):
             tiled_mlp.tile_mlps(m, tile_tokens=9, mode="on")
+    if setup == "offload":
+        from volta_train.training import activation_offload
+
+        for m in (model, reference):
+            activation_offload.enable(m, min_bytes=1)
     assert rms_norm.swap_rms_norms(model) == 5  # 2 layers x 2 norms, and the final norm
     norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 5 and all("forward" in vars(m) for m in norms)

@@ -21,6 +21,7 @@ alone. ``__call__`` is untouched, so module hooks (DeepSpeed's gathers, offload)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import types
@@ -62,7 +63,7 @@ class RMSNormFunction(torch.autograd.Function):
         dw = torch.zeros(width, dtype=torch.float32, device=x.device) if want_w else None
         step = rows_per_chunk(width)
         kind = x.device.type
-        off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else _nothing()
+        off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext()
         with off:
             for start in range(0, x2.shape[0], step):
                 xs, gs, rs = x2[start:start + step], g2[start:start + step], r2[start:start + step]
@@ -75,14 +76,6 @@ class RMSNormFunction(torch.autograd.Function):
                     mean = (dxhat * xhat).mean(-1, keepdim=True)
                     dx[start:start + step] = dxhat.sub_(xhat.mul_(mean)).mul_(rs)
         return (dx.view(x.shape) if want_x else None), (dw.to(weight.dtype) if want_w else None), None
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def rows_per_chunk(width: int) -> int:
