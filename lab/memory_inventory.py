@@ -36,6 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
+# the lean RMSNorm's backward chunk here: fixed, so that its temporaries do not grow with the tokens (as at the real
+# scale, where a 64 MiB chunk is 8,192 rows of 2048 against ~10^5 tokens)
+LEAN_NORM_CHUNK_ROWS = 64
 
 
 def _probe():
@@ -142,12 +145,13 @@ class LiveBytes(TorchDispatchMode):
 
 
 def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, tile_tokens: int,
-        project: tuple[int, int] = (0, 0)) -> dict:
+        project: tuple[int, int] = (0, 0), lean_norm: bool = False) -> dict:
     """Peaks per phase of the second training step; ``project`` (tokens, tile tokens): the moment of each phase
     listed in detail is the one with the most bytes at that scale (the parts growing with the tokens and with the
-    tile scaled up), where the peak of the real shape falls."""
+    tile scaled up), where the peak of the real shape falls. ``lean_norm``: the RMSNorms swapped for
+    volta_train/training/rms_norm.py's, its backward over chunks of LEAN_NORM_CHUNK_ROWS rows."""
     probe = _probe()
-    from volta_train.training import activation_offload, chunked_loss, tiled_mlp
+    from volta_train.training import activation_offload, chunked_loss, rms_norm, tiled_mlp
 
     features = probe.parse_variant(variant)
     probe.BLOCK["tokens"] = 4096
@@ -160,6 +164,10 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
     if features["optim_offload"]:
         host = model._probe_host_adamw = probe.HostAdamW(model, torch.bfloat16)
     tiled_mlp.tile_mlps(model, tile_tokens, "on" if features["tiled"] else "off")
+    chunk_bytes = rms_norm.CHUNK_BYTES
+    if lean_norm:
+        rms_norm.swap_rms_norms(model)
+        rms_norm.CHUNK_BYTES = 4 * model.config.hidden_size * LEAN_NORM_CHUNK_ROWS
     mode = LiveBytes(lambda: label())
     mode.tokens, mode.tile = tokens, tile_tokens if features["tiled"] else -1
     mode.project = ((project[0] or tokens) / tokens, (project[1] or tile_tokens) / tile_tokens)
@@ -241,6 +249,7 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
             step()
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
+        rms_norm.CHUNK_BYTES = chunk_bytes
     def table(live):
         inventory = collections.defaultdict(lambda: [0, 0])
         for size, origin, shape, dtype, created, grows in live:
@@ -258,8 +267,9 @@ def run(variant: str, tokens: int, layers: int, vocab: int, chunk_tokens: int, t
         phases[phase] = {"peak_bytes": peak, "where": where, "inventory": table(live),
                          "token_bytes": parts[1], "tile_bytes": parts[2], "other_bytes_then": parts[0],
                          "token_where": token_where, "token_inventory": table([e for e in token_live if e[-1]])}
-    return {"variant": variant, "tokens": tokens, "layers": layers, "vocab": vocab, "chunk_tokens": chunk_tokens,
-            "tile_tokens": tile_tokens, "parameters": sum(p.numel() for p in model.parameters()), "phases": phases}
+    return {"variant": variant, "lean_norm": lean_norm, "tokens": tokens, "layers": layers, "vocab": vocab,
+            "chunk_tokens": chunk_tokens, "tile_tokens": tile_tokens,
+            "parameters": sum(p.numel() for p in model.parameters()), "phases": phases}
 
 
 def main(argv=None) -> list[dict]:
@@ -272,16 +282,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tile-tokens", type=int, default=256, help="the tiled MLP's tokens per tile")
     p.add_argument("--project", default="114688,4096",
                    help="tokens,tile tokens of the real run: the moment listed per phase is its peak at that scale")
+    p.add_argument("--lean-norm", action="store_true", help="RMSNorms swapped for volta_train's lean RMSNorm")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = []
     for variant in args.variants.split(","):
         for n in (int(t) for t in args.tokens.split(",")):
             r = run(variant, n, args.layers, args.vocab, args.chunk_tokens, args.tile_tokens,
-                    tuple(int(x) for x in args.project.split(",")))
+                    tuple(int(x) for x in args.project.split(",")), args.lean_norm)
             results.append(r)
             for phase, ph in r["phases"].items():
-                print(f"\n## {variant}, {n} tokens, {args.layers} layers, vocab {args.vocab}, {phase}\n\npeak "
+                lean = ", lean RMSNorm" if args.lean_norm else ""
+                print(f"\n## {variant}{lean}, {n} tokens, {args.layers} layers, vocab {args.vocab}, {phase}\n\npeak "
                       f"{ph['peak_bytes']:,} B at {ph['where']}; the peak at --project's scale at "
                       f"{ph['token_where']}: here {ph['token_bytes']:,} B growing with the tokens "
                       f"({ph['token_bytes'] / n:,.0f} per token), {ph['tile_bytes']:,} B with the tile, "

@@ -85,7 +85,8 @@ def test_shipped_8b_config_composes_everything():
 
     import torch
 
-    from volta_train.training import chunked_loss, config, data, distributed, gpt, sequence_parallel, tiled_mlp
+    from volta_train.training import (chunked_loss, config, data, distributed, gpt, rms_norm, sequence_parallel,
+                                      tiled_mlp)
 
     path = ROOT / "configs" / "gpt_long" / "v100_llama8b_128k_sp8_zero3_offload.yaml"
     cfg = gpt.resolve(config.parse_config(gpt.GPTTrainConfig, ["--config", str(path)]), "cuda", 8)
@@ -104,6 +105,7 @@ def test_shipped_8b_config_composes_everything():
     tiled = [m for m in model.modules() if hasattr(m, tiled_mlp._ATTR)]
     assert len(tiled) == 32 and getattr(tiled[0], tiled_mlp._ATTR).tile_tokens == 2304
     assert isinstance(getattr(model, "_volta_activation_offloader", None), activation_offload.ActivationOffload)
+    assert sum(hasattr(m, rms_norm._ATTR) for m in model.modules()) == 65  # lean_norm auto, on with the tiles
     assert sum(1 for m in activation_offload.checkpointed_modules(model) if hasattr(m, activation_offload._ATTR)) >= 32
     assert chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)[0]
     # Llama-3.1-8B's 8.03 B less its two 128k-word embeddings (a bytes vocabulary, tied)

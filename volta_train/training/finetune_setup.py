@@ -64,6 +64,9 @@ class ModelSection:
     tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
     activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
                                             "between forward and backward (needs gradient_checkpointing)")
+    lean_norm: str = field("auto", "RMSNorm that saves only its input and per-row scale and runs its backward over "
+                                   "chunks of rows (volta_train/training/rms_norm.py); auto: on where the tiled MLP is "
+                                   "(quote on/off in YAML)", choices=["auto", "on", "off"])
     config_overrides: dict = field({}, "model config attributes to set before building, e.g. "
                                        "{hidden_dropout_prob: 0.0}")
 
@@ -684,9 +687,10 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
         model.loss_type = "ForCausalLM"
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from . import activation_offload, tiled_mlp
+    from . import activation_offload, rms_norm, tiled_mlp
 
-    tiled_mlp.configure(model, m.tiled_mlp, cfg.train.batch_size * cfg.data.max_length, m.tiled_mlp_tokens)
+    tiled = tiled_mlp.configure(model, m.tiled_mlp, cfg.train.batch_size * cfg.data.max_length, m.tiled_mlp_tokens)
+    rms_norm.configure(model, m.lean_norm, bool(tiled))
     if m.activation_offload:
         activation_offload.enable(model)
     return model

@@ -78,6 +78,9 @@ class GPTTrainConfig:
     tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
     activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
                                             "between forward and backward (volta_train/training/activation_offload.py)")
+    lean_norm: str = field("auto", "RMSNorm that saves only its input and per-row scale and runs its backward over "
+                                   "chunks of rows (volta_train/training/rms_norm.py); auto: on where the tiled MLP is "
+                                   "(quote on/off in YAML)", choices=["auto", "on", "off"])
     # data
     data: str = field("synthetic", "'synthetic', or a .txt/.jsonl file or a directory of them")
     synthetic_mb: float | None = field(None, "size of the synthetic corpus in MB (auto: enough for the run)")
@@ -319,10 +322,11 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     model.loss_type = "ForCausalLM"  # what these models use anyway; saying so silences transformers' warning
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from . import activation_offload, tiled_mlp
+    from . import activation_offload, rms_norm, tiled_mlp
 
-    tiled_mlp.configure(model, cfg.tiled_mlp, cfg.batch_size * -(-cfg.seq_len // cfg.sequence_parallel_size),
-                        cfg.tiled_mlp_tokens)
+    tiled = tiled_mlp.configure(model, cfg.tiled_mlp, cfg.batch_size * -(-cfg.seq_len // cfg.sequence_parallel_size),
+                                cfg.tiled_mlp_tokens)
+    rms_norm.configure(model, cfg.lean_norm, bool(tiled))
     if cfg.activation_offload:
         activation_offload.enable(model)
     return model
