@@ -21,7 +21,8 @@ on the GPU (bf16 on sm_80+, fp16 with loss scaling on a V100), fp32 master weigh
 moments in host memory, the step on the CPU (torch's foreach AdamW). It stands in, for what stays in GPU memory, for
 DeepSpeed's ``offload_optimizer: {device: cpu}`` with 16-bit training (ZeRO-Offload), which this one-GPU probe does
 not need installed; not for its speed (DeepSpeed's CPU Adam is compiled, and it streams gradients to the host during
-the backward, so it holds at most what this holds on the GPU).
+the backward, so it holds at most what this holds on the GPU). ``lean_norm``: the RMSNorms swapped for the lean one
+(``volta_train/training/rms_norm.py``, what the recipes' ``lean_norm: auto`` does with the tiled MLP).
 
 Search per variant: doubling from ``--start`` until a length fails (out of memory) or reaches ``--max-len``, then
 bisection until the bracket is within ``--granularity`` tokens; ``--time-budget-min`` stops starting probes (the
@@ -46,11 +47,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from volta_train.training import activation_offload, chunked_loss, tiled_mlp  # noqa: E402
+from volta_train.training import activation_offload, chunked_loss, rms_norm, tiled_mlp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FEATURES = ("tiled", "offload", "optim_offload")
-VARIANTS = ("baseline", "tiled", "offload", "tiled+offload", "optim_offload", "tiled+offload+optim_offload")
+FEATURES = ("tiled", "offload", "optim_offload", "lean_norm")
+VARIANTS = ("baseline", "tiled", "offload", "tiled+offload", "optim_offload", "tiled+offload+optim_offload",
+            "tiled+offload+optim_offload+lean_norm")
 
 
 def parse_variant(name: str) -> dict:
@@ -101,11 +103,18 @@ def llama_shape(layers: int, hidden: int, heads: int, kv_heads: int, intermediat
             "layer_linear_parameters": linear}
 
 
-def _layer_working_set(shape: dict, tiled: bool, amp: bool) -> dict:
+def _layer_working_set(shape: dict, tiled: bool, amp: bool, lean_norm: bool = False) -> dict:
     """Bytes per token of one block's backward at its peak, beyond the checkpointed inputs (lab/memory_inventory.py
     lists them): what the block's recompute saved and is still alive, the gradient flowing in, and the temporaries
-    of the backward op running then. amp: fp32 residual stream under fp16 autocast; else a 16-bit model."""
+    of the backward op running then. amp: fp32 residual stream under fp16 autocast; else a 16-bit model. lean_norm
+    (volta_train/training/rms_norm.py) is counted with the tiled MLP only (untiled, the MLP's own peak is kept)."""
     h, kv, inter, heads = shape["hidden"], shape["kv_width"], shape["intermediate"], shape["heads"]
+    if lean_norm and tiled:
+        # no norm temporaries: the peak moves to attention's backward, where flash's saved q and output, its fp32
+        # dq accumulator and 16-bit dq, dk and dv over all query heads and their per-group sums, the input norm's
+        # output (amp: the q, k and v projections' fp16 copies of it) and the gradients flowing in and out
+        # (fp32 under amp) are alive
+        return {"attention_backward": (28 if amp else 22) * h + 8 * kv + 8 * heads}
     # flash attention saves its 16-bit q, k, v, output and an fp32 log-sum-exp per head
     sdpa = 2 * h + 2 * kv + 2 * kv + 2 * h + 4 * heads
     if amp:
@@ -132,7 +141,7 @@ def _layer_working_set(shape: dict, tiled: bool, amp: bool) -> dict:
 def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | None = None,
                    loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1,
                    state_bytes_per_parameter: float = 16.0, overhead_gib: float = OVERHEAD_GIB,
-                   hidden_bytes: int = 4, all_to_all: bool = False) -> dict:
+                   hidden_bytes: int = 4, all_to_all: bool = False, lean_norm: bool = False) -> dict:
     """The moments of a training step where the peak can fall, each {fixed bytes, bytes per local token, terms}
     (docs/long_context.md, "Memory model"). tile_tokens does not enter: a tile's [tile, intermediate] tensors are
     freed before its block's peak, and the moment they are alive holds less at these lengths. all_to_all: Ulysses
@@ -152,7 +161,7 @@ def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | N
     if gpus > 1:  # ZeRO-3: the layers gathered ahead (~2 at a time, 16-bit) and the head for the loss
         overhead += 2 * 2 * shape["layer_linear_parameters"] + 2 * vh
     small = 2 * b * d + 16  # rotary cos and sin (the residual's dtype), position ids and targets (int64)
-    work = _layer_working_set(shape, tiled, amp)
+    work = _layer_working_set(shape, tiled, amp, lean_norm)
     if all_to_all:
         work["all_to_all"] = 2 * 2 * (h + 2 * shape["kv_width"])
     work_bytes = sum(work.values())
@@ -178,7 +187,8 @@ def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | N
             # the fp16 head weight, the fp32 head gradient and one chunk's fp16 + fp32 logits
             "fixed": kept + (2 * layers * linear + 2 * vh if amp else 0) + 4 * vh + 6 * chunk * shape["vocab"]
                      + overhead,
-            "terms": {"checkpointed_hidden": (2 if offload else layers + 1) * b * h, "final_norm": 8 * h,
+            "terms": {"checkpointed_hidden": (2 if offload else layers + 1) * b * h,
+                      "final_norm": 0 if lean_norm else 8 * h,
                       "loss_gradient": 4 * h, "small": small}},
         "backward, embedding": {  # all gradients, and the embedding's own gradient and its sum with the head's
             "fixed": kept + grad * params + 2 * grad * vh + overhead,
@@ -192,14 +202,14 @@ def memory_moments(shape: dict, tiled: bool, offload: bool, tile_tokens: int | N
 def memory_model(shape: dict, tokens: int, tiled: bool, offload: bool, tile_tokens: int | None = None,
                  loss_chunk_mib: float = chunked_loss.DEFAULT_CHUNK_MIB, gpus: int = 1, sp: int = 1,
                  state_bytes_per_parameter: float = 16.0, overhead_gib: float = OVERHEAD_GIB,
-                 hidden_bytes: int = 4) -> dict:
+                 hidden_bytes: int = 4, lean_norm: bool = False) -> dict:
     """Predicted peak bytes per GPU of a training step at ``tokens`` tokens per sequence (``tokens / sp`` on each
     GPU): the largest of memory_moments' fixed + bytes per token x local tokens. state_bytes_per_parameter: GPU bytes
     per parameter at the end of the backward (16: fp32 weights, gradients and AdamW, as bench_train; 4: 16-bit
     weights and gradients with the optimizer in host memory; 0: ZeRO-3 with weights and optimizer in host memory);
     hidden_bytes: 4 for fp32 weights under fp16 autocast (fp32 residual stream), 2 for a 16-bit model."""
     moments = memory_moments(shape, tiled, offload, tile_tokens, loss_chunk_mib, gpus, state_bytes_per_parameter,
-                             overhead_gib, hidden_bytes)
+                             overhead_gib, hidden_bytes, lean_norm=lean_norm)
     local = math.ceil(tokens / sp)
     name = max(moments, key=lambda k: moments[k]["fixed"] + moments[k]["bytes_per_token"] * local)
     m = moments[name]
@@ -212,8 +222,9 @@ def variant_memory(features: dict) -> dict:
     """memory_model's keyword arguments for a probe variant: bench_train's fp32 weights under autocast keep 16 bytes
     per parameter on the GPU and an fp32 residual stream; optim_offload keeps 16-bit weights and gradients (4) and a
     16-bit residual stream."""
-    return {"state_bytes_per_parameter": 4.0, "hidden_bytes": 2} if features["optim_offload"] else \
+    state = {"state_bytes_per_parameter": 4.0, "hidden_bytes": 2} if features["optim_offload"] else \
         {"state_bytes_per_parameter": 16.0, "hidden_bytes": 4}
+    return {**state, "lean_norm": features.get("lean_norm", False)}
 
 
 def predicted_max_tokens(shape: dict, cap_gib: float, tiled: bool, offload: bool, **kw) -> int:
@@ -512,6 +523,8 @@ def main(argv=None) -> dict:
         if features["optim_offload"]:
             host = model._probe_host_adamw = HostAdamW(model, low_precision(device))
         tiled_mlp.tile_mlps(model, args.tile_tokens, "on" if tiled else "off")
+        if features["lean_norm"]:
+            rms_norm.swap_rms_norms(model)
         offloader = activation_offload.enable(model, min_bytes=1 if args.smoke else None) if offload else None
         bar.set_description(f"long_context_probe {variant}")
         found = search(model, args, device, bar, deadline) if args.search else {

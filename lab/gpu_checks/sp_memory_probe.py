@@ -79,7 +79,8 @@ import torch  # noqa: E402
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
-from volta_train.training import data, distributed, gpt, optim, sequence_parallel, tiled_mlp, trainer  # noqa: E402
+from volta_train.training import (  # noqa: E402
+    data, distributed, gpt, optim, rms_norm, sequence_parallel, tiled_mlp, trainer)
 
 PROBE = "volta_train_probe"
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,7 +222,7 @@ def gpu_state_bytes(stage: int, offload_param: bool, offload_optimizer: bool) ->
 
 
 def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bool, offload: bool,
-                     budget_gib: float, keep: int = 0) -> dict:
+                     budget_gib: float, keep: int = 0, lean_norm: bool = False) -> dict:
     """The memory model's longest sequence for this run within budget_gib per GPU, and the moment that binds
     (``keep``: blocks whose 16-bit checkpointed input stays on the GPU under the offload)."""
     lcp = _memory_model()
@@ -231,7 +232,7 @@ def model_prediction(config, processes: int, sp: int, ds_config: dict, tiled: bo
                             config.vocab_size)
     state = gpu_state_bytes(int(ds_config["zero_optimization"]["stage"]), *offloads(ds_config))
     moments = lcp.memory_moments(shape, tiled, offload, gpus=processes, state_bytes_per_parameter=state,
-                                 hidden_bytes=2, all_to_all=sp > 1)
+                                 hidden_bytes=2, all_to_all=sp > 1, lean_norm=lean_norm)
     for m in moments.values():
         m["bytes_per_token"] += keep * config.hidden_size * 2
     local = {k: (budget_gib * 2**30 - m["fixed"]) / m["bytes_per_token"] for k, m in moments.items()}
@@ -451,6 +452,7 @@ def main(argv=None) -> dict:
         sequence_parallel.install(PROBE)
     cuda = device.type == "cuda"
     tiled_on = any(hasattr(m, tiled_mlp._ATTR) for m in model.modules())
+    lean_on = any(hasattr(m, rms_norm._ATTR) for m in model.modules())
 
     def log(message: str) -> None:
         if rank == 0:
@@ -559,7 +561,8 @@ def main(argv=None) -> dict:
         + (f" ({type(base_optimizer).__name__}{' fused' if isinstance(base_optimizer, torch.optim.AdamW) else ''} "
            "on the CPU)" if offload_optimizer else "")
         + f", {setup.precision}, activation checkpointing"
-        + (", tiled MLP" if tiled_on else "") + (", activation offload" if args.activation_offload else "")
+        + (", tiled MLP" if tiled_on else "") + (", lean RMSNorm" if lean_on else "")
+        + (", activation offload" if args.activation_offload else "")
         + (", zero.Init" if args.zero_init else "") + f", cap {args.memory_gb:g} GiB per process"
         + ("" if cuda else " (CPU smoke: no memory figures)") + f"; set up in {time.perf_counter() - began_run:.0f} s")
     result = {"sp": lay.sp, "dp": lay.dp, "processes": world, "arch": args.arch, "model": args.shape or cfg.model,
@@ -568,6 +571,7 @@ def main(argv=None) -> dict:
                         "intermediate": getattr(model.config, "intermediate_size", None)},
               "parameters": n_params, "memory_gb": args.memory_gb, "margin": args.margin, "window": args.window,
               "vocab": model.config.vocab_size, "chunked_loss": args.chunked_loss, "tiled_mlp": tiled_on,
+              "lean_norm": lean_on,
               "activation_offload": args.activation_offload, "zero_init": args.zero_init,
               "offload_param": offload_param, "offload_optimizer": offload_optimizer,
               "cpu_optimizer": type(base_optimizer).__name__ if offload_optimizer else None,
@@ -609,7 +613,7 @@ def main(argv=None) -> dict:
             f"{worst:.3f} GiB); {budget:.1f} GiB allows {predicted:,} tokens")
     if args.arch == "llama" and ds_config["zero_optimization"].get("stage") == 3:
         m = model_prediction(model.config, world, lay.sp, ds_config, tiled_on, args.activation_offload, budget,
-                             keep=keep if args.activation_offload else 0)
+                             keep=keep if args.activation_offload else 0, lean_norm=lean_on)
         result["memory_model"] = m
         if cuda:
             candidates["model"] = m["predicted_length"]

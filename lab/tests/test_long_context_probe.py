@@ -66,12 +66,25 @@ def test_memory_model_terms():
     assert 57344 <= predicted["baseline"] < 65536  # measured: 57,344 trains, 65,536 fails
     assert predicted["tiled+offload"] == 128000  # measured 114,688 / 122,880: 4% over the first failing
     assert predicted["tiled+offload+optim_offload"] == 306176  # measured 311,296 / 327,680: 1.6% under
+    # lean norm: the block's peak moves to attention's backward (lab/memory_inventory.py --lean-norm: 49,676 bytes
+    # per token beyond the checkpointed inputs at Llama-3.2-1B's widths in a 16-bit model, 62,220 under autocast)
+    for variant, amp, per_token in (("tiled+offload+optim_offload+lean_norm", False, 49676),
+                                    ("tiled+offload+lean_norm", True, 62220)):
+        f = probe.parse_variant(variant)
+        work = probe._layer_working_set(shape, True, amp, lean_norm=True)
+        small = 2 * (4 if amp else 2) * 64 + 16  # rotary cos and sin, ids and targets
+        assert sum(work.values()) + small - 4 == per_token  # the inventory's rsqrt row scale (4 bytes) aside
+        lean = probe.predicted_max_tokens(shape, 32, True, True, **probe.variant_memory(f))
+        plain = probe.parse_variant(variant.removesuffix("+lean_norm"))
+        assert lean > probe.predicted_max_tokens(shape, 32, True, True, **probe.variant_memory(plain))
 
 
 def test_smoke_optim_offload(tmp_path):
     """The optim_offload variants on the CPU: bf16 weights, AdamW state in host memory, every probe trains."""
     probe = _probe()
-    summary = probe.main(["--smoke", "--variants", "optim_offload,tiled+offload+optim_offload", "--out", str(tmp_path)])
+    summary = probe.main(["--smoke", "--variants",
+                          "optim_offload,tiled+offload+optim_offload,tiled+offload+optim_offload+lean_norm",
+                          "--out", str(tmp_path)])
     for r in summary["results"]:
         assert r["longest"] == 512 and r["first_fail"] is None, r
         assert r["optim_offload"] and r["weights_dtype"] == "bfloat16" and r["skipped_steps"] == 0
@@ -121,8 +134,8 @@ def test_variants_and_memory_model_for_optim_offload():
     import pytest
 
     probe = _probe()
-    assert probe.parse_variant("baseline") == {"tiled": False, "offload": False, "optim_offload": False}
-    assert probe.parse_variant("tiled+offload+optim_offload") == dict.fromkeys(probe.FEATURES, True)
+    assert probe.parse_variant("baseline") == dict.fromkeys(probe.FEATURES, False)
+    assert probe.parse_variant("tiled+offload+optim_offload+lean_norm") == dict.fromkeys(probe.FEATURES, True)
     for bad in ("offload+tiled", "tiled+tiled", "zero", "", "baseline+tiled"):
         with pytest.raises(ValueError, match="accepted: baseline"):
             probe.parse_variant(bad)
