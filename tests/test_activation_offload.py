@@ -130,8 +130,9 @@ def test_pinned_pool_reuses_exact_sizes_and_drops_stale_ones():
     small = pool.take(40_000)  # released above: registered anew
     assert locks.registered == 5 and pool.held_bytes == longer.numel() + 40_000
     pool.give(longer)
-    pool.give(small)
-    assert pool.release() == longer.numel() + 40_000 and pool.held_bytes == 0 and not locks.locked
+    assert pool.release(close=True) == longer.numel() and pool.held_bytes == 40_000
+    pool.give(small)  # given back after the pool closed: unlocked at once
+    assert pool.held_bytes == 0 and not locks.locked
 
 
 def test_pinned_pool_keeps_sizes_asked_for_in_the_same_step():
@@ -164,7 +165,8 @@ def test_cuda_offload_bitwise_equal_and_pool_holds_one_step():
     # the last step's buffers only: one hidden state per block, 2 x 96 tokens x 64 fp32, exact sizes
     assert pool.held_bytes == 3 * 2 * 96 * 64 * 4, pool.held_bytes
     assert offload.stats.prefetch_hits > 0
-    assert activation_offload.disable(model) == 3 and pool.held_bytes == 0
+    wrapped = len(activation_offload.checkpointed_modules(model))  # the 3 blocks (and the model, if it has one)
+    assert activation_offload.disable(model) == wrapped and pool.held_bytes == 0
 
 
 def test_keep_last_leaves_the_top_blocks_on_the_device():

@@ -47,7 +47,8 @@ if [ "${CPU_SMOKE:-0}" = 1 ]; then
 else
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} VOLTA_TRAIN_BACKEND=${VOLTA_TRAIN_BACKEND:-kernel}
   medium_args=(--shard-lengths 32768,65536,131072)
-  llama_args=(--shard-lengths "${LLAMA_SHARDS:-16384,65536}" --tile-tokens "${TILE_TOKENS:-8192}")
+  llama_args=(--shard-lengths "${LLAMA_SHARDS:-16384,65536}" --tile-tokens "${TILE_TOKENS:-8192}"
+              ${LLAMA_TARGET:+--target "$LLAMA_TARGET"})  # LLAMA_TARGET: the 8B step's length instead of predicted
 fi
 
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null \

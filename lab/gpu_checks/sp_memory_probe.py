@@ -329,12 +329,12 @@ def measured_host_limit(args, quantum: int, limit_bytes: float, measured: dict, 
 
 
 def longest_with_kept_blocks(lengths, layers: int, host_fits, gpu_fits) -> tuple[int, int] | None:
-    """The first of ``lengths`` (longest first) where some number of blocks kept on the GPU fits both: host memory
-    falls and GPU memory rises with each kept block, so the fewest that fit the host are tried against the GPU.
-    Returns (length, blocks kept) or None."""
+    """The first of ``lengths`` (longest first) where some number of blocks kept on the GPU fits both, with as many
+    kept as the GPU has room for: host memory falls and GPU memory rises with each kept block, and running out of
+    host memory kills a process where the GPU's raises an error. Returns (length, blocks kept) or None."""
     for n in lengths:
-        k = next((k for k in range(layers) if host_fits(n, k)), None)
-        if k is not None and gpu_fits(n, k):
+        k = next((k for k in range(layers - 1, -1, -1) if gpu_fits(n, k)), None)
+        if k is not None and host_fits(n, k):
             return n, k
     return None
 
@@ -663,8 +663,9 @@ def main(argv=None) -> dict:
     if keep_auto and args.activation_offload and anchor is not None:
         # the longest length (GPU-bound candidates first) where some number of kept blocks fits host and GPU
         gpu_bound = min(v for k, v in candidates.items() if k != "host")
-        found = longest_with_kept_blocks(range(gpu_bound // quantum * quantum, quantum - 1, -quantum), cfg.n_layer,
-                                         lambda n, k: host_at(n, k) <= measured_limit, gpu_room)
+        lengths = [args.target] if args.target else range(gpu_bound // quantum * quantum, quantum - 1, -quantum)
+        found = longest_with_kept_blocks(lengths, cfg.n_layer, lambda n, k: host_at(n, k) <= measured_limit,
+                                         gpu_room)
         if found is not None:
             candidates["host"], chosen_keep = found
         log(f"offload keep auto: {chosen_keep} blocks on the GPU allow {candidates['host']:,} tokens within host "

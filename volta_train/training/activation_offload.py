@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ class OffloadStats:
     direct: int = 0  # unpacks served by the device tensor still held (its copy out not yet released)
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over its own anonymous mapping: whole pages that no other allocation shares, since CUDA
+    registers host memory by pages and refuses a page registered twice (two heap allocations can share one)."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes)
+
+
 def _register(buf: torch.Tensor) -> None:
     err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1))  # 1: portable
     if err:
@@ -78,6 +85,7 @@ class PinnedPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._asked: set[int] = set()
         self.held_bytes = 0  # registered: in use and free
+        self.closed = False  # after release(): buffers given back are unlocked at once
 
     def new_step(self) -> None:
         """A new forward begins: sizes asked for from here on are this step's."""
@@ -92,17 +100,22 @@ class PinnedPool:
         for size in [size for size in self._free if size not in self._asked]:
             for buf in self._free.pop(size):
                 self._drop(buf)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = _page_aligned(nbytes)
         self._register(buf)
         self.held_bytes += nbytes
         return buf
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer taken earlier; the caller's copies from or into it are ordered before its next use."""
+        if self.closed:  # the offload was replaced or disabled: nothing will take it again
+            self._drop(buf)
+            return
         self._free.setdefault(buf.numel(), []).append(buf)
 
-    def release(self) -> int:
-        """Unlock and free every free buffer; returns the bytes released."""
+    def release(self, close: bool = False) -> int:
+        """Unlock and free every free buffer (``close``: and each one given back from now on); returns the bytes
+        released."""
+        self.closed = self.closed or close
         released = 0
         for size in list(self._free):
             for buf in self._free.pop(size):
@@ -142,16 +155,16 @@ class ActivationOffload:
         self._pools: dict[torch.device, PinnedPool] = {}  # one per device: its copies share one side stream
         self._in_backward = False
 
-    def release_host_memory(self) -> int:
+    def release_host_memory(self, close: bool = False) -> int:
         """Unlock and free the host buffers that no saved activation still uses (they are otherwise kept for the next
-        step); returns the bytes freed."""
+        step; ``close``: also those still in use, once freed); returns the bytes freed."""
         for stash in self._pending:  # copies out still reading device tensors finish first
             if stash.copied is not None:
                 stash.copied.synchronize()
             stash.source = None
         self._pending = []
         self._last = None  # the last stash is otherwise kept as the next one's predecessor
-        return sum(pool.release() for pool in self._pools.values())
+        return sum(pool.release(close) for pool in self._pools.values())
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context under which a checkpoint call saves its inputs to host memory."""
@@ -305,7 +318,7 @@ def disable(model: torch.nn.Module) -> int:
             n += 1
     offload = getattr(model, "_volta_activation_offloader", None)
     if offload is not None:
-        offload.release_host_memory()
+        offload.release_host_memory(close=True)
         delattr(model, "_volta_activation_offloader")
     return n
 
