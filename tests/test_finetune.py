@@ -118,6 +118,8 @@ def _merged(extra: dict) -> dict:
         ({"data": {"prompt_template": "no placeholder"}}, "data.prompt_template must contain {instruction}"),
         ({"schedule": {"warmup_ratio": 1.5}}, "schedule.warmup_ratio must lie in [0, 1), got 1.5"),
         ({"optimizer": {"lr": 0}}, "optimizer.lr must be a finite number > 0, got 0.0"),
+        ({"model": {"gradient_checkpointing": True, "activation_offload": True, "activation_offload_keep": -1}},
+         "model.activation_offload_keep must be >= 0"),
     ],
 )
 def test_cross_key_checks(tmp_path, monkeypatch, extra, message):

@@ -110,3 +110,31 @@ def test_shipped_8b_config_composes_everything():
     assert chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)[0]
     # Llama-3.1-8B's 8.03 B less its two 128k-word embeddings (a bytes vocabulary, tied)
     assert abs(sum(p.numel() for p in model.parameters()) - 6.98e9) < 0.05e9
+
+
+def test_activation_offload_keep_option():
+    """activation_offload_keep in both recipes: the top blocks keep their inputs on the device, and a count that is
+    negative or leaves no block to offload is refused naming the option."""
+    import torch
+
+    from volta_train.training import activation_offload, data, gpt
+    from volta_train.training.config import ConfigError
+
+    def build(keep):
+        cfg = gpt.resolve(gpt.GPTTrainConfig(arch="llama", model="nano", n_layer=3, seq_len=64, cpu=True,
+                                             gradient_checkpointing=True, activation_offload=True,
+                                             activation_offload_keep=keep), "cpu", 1)
+        with torch.device("meta"):
+            return gpt.build_model(cfg, data.ByteTokenizer())
+
+    model = build(1)
+    offloaded = [m for m in activation_offload.checkpointed_modules(model) if hasattr(m, activation_offload._ATTR)]
+    layers = model.model.layers
+    assert not hasattr(layers[2], activation_offload._ATTR) and all(hasattr(b, activation_offload._ATTR)
+                                                                      for b in layers[:2])
+    assert layers[2] not in offloaded
+    with pytest.raises(ConfigError, match=r"activation_offload_keep: .*keep_last must be in \[0, 3\)"):
+        build(3)
+    with pytest.raises(ConfigError, match="activation_offload_keep must be >= 0"):
+        build(-1)
+

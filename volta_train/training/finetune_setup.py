@@ -64,6 +64,8 @@ class ModelSection:
     tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
     activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
                                             "between forward and backward (needs gradient_checkpointing)")
+    activation_offload_keep: int = field(0, "with activation_offload: the top N blocks keep their checkpointed inputs "
+                                            "on the GPU (less host memory for spare GPU memory)")
     lean_norm: str = field("auto", "RMSNorm that saves only its input and per-row scale and runs its backward over "
                                    "chunks of rows (volta_train/training/rms_norm.py); auto: on where the tiled MLP is "
                                    "(quote on/off in YAML)", choices=["auto", "on", "off"])
@@ -199,6 +201,9 @@ def check(cfg: FinetuneConfig) -> FinetuneConfig:
     if m.activation_offload and not m.gradient_checkpointing:
         raise ConfigError("model.activation_offload moves what gradient checkpointing keeps: set "
                           "model.gradient_checkpointing too")
+    if m.activation_offload_keep < 0:
+        raise ConfigError(f"model.activation_offload_keep must be >= 0 (blocks kept on the GPU), got "
+                          f"{m.activation_offload_keep}")
     if m.tiled_mlp_tokens is not None and m.tiled_mlp_tokens <= 0:
         raise ConfigError(f"model.tiled_mlp_tokens must be positive (or unset: auto), got {m.tiled_mlp_tokens}")
     if m.tokenizer not in (None, "bytes") and not Path(m.tokenizer).is_dir():
@@ -692,7 +697,10 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
     tiled = tiled_mlp.configure(model, m.tiled_mlp, cfg.train.batch_size * cfg.data.max_length, m.tiled_mlp_tokens)
     rms_norm.configure(model, m.lean_norm, bool(tiled))
     if m.activation_offload:
-        activation_offload.enable(model)
+        try:
+            activation_offload.enable(model, keep_last=m.activation_offload_keep)
+        except activation_offload.ActivationOffloadError as e:
+            raise ConfigError(f"model.activation_offload_keep: {e}") from None
     return model
 
 

@@ -78,6 +78,8 @@ class GPTTrainConfig:
     tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
     activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
                                             "between forward and backward (volta_train/training/activation_offload.py)")
+    activation_offload_keep: int = field(0, "with activation_offload: the top N blocks keep their checkpointed inputs "
+                                            "on the GPU (less host memory for spare GPU memory)")
     lean_norm: str = field("auto", "RMSNorm that saves only its input and per-row scale and runs its backward over "
                                    "chunks of rows (volta_train/training/rms_norm.py); auto: on where the tiled MLP is "
                                    "(quote on/off in YAML)", choices=["auto", "on", "off"])
@@ -212,6 +214,9 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
     check_sequence_parallel(cfg, processes)
     if cfg.activation_offload and not cfg.gradient_checkpointing:
         raise ConfigError("activation_offload moves what gradient checkpointing keeps: set gradient_checkpointing too")
+    if cfg.activation_offload_keep < 0:
+        raise ConfigError(f"activation_offload_keep must be >= 0 (blocks kept on the GPU), got "
+                          f"{cfg.activation_offload_keep}")
     if cfg.tiled_mlp_tokens is not None and cfg.tiled_mlp_tokens <= 0:
         raise ConfigError(f"tiled_mlp_tokens must be positive (or unset: auto), got {cfg.tiled_mlp_tokens}")
     if cfg.loss_chunk_tokens is not None and cfg.loss_chunk_tokens <= 0:
@@ -328,7 +333,10 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
                                 cfg.tiled_mlp_tokens)
     rms_norm.configure(model, cfg.lean_norm, bool(tiled))
     if cfg.activation_offload:
-        activation_offload.enable(model)
+        try:
+            activation_offload.enable(model, keep_last=cfg.activation_offload_keep)
+        except activation_offload.ActivationOffloadError as e:
+            raise ConfigError(f"activation_offload_keep: {e}") from None
     return model
 
 
