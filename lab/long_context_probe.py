@@ -451,21 +451,34 @@ def step_time(model, length: int, warmup: int, steps: int, vocab: int, device: t
     return statistics.median(times)
 
 
-def plot(summary: dict, path: Path) -> None:
-    """Longest trained sequence per variant, and step time against the baseline where measured."""
+def plot(summaries: list[dict], path: Path) -> None:
+    """Longest trained sequence per variant and cap (bars), the first length that failed (x) and the memory model's
+    prediction (+); step time against the first variant where measured (a second panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = summary["results"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].bar([r["variant"] for r in rows], [r["longest"] for r in rows], color="tab:blue")
-    axes[0].set_ylabel("longest trained sequence (tokens)")
-    axes[0].set_title(f"{summary['model']}, cap {summary['memory_gb']:g} GiB")
-    timed = [r for r in rows if r.get("step_seconds")]
-    axes[1].bar([r["variant"] for r in timed], [r["step_seconds"] for r in timed], color="tab:orange")
-    axes[1].set_ylabel(f"s/step at {summary['args']['step_time']:,} tokens" if timed else "(no step time)")
+    rows = [(f"{r['variant']}\n{s['memory_gb']:g} GiB", r, s) for s in summaries for r in s["results"]]
+    timed = [(label, r, s) for label, r, s in rows if r.get("step_seconds")]
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    xs = range(len(rows))
+    ax.bar(xs, [r["longest"] for _, r, _ in rows], color="tab:blue", label="longest trained")
+    ax.scatter([x for x, (_, r, _) in zip(xs, rows) if r.get("first_fail")],
+               [r["first_fail"] for _, r, _ in rows if r.get("first_fail")], marker="x", color="tab:red",
+               label="first failing", zorder=3)
+    ax.scatter([x for x, (_, r, _) in zip(xs, rows) if r.get("predicted")],
+               [r["predicted"] for _, r, _ in rows if r.get("predicted")], marker="+", s=120, color="black",
+               label="memory model", zorder=3)
+    ax.set_xticks(list(xs), [label for label, _, _ in rows], fontsize=7)
+    ax.set_ylabel("tokens per sequence")
+    ax.set_title(f"{summaries[0]['model']}, {summaries[0]['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    if timed:
+        axes[0][1].bar([label for label, _, _ in timed], [r["step_seconds"] for _, r, _ in timed], color="tab:orange")
+        axes[0][1].set_ylabel(f"s/step at {timed[0][2]['args']['step_time']:,} tokens")
+        axes[0][1].tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -495,7 +508,14 @@ def main(argv=None) -> dict:
                    help="search the longest sequence (--no-search: step time only)")
     p.add_argument("--smoke", action="store_true", help="CPU, llama-nano, 64-512 tokens: the code path only")
     p.add_argument("--out", default="out/long_context_probe")
+    p.add_argument("--replot", nargs="+", metavar="PATH",
+                   help="PNG then the long_context_probe.json of earlier runs: one figure of them, nothing run")
     args = p.parse_args(argv)
+    if args.replot:
+        if len(args.replot) < 2:
+            p.error("--replot takes the PNG to write and at least one long_context_probe.json")
+        plot([json.loads(Path(f).read_text()) for f in args.replot[1:]], Path(args.replot[0]))
+        return {}
     try:
         variants = {v: parse_variant(v) for v in args.variants.split(",")}
     except ValueError as e:
@@ -553,7 +573,7 @@ def main(argv=None) -> dict:
     (out / "long_context_probe.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     md = table(summary)
     (out / "long_context_probe.md").write_text(md, encoding="utf-8")
-    plot(summary, out / "long_context_probe.png")
+    plot([summary], out / "long_context_probe.png")
     print(md, flush=True)
     return summary
 
@@ -564,10 +584,10 @@ def table(summary: dict) -> str:
              f"{summary['probe_steps']} training steps per probe (bench_train: fp16 autocast, fp32 AdamW, chunked "
              f"loss, activation checkpointing; optim_offload: 16-bit weights and gradients on the GPU, fp32 master "
              f"weights and AdamW on the host, DeepSpeed offload_optimizer's GPU memory), attention "
-             f"{summary['attention']}; predicted = docs/long_context.md's memory model (unverified until this table "
-             "is)", "",
-             f"step time: median of {summary['args']['timed_steps']} steps after 2 warm-up steps at "
-             f"{summary['args']['step_time']:,} tokens, and its ratio to the first variant's", "",
+             f"{summary['attention']}; predicted = docs/long_context.md's memory model", "",
+             *([f"step time: median of {summary['args']['timed_steps']} steps after 2 warm-up steps at "
+                f"{summary['args']['step_time']:,} tokens, and its ratio to the first variant's", ""]
+               if summary["args"]["step_time"] else []),
              "| variant | longest trained | first failing | peak reserved GiB at longest | predicted | probes | s | "
              "s/step | vs first |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

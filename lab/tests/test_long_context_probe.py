@@ -94,6 +94,9 @@ def test_smoke_optim_offload(tmp_path):
         assert 0 < r["host_optimizer_bytes"] - 18 * summary["shape"]["parameters"] < 1024
     assert summary["results"][1]["offloaded_bytes"] > 0
     assert "| tiled+offload+optim_offload | 512 |" in (tmp_path / "long_context_probe.md").read_text()
+    probe.main(["--replot", str(tmp_path / "both.png"), str(tmp_path / "long_context_probe.json"),
+                str(tmp_path / "long_context_probe.json")])
+    assert (tmp_path / "both.png").stat().st_size > 0
 
 
 def test_host_adamw_step_is_adamw_on_the_master_weights():
