@@ -113,7 +113,8 @@ class _Locks:
 
 def test_pinned_pool_reuses_exact_sizes_and_drops_stale_ones():
     locks = _Locks()
-    pool = activation_offload.PinnedPool(locks.register, locks.unregister)
+    drained = []
+    pool = activation_offload.PinnedPool(locks.register, locks.unregister, lambda: drained.append(len(locks.locked)))
     sizes = [3 * 2**20 + 5, 3 * 2**20 + 5, 40_000]  # not powers of two: held exactly
     bufs = [pool.take(n) for n in sizes]
     assert [b.numel() for b in bufs] == sizes and pool.held_bytes == sum(sizes) == sum(locks.locked.values())
@@ -125,8 +126,10 @@ def test_pinned_pool_reuses_exact_sizes_and_drops_stale_ones():
     for b in again:
         pool.give(b)
     pool.new_step()
+    assert not drained
     longer = pool.take(5 * 2**20 + 1)  # the sequence grew: the free buffers of unasked sizes are released first
     assert pool.held_bytes == longer.numel() == sum(locks.locked.values())
+    assert drained == [3]  # the copies were waited for while all three were still locked
     small = pool.take(40_000)  # released above: registered anew
     assert locks.registered == 5 and pool.held_bytes == longer.numel() + 40_000
     pool.give(longer)

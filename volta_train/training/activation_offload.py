@@ -77,11 +77,14 @@ class PinnedPool:
     """Page-locked host buffers of exactly the sizes asked for, kept for reuse: a buffer returns to the pool when the
     stash that used it is freed, and a request that finds no free buffer of its size first releases the free
     buffers of sizes this step has not asked for (a change of sequence length), so the pool holds about one step's
-    worth. ``register``/``unregister`` page-lock and unlock a uint8 CPU tensor (CUDA's host registration)."""
+    worth. ``register``/``unregister`` page-lock and unlock a uint8 CPU tensor (CUDA's host registration);
+    ``drain`` waits for the copies that may still read or write the buffers (the offload's side stream) and runs
+    before any buffer is unlocked and freed."""
 
     def __init__(self, register: Callable[[torch.Tensor], None] = _register,
-                 unregister: Callable[[torch.Tensor], None] = _unregister):
-        self._register, self._unregister = register, unregister
+                 unregister: Callable[[torch.Tensor], None] = _unregister,
+                 drain: Callable[[], None] = lambda: None):
+        self._register, self._unregister, self._drain = register, unregister, drain
         self._free: dict[int, list[torch.Tensor]] = {}
         self._asked: set[int] = set()
         self.held_bytes = 0  # registered: in use and free
@@ -97,9 +100,11 @@ class PinnedPool:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        for size in [size for size in self._free if size not in self._asked]:
-            for buf in self._free.pop(size):
-                self._drop(buf)
+        stale = [buf for size in [size for size in self._free if size not in self._asked] for buf in self._free.pop(size)]
+        if stale:
+            self._drain()
+        for buf in stale:
+            self._drop(buf)
         buf = _page_aligned(nbytes)
         self._register(buf)
         self.held_bytes += nbytes
@@ -108,6 +113,7 @@ class PinnedPool:
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer taken earlier; the caller's copies from or into it are ordered before its next use."""
         if self.closed:  # the offload was replaced or disabled: nothing will take it again
+            self._drain()
             self._drop(buf)
             return
         self._free.setdefault(buf.numel(), []).append(buf)
@@ -116,6 +122,8 @@ class PinnedPool:
         """Unlock and free every free buffer (``close``: and each one given back from now on); returns the bytes
         released."""
         self.closed = self.closed or close
+        if self._free:
+            self._drain()
         released = 0
         for size in list(self._free):
             for buf in self._free.pop(size):
@@ -194,7 +202,9 @@ class ActivationOffload:
         self._release_finished()
         stream = self._stream(t.device)
         if t.is_contiguous():
-            pool = self._pools.setdefault(t.device, PinnedPool())
+            pool = self._pools.get(t.device)
+            if pool is None:
+                pool = self._pools[t.device] = PinnedPool(drain=self._stream(t.device).synchronize)
             buf = pool.take(t.numel() * t.element_size())
             host = buf.view(t.dtype).view(t.shape)
         else:
