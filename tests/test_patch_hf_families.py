@@ -452,6 +452,38 @@ def test_pegasus_x_global_local_encoder_and_causal_decoder_match_eager(padding):
     assert not any(type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
 
 
+@pytest.mark.parametrize("family", ["llama", "falcon", "pegasus_x"])
+def test_patched_models_pickle_and_load_in_a_fresh_process(family, tmp_path):
+    """torch.save of a whole patched model (Falcon's and PEGASUS-X's modules have run-time classes, PEGASUS-X's
+    decoder a cross-attention found by name); torch.load in a Python process that never called patch() gives the same
+    logits, and unpatch works on what was loaded."""
+    import subprocess
+    import sys
+
+    model = _pegasus_x() if family == "pegasus_x" else build(family)
+    volta_train.patch(model)
+    ids = tokens()
+    kwargs = {"decoder_input_ids": ids[:, :5]} if family == "pegasus_x" else {}
+    with torch.no_grad():
+        want = model(ids, **kwargs).logits
+    torch.save({"model": model, "ids": ids, "kwargs": kwargs, "want": want}, tmp_path / "model.pt")
+    script = f"""
+import torch, volta_train
+saved = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+model = saved["model"]
+swapped = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("OnVoltaTrain")]
+assert bool(swapped) == {family != "llama"!r}, swapped
+with torch.no_grad():
+    got = model(saved["ids"], **saved["kwargs"]).logits
+assert torch.equal(got, saved["want"]), (got - saved["want"]).abs().max()
+volta_train.unpatch(model)
+assert not any(type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
+print("ok", len(swapped))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-2000:]
+
+
 def test_hybrid_without_attention_layer_is_refused_saying_so():
     """A Bamba config whose layers are all Mamba (attn_layer_indices=None, its default) holds no attention module."""
     config = transformers.BambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,

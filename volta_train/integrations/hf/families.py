@@ -26,7 +26,6 @@ import inspect
 import json
 import logging
 import numbers
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -425,7 +424,8 @@ def _check_window(model_type: Any, window: Any) -> None:
         )
 
 
-_CROSS_ATTENTION: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+CROSS_ATTENTION_MARK = "_volta_cross_attention"  # set by check_model on modules found by name: an attribute of the
+# module, so that it travels with a model pickled whole or copied
 
 
 def is_cross_attention(module: nn.Module) -> bool:
@@ -433,7 +433,7 @@ def is_cross_attention(module: nn.Module) -> bool:
     flag = getattr(module, "is_cross_attention", None)
     if isinstance(flag, bool):
         return flag
-    return "CrossAttention" in type(module).__name__ or module in _CROSS_ATTENTION
+    return "CrossAttention" in type(module).__name__ or vars(module).get(CROSS_ATTENTION_MARK, False)
 
 
 def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Module]:
@@ -464,7 +464,7 @@ def check_model(model: nn.Module, model_type: Any, family: Family) -> list[nn.Mo
             if padded != found[0]:
                 reference_dims[found[0]] = (owner, padded)
         if names.get(id(module), "").rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES:
-            _CROSS_ATTENTION.add(module)
+            setattr(module, CROSS_ATTENTION_MARK, True)
     family.check(model, modules)
     for window, layers in windows.items():
         logger.info(

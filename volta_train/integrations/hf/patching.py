@@ -10,7 +10,8 @@ from torch import nn
 
 from .attention import hf_attention_forward, refuse_attention_weights
 from .base import ATTN_IMPLEMENTATION, UnsupportedModelError, interfaces
-from .families import check_model, family_of, check_version, unsupported, validated, why_not_model
+from .families import (CROSS_ATTENTION_MARK, check_model, check_version, family_of, unsupported, validated,
+                       why_not_model)
 from .masks import padding_mask
 from . import swaps
 
@@ -39,6 +40,11 @@ class PatchRecord:
     previous: list[tuple[Any, Any]] = field(default_factory=list)  # (config, its attn implementation before)
     hook: Any = None  # the forward pre-hook refusing output_attentions=True
     swapped: list[tuple[Any, ...]] = field(default_factory=list)  # modules given a volta_train class (swaps.py)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a patched model loaded whole (torch.load) in a process that has not registered volta_train's attention yet
+        self.__dict__.update(state)
+        register()
 
 
 def _configs_of(model: nn.Module) -> list[Any]:
@@ -155,6 +161,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     if record.hook is not None:
         record.hook.remove()
     swaps.restore(record.swapped)
+    for module in model.modules():
+        vars(module).pop(CROSS_ATTENTION_MARK, None)
     restored = ", ".join(sorted({repr(previous) for _, previous in record.previous}))
     logger.info("volta_train.unpatch: %s uses attn_implementation=%s again", name, restored)
     return model

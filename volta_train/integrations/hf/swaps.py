@@ -15,7 +15,8 @@ Two kinds, found by :func:`~.families.own_attention_modules`:
   attention products become two varlen calls with a key padding mask.
 
 A swap assigns ``module.__class__``: parameters, buffers, hooks and optimizer references stay as they are.
-:func:`restore` (``unpatch()``) puts each module's class back.
+:func:`restore` (``unpatch()``) puts each module's class back. A swapped module pickles (``torch.save(model)``,
+``copy.deepcopy``) by the function that made its class, which a load in another process calls again.
 """
 
 from __future__ import annotations
@@ -52,12 +53,28 @@ def _rebuilt_forward(flash_cls: type, bound: Any) -> types.FunctionType:
     return rebuilt
 
 
+_MADE_BY = "_volta_made_by"  # (the function that made a swapped class, its arguments): how pickle rebuilds it
+
+
+def _reduce_swapped(self, protocol):
+    """Pickle (and copy) a swapped module through the function that made its class: the class exists only at run
+    time, so pickle could not find it by name."""
+    return _rebuild_swapped, getattr(type(self), _MADE_BY), self.__getstate__()
+
+
+def _rebuild_swapped(make, args):
+    cls = make(*args)
+    return cls.__new__(cls)
+
+
 @functools.lru_cache(maxsize=None)
 def _flash_class(flash_cls: type, original: type, model_type: str, window: int | None) -> type:
     bound = functools.partial(flash_attention_forward, volta_model_type=model_type, volta_window=window)
     return type(f"{flash_cls.__name__}OnVoltaTrain", (flash_cls,), {
         "forward": _rebuilt_forward(flash_cls, bound),
         SWAPPED: original,
+        _MADE_BY: (_flash_class, (flash_cls, original, model_type, window)),
+        "__reduce_ex__": _reduce_swapped,
         "__module__": __name__,
         "__doc__": f"transformers' {flash_cls.__name__} with volta_train as its flash-attention function.",
     })
@@ -131,6 +148,8 @@ def _global_local_class(original: type) -> type:
         "compute_global_attention_representations": _global_attention,
         "compute_local_attention_representations": _local_attention,
         SWAPPED: original,
+        _MADE_BY: (_global_local_class, (original,)),
+        "__reduce_ex__": _reduce_swapped,
         "__module__": __name__,
         "__doc__": f"transformers' {original.__name__} with its two attention products on volta_train.",
     })
