@@ -8,12 +8,15 @@ from .options import AttentionOptions
 from .rotary import rotate_at
 
 
-def page_slots(block_table: torch.Tensor, page_size: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def page_slots(block_table: torch.Tensor, page_size: int, positions: torch.Tensor,
+               entries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where logical key positions of a paged cache live: (physical page, row in the page), each shaped like
-    ``positions`` ([B, N] long, one row per batch entry). Page ``block_table[b, p // page_size]``, row
-    ``p % page_size``."""
+    ``positions``: page ``block_table[b, p // page_size]``, row ``p % page_size``, where b is the position's row of
+    ``positions`` ([B, N] long, one row per batch entry) or, given ``entries`` (shaped like ``positions``), its
+    entry there."""
     logical_page = torch.div(positions, page_size, rounding_mode="floor")
-    physical = torch.gather(block_table.to(device=positions.device, dtype=torch.long), 1, logical_page)
+    table = block_table.to(device=positions.device, dtype=torch.long)
+    physical = torch.gather(table, 1, logical_page) if entries is None else table[entries, logical_page]
     return physical, positions - logical_page * page_size
 
 
@@ -70,7 +73,6 @@ def gather_paged_varlen(k_pages: torch.Tensor, v_pages: torch.Tensor, block_tabl
     starts = torch.cumsum(counts, 0) - counts
     seq = torch.repeat_interleave(torch.arange(batch, device=device), counts)  # [total_k]: the sequence of each key
     positions = torch.arange(int(counts.sum()), device=device) - starts[seq]  # its logical position
-    page_size = k_pages.shape[1]
-    table = block_table.to(device=device, dtype=torch.long)
-    rows = table[seq, torch.div(positions, page_size, rounding_mode="floor")] * page_size + positions % page_size
+    page, row = page_slots(block_table, k_pages.shape[1], positions, entries=seq)
+    rows = page * k_pages.shape[1] + row
     return k_pages.flatten(0, 1)[rows], v_pages.flatten(0, 1)[rows]
