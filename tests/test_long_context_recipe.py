@@ -76,6 +76,39 @@ def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses["off"], losses["on"])), losses
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero, sp", [("zero2", 1), ("zero3", 2)])
+def test_activation_offload_under_zero_and_ulysses(tmp_path, zero, sp):
+    """Two gloo processes under ZeRO-2 (data parallel) and ZeRO-3 with Ulysses sp=2: the offload's losses are bitwise
+    those of plain checkpointing, and hidden states did go to host memory (each 1.5 MiB per process, above
+    activation_offload.MIN_BYTES)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    losses, summaries = {}, {}
+    for mode in ("checkpointing", "offload"):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / f"configs/accelerate/{zero}.yaml"), "--num_processes", "2", str(ROOT / "recipes/gpt_long.py"),
+               "--config", str(CPU_TINY), "--steps", "2", "--log-interval", "1", "--eval-batches", "0",
+               "--out-dir", str(tmp_path / mode), "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--no-save",
+               "--mixed-precision", "no", "--model", "nano", "--arch", "llama", "--n-embd", "192", "--seq-len",
+               str(1024 * sp), "--batch-size", "2", "--sequence-parallel-size", str(sp), "--gradient-checkpointing",
+               "--checkpoint-interval", "0", "--tiled-mlp", "off"] + (["--activation-offload"] if mode == "offload"
+                                                                       else [])
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[mode] = [float(r["loss"]) for r in logs.read_csv(tmp_path / mode / "train.csv")]
+        summaries[mode] = json.loads((tmp_path / mode / "summary.json").read_text())
+    assert len(losses["offload"]) == 2 and losses["offload"] == losses["checkpointing"], losses
+    offloaded = summaries["offload"]["activation_offload"]
+    assert offloaded["packed"] > 0 and offloaded["prefetch_hits"] > 0, offloaded
+    assert "activation_offload" not in summaries["checkpointing"]
+
+
 def test_shipped_8b_config_composes_everything():
     """configs/gpt_long/v100_llama8b_128k_sp8_zero3_offload.yaml, without launching: it loads and resolves for 8 GPU
     processes, names a ZeRO-3 DeepSpeed config with the optimizer and the weights offloaded to the CPU, turns every
