@@ -28,7 +28,8 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention_choice, chunked_loss, config, data, distributed, logs, metrics, models, optim, runlock,
+    activation_offload, attention_choice, chunked_loss, config, data, distributed, logs, metrics, models, optim,
+    runlock,
 )
 from ..training import finetune_setup as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
@@ -155,6 +156,9 @@ def _train(cfg, trainer, model, impl, n_params, names, setup, hf_tokenizer) -> d
     summary = {**result, "task": cfg.task, "attention": impl, "parameters": n_params, "precision": setup.precision,
                "zero_stage": setup.zero_stage, "processes": accelerator.num_processes, "labels": names or None,
                "model": str(out_dir / "final") if cfg.checkpoint.save_final and result["completed"] else None}
+    offloaded = activation_offload.report(accelerator.unwrap_model(model))
+    if offloaded is not None:
+        summary["activation_offload"] = offloaded
     save_final_and_summary(accelerator, model, out_dir, summary, "model", cfg, hf_tokenizer, _fail)
     _log_done(summary, impl, out_dir)
     end_training(accelerator)

@@ -35,7 +35,8 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
-    attention_choice, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock, sequence_parallel,
+    activation_offload, attention_choice, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock,
+    sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
     LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
@@ -179,13 +180,9 @@ def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, repli
         "sequence_parallel_size": cfg.sequence_parallel_size, "data_parallel_size": replicas, "chunked_loss": chunked,
         "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
     }
-    offloader = getattr(accelerator.unwrap_model(model), "_volta_activation_offloader", None)
-    if offloader is not None:  # this process's counts
-        stats = offloader.stats
-        summary["activation_offload"] = {"packed": stats.packed, "packed_gib": stats.packed_bytes / 2**30,
-                                         "prefetch_hits": stats.prefetch_hits}
-        log.info("activation offload: %d hidden states (%.2f GiB) went to host memory and back, %d of them prefetched",
-                 stats.packed, stats.packed_bytes / 2**30, stats.prefetch_hits)
+    offloaded = activation_offload.report(accelerator.unwrap_model(model))
+    if offloaded is not None:
+        summary["activation_offload"] = offloaded
     save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer, _fail)
     _log_done(summary, val_loss, impl, out_dir)
     end_training(accelerator)

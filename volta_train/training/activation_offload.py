@@ -333,6 +333,17 @@ def disable(model: torch.nn.Module) -> int:
     return n
 
 
+def report(model: torch.nn.Module) -> dict | None:
+    """What the model's offload moved in this process (for a run's summary), logged in one line; None without one."""
+    offload = getattr(model, "_volta_activation_offloader", None)
+    if offload is None:
+        return None
+    s = offload.stats
+    log.info("activation offload: %d hidden states (%.2f GiB) went to host memory and back, %d of them prefetched",
+             s.packed, s.packed_bytes / 2**30, s.prefetch_hits)
+    return {"packed": s.packed, "packed_gib": s.packed_bytes / 2**30, "prefetch_hits": s.prefetch_hits}
+
+
 def _offloaded(offload: ActivationOffload, checkpoint_fn, function, *args, **kwargs):
     with offload.hooks():
         return checkpoint_fn(function, *args, **kwargs)
