@@ -1,7 +1,8 @@
-"""The lean RMSNorm (volta_train/training/rms_norm.py) against transformers' LlamaRMSNorm on the CPU: the output bit
-for bit (fp32, bf16, fp16, mixed, autocast), gradients against a float64 reference, chunk boundaries, the tensors
-the forward saves and the backward creates, whole models swapped (loss bitwise, every gradient), the modules left
-alone, restore, and the recipes' lean_norm option."""
+"""The lean RMSNorm (volta_train/training/rms_norm.py) against transformers' norms of each form on the CPU
+(LlamaRMSNorm; GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm's 1 + weight; Gemma3nRMSNorm and Olmo2RMSNorm's fp32
+weight): the output bit for bit (fp32, bf16, fp16, mixed, autocast), gradients against a float64 reference, chunk
+boundaries, the tensors the forward saves and the backward creates, whole models swapped (loss bitwise, every
+gradient), the modules left alone, restore, and the recipes' lean_norm option."""
 
 from __future__ import annotations
 
@@ -19,13 +20,31 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(3, 37, 96), (1, 1, 8), (2, 5, 3, 40)]
 
 
-def _norm(width: int, dtype, seed: int, eps: float = 1e-5):
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+# transformers' norm classes by family, and the form each is swapped with
+NORMS = {"llama": "llama", "gemma": "offset", "gemma2": "offset", "gemma3": "offset", "gemma3n": "fp32 weight",
+         "olmo2": "fp32 weight"}
 
-    module = LlamaRMSNorm(width, eps=eps)
+
+def _norm_class(family: str):
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return next(getattr(module, n) for n in dir(module) if n.lower() == f"{family}rmsnorm")
+
+
+def _norm(width: int, dtype, seed: int, eps: float = 1e-5, family: str = "llama"):
+    module = _norm_class(family)(width, eps=eps)
+    offset = 0.0 if NORMS[family] == "offset" else 1.0  # weights around 0 where the norm adds 1
     with torch.no_grad():
-        module.weight.copy_(1.0 + 0.5 * torch.randn(width, generator=torch.Generator().manual_seed(seed)))
+        module.weight.copy_(offset + 0.5 * torch.randn(width, generator=torch.Generator().manual_seed(seed)))
     return module.to(dtype)
+
+
+def _lean(module):
+    """The lean function standing in for ``module``: t -> its output for t."""
+    eps = getattr(module, rms_norm._eps_name(module))
+    form = NORMS[type(module).__name__.lower().removesuffix("rmsnorm")]
+    return lambda t: rms_norm.rms_norm(t, module.weight, eps, form)
 
 
 def _input(shape, dtype, seed: int) -> torch.Tensor:
@@ -34,22 +53,23 @@ def _input(shape, dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("family", NORMS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_is_bitwise_the_module(dtype, shape):
-    module = _norm(shape[-1], dtype, 1)
+def test_forward_is_bitwise_the_module(dtype, shape, family):
+    module = _norm(shape[-1], dtype, 1, family=family)
     x = _input(shape, dtype, 2)
-    eps = module.variance_epsilon
-    assert torch.equal(rms_norm.rms_norm(x, module.weight, eps), module(x))
+    assert torch.equal(_lean(module)(x), module(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast too, and with a grad-recording input
         x32 = _input(shape, torch.float32, 3).requires_grad_()
-        w32 = _norm(shape[-1], torch.float32, 4)
-        assert torch.equal(rms_norm.rms_norm(x32, w32.weight, eps), w32(x32))
-        assert torch.equal(rms_norm.rms_norm(x, module.weight, eps), module(x))
-    # an fp32 weight on a 16-bit input (the output is fp32, as the module's)
-    w32 = _norm(shape[-1], torch.float32, 5)
-    y = rms_norm.rms_norm(x, w32.weight, eps)
-    assert y.dtype == torch.float32 and torch.equal(y, w32(x))
+        w32 = _norm(shape[-1], torch.float32, 4, family=family)
+        assert torch.equal(_lean(w32)(x32), w32(x32))
+        assert torch.equal(_lean(module)(x), module(x))
+    # an fp32 weight on a 16-bit input (the output is the module's dtype: fp32 for llama, x's for the others)
+    w32 = _norm(shape[-1], torch.float32, 5, family=family)
+    y, want = _lean(w32)(x), w32(x)
+    assert y.dtype == want.dtype == (torch.float32 if family == "llama" else dtype) and torch.equal(y, want)
+    assert rms_norm.probe(module) == (NORMS[family], "")
 
 
 def _grads(fn, x, weight, grad):
@@ -58,16 +78,17 @@ def _grads(fn, x, weight, grad):
     return torch.autograd.grad(y, (x, weight), grad)
 
 
+@pytest.mark.parametrize("family", NORMS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gradients_against_float64(dtype, shape):
+def test_gradients_against_float64(dtype, shape, family):
     """Both gradients: the lean function's error against the module run in float64 is at most the eager module's
     (plus rounding of the output dtype), and within the dtype's rounding of the reference."""
-    module = _norm(shape[-1], dtype, 6)
+    module = _norm(shape[-1], dtype, 6, family=family)
     x = _input(shape, dtype, 7)
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(8)).to(dtype)
     eager = _grads(module, x, module.weight, grad)
-    lean = _grads(lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon), x, module.weight, grad)
+    lean = _grads(_lean(module), x, module.weight, grad)
     reference = copy.deepcopy(module).double()
     want = _grads(reference, x.double(), reference.weight, grad.double())
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
@@ -80,16 +101,17 @@ def test_gradients_against_float64(dtype, shape):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3n"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 5, 37, 38, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_chunk_boundaries(monkeypatch, rows_per_chunk, dtype):
+def test_chunk_boundaries(monkeypatch, rows_per_chunk, dtype, family):
     """Chunks that do not divide the rows (37 rows of width 24), one row, exactly the rows, more than the rows:
     the gradients equal the single-chunk ones (the input's bit for bit: rows are independent)."""
     width, shape = 24, (1, 37, 24)
-    module = _norm(width, dtype, 9)
+    module = _norm(width, dtype, 9, family=family)
     x = _input(shape, dtype, 10)
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(11)).to(dtype)
-    run = lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon)  # noqa: E731
+    run = _lean(module)
     whole = _grads(run, x, module.weight, grad)
     monkeypatch.setattr(rms_norm, "CHUNK_BYTES", 4 * width * rows_per_chunk)
     assert rms_norm.rows_per_chunk(width) == rows_per_chunk
@@ -116,18 +138,19 @@ class _Created(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3n"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_backward_creates_no_full_fp32_tensor(monkeypatch, dtype):
+def test_backward_creates_no_full_fp32_tensor(monkeypatch, dtype, family):
     """With chunks of 8 rows over 3 x 37 rows the lean backward creates no fp32 tensor larger than a chunk except
     its fp32 input gradient (an fp32 input), where the module's backward creates several fp32 [rows, width]."""
     shape, chunk = (3, 37, 40), 8
     rows, width = shape[0] * shape[1], shape[2]
     monkeypatch.setattr(rms_norm, "CHUNK_BYTES", 4 * width * chunk)
-    module = _norm(width, dtype, 12)
+    module = _norm(width, dtype, 12, family=family)
     x = _input(shape, dtype, 13).requires_grad_()
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(14)).to(dtype)
     full = []
-    for fn in (module, lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon)):
+    for fn in (module, _lean(module)):
         y = fn(x)
         with _Created() as seen:
             torch.autograd.grad(y, (x, module.weight), grad)
@@ -149,17 +172,26 @@ def _saved_bytes(fn, x, weight) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in own)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3n"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_saves_only_the_row_scale(dtype):
-    """Per token and norm of width h the module saves 4h + 4 bytes (fp32 input: its normalised rows and the row
-    scale) or 6h + 4 (16-bit input: the fp32 upcast, its normalised 16-bit cast, the scale); the lean function 4."""
+def test_forward_saves_only_the_row_scale(dtype, family):
+    """Per token and norm of width h LlamaRMSNorm saves 4h + 4 bytes (fp32 input: its normalised rows and the row
+    scale) or 6h + 4 (16-bit input: the fp32 upcast, its normalised 16-bit cast, the scale); the Gemma forms save
+    the fp32 normalised rows instead of their cast, 8h + 4 for a 16-bit input (4 more for Gemma3n, whose pow also
+    saves the mean square), and the weight's fp32 factor (4h once, 1 + weight; nothing more for an fp32 weight,
+    weight.float() being the weight); the lean function 4."""
     shape = (2, 23, 48)
     tokens, width = shape[0] * shape[1], shape[2]
-    module = _norm(width, dtype, 15)
+    module = _norm(width, dtype, 15, family=family)
     x = _input(shape, dtype, 16).requires_grad_()
     eager = _saved_bytes(module, x, module.weight)
-    lean = _saved_bytes(lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon), x, module.weight)
-    assert eager == tokens * ((4 if dtype == torch.float32 else 6) * width + 4)
+    lean = _saved_bytes(_lean(module), x, module.weight)
+    if family == "llama":
+        assert eager == tokens * ((4 if dtype == torch.float32 else 6) * width + 4)
+    else:
+        factor = 4 * width if family == "gemma" or dtype != torch.float32 else 0
+        per_row = 8 if family == "gemma3n" else 4
+        assert eager == tokens * ((4 if dtype == torch.float32 else 8) * width + per_row) + factor
     assert lean == tokens * 4
 
 
