@@ -201,11 +201,24 @@ def _tiny(family: str = "llama", layers: int = 2):
     torch.manual_seed(0)
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
+    attention = "sdpa"
     if family == "gemma":
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=8, **sizes))
+    elif family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, query_pre_attn_scalar=8,
+                                                                         **sizes))
+        attention = "eager"  # Gemma2's attention logit soft-capping
+    elif family == "gemma3":  # also q_norm and k_norm over head_dim
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8,
+                                                                             sliding_window=16, **sizes))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
-    model.config._attn_implementation = "sdpa"
+    if family != "llama":  # Gemma's norm weights start at zero: give the 1 + weight a weight that matters
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.5)
+    model.config._attn_implementation = attention
     return model
 
 
@@ -216,13 +229,18 @@ def _step(model, ids):
     return loss.detach()
 
 
+# family: (the norms of a 2-layer model, its norm class)
+WHOLE = {"llama": (5, "LlamaRMSNorm"), "gemma2": (9, "Gemma2RMSNorm"), "gemma3": (13, "Gemma3RMSNorm")}
+
+
+@pytest.mark.parametrize("family", WHOLE)
 @pytest.mark.parametrize("setup", ["plain", "checkpointing", "tiled", "offload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_whole_llama_swapped(dtype, setup):
-    """Every norm of a tiny Llama swapped: the loss is bitwise the unswapped model's, every parameter gradient equal
-    up to rounding (also with non-reentrant checkpointing, with the tiled MLP under checkpointing, and with the
-    activation offload and the tiled MLP)."""
-    reference = _tiny().to(dtype)
+def test_whole_model_swapped(dtype, setup, family):
+    """Every norm of a tiny Llama, Gemma2, Gemma3 (text) swapped: the loss is bitwise the unswapped model's, every
+    parameter gradient equal up to rounding (also with non-reentrant checkpointing, with the tiled MLP under
+    checkpointing, and with the activation offload and the tiled MLP)."""
+    reference = _tiny(family).to(dtype)
     model = copy.deepcopy(reference)
     if setup != "plain":
         for m in (model, reference):
@@ -235,13 +253,16 @@ def test_whole_llama_swapped(dtype, setup):
 
         for m in (model, reference):
             activation_offload.enable(m, min_bytes=1)
-    assert rms_norm.swap_rms_norms(model) == 5  # 2 layers x 2 norms, and the final norm
-    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
-    assert len(norms) == 5 and all("forward" in vars(m) for m in norms)
+    count, name = WHOLE[family]  # 2 layers x 2 norms (Gemma2: 4, Gemma3: 4 and q_norm, k_norm), the final norm
+    assert rms_norm.swap_rms_norms(model) == count
+    norms = [m for m in model.modules() if type(m).__name__ == name]
+    assert len(norms) == count and all("forward" in vars(m) for m in norms)
+    if setup in ("tiled", "offload"):
+        assert any(hasattr(m, tiled_mlp._ATTR) for m in model.modules())
     ids = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(17))
     want, got = _step(reference, ids), _step(model, ids)
     assert torch.equal(got, want)
-    # LlamaRMSNorm computes in fp32 in an fp64 model too (and so its gradients): fp32 rounding either way
+    # the norms compute in fp32 in an fp64 model too (and so their gradients): fp32 rounding either way
     rtol, atol = 1e-6, 1e-7
     for (name, p0), p1 in zip(reference.named_parameters(), model.parameters()):
         scale = max(1.0, p0.grad.abs().max().item())
@@ -258,12 +279,28 @@ def test_bf16_llama_loss_bitwise():
         torch.testing.assert_close(p1.grad.float(), p0.grad.float(), rtol=0.05, atol=0.02 * p0.grad.abs().max().item())
 
 
-def test_gemma_left_alone_and_restore(caplog):
-    """GemmaRMSNorm (1 + weight, in fp32) stays as it is and is named in the log line; restore undoes a swap."""
+def test_log_line_differing_norms_left_alone_and_restore(caplog):
+    """The log line names each class swapped with its form; a Gemma-like norm that casts to the input's dtype
+    before the weight multiply, and a Gemma3n norm without a weight, stay as they are, named with why; restore
+    undoes a swap."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+
+    class CastFirstRMSNorm(GemmaRMSNorm):
+        def forward(self, x):
+            return self._norm(x.float()).type_as(x) * (1.0 + self.weight.float()).type_as(x)
+
     gemma = _tiny("gemma")
+    gemma.model.extra = torch.nn.ModuleList([CastFirstRMSNorm(32), Gemma3nRMSNorm(32, with_scale=False),
+                                             Gemma3nRMSNorm(32)])
     with caplog.at_level(logging.INFO, logger=rms_norm.__name__):
-        assert rms_norm.swap_rms_norms(gemma) == 0
-    assert "swapped none; left as they are: GemmaRMSNorm (output differs from the module's forward)" in caplog.text
+        assert rms_norm.swap_rms_norms(gemma) == 6
+    assert ("lean RMSNorm: swapped 1 Gemma3nRMSNorm [fp32 weight], 5 GemmaRMSNorm [offset]; left as they are: "
+            "CastFirstRMSNorm (output differs from the module's forward); "
+            "Gemma3nRMSNorm (its parameters are not one 1-D weight)\n") in caplog.text + "\n"
+    assert [hasattr(m, rms_norm._ATTR) for m in gemma.model.extra] == [False, False, True]
+    assert rms_norm.probe(gemma.model.extra[0]) == ("", "output differs from the module's forward")
+    assert rms_norm.restore_rms_norms(gemma) == 6
     assert not any("forward" in vars(m) for m in gemma.modules())
 
     model = _tiny()
@@ -274,7 +311,7 @@ def test_gemma_left_alone_and_restore(caplog):
     with caplog.at_level(logging.INFO, logger=rms_norm.__name__):
         assert rms_norm.swap_rms_norms(model) == 5
         assert rms_norm.swap_rms_norms(model) == 5  # again: nothing more changes
-    assert "lean RMSNorm: swapped 5 LlamaRMSNorm\n" in caplog.text + "\n"
+    assert "lean RMSNorm: swapped 5 LlamaRMSNorm [llama]\n" in caplog.text + "\n"
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
     assert rms_norm.restore_rms_norms(model) == 5 and rms_norm.restore_rms_norms(model) == 0
@@ -287,7 +324,7 @@ def test_partitioned_and_meta_weights_are_probed_without_their_values():
     module = _norm(16, torch.float32, 20)
     module.weight.data = torch.empty(0)
     module.weight.ds_shape, module.weight.ds_numel, module.weight.ds_id = torch.Size([16]), 16, 0
-    assert rms_norm.is_candidate(module) and rms_norm.probe(module) == ""
+    assert rms_norm.is_candidate(module) and rms_norm.probe(module) == ("llama", "")
     assert rms_norm.swap_rms_norms(module) == 1 and module.weight.numel() == 0
     with torch.device("meta"):
         model = _tiny()
@@ -308,7 +345,7 @@ def test_a_norm_that_differs_only_in_16_bit_is_left():
             hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
             return (self.weight * hidden_states).to(input_dtype)
 
-    assert rms_norm.probe(CastLastRMSNorm(24)) == "output differs from the module's forward"
+    assert rms_norm.probe(CastLastRMSNorm(24)) == ("", "output differs from the module's forward")
 
 
 def test_lean_norm_option(tmp_path):
@@ -349,7 +386,7 @@ def test_cuda_bitwise_and_memory(dtype):
         w32 = _norm(shape[-1], torch.float32, 23).to(device)
         x32 = _input(shape, torch.float32, 24).to(device).requires_grad_()
         assert torch.equal(rms_norm.rms_norm(x32, w32.weight, 1e-5), w32(x32))
-    assert rms_norm.probe(module) == ""
+    assert rms_norm.probe(module) == ("llama", "")
     grad = torch.randn(shape, device=device).to(dtype)
     lean = _grads(lambda t: rms_norm.rms_norm(t, module.weight, module.variance_epsilon), x, module.weight, grad)
     reference = copy.deepcopy(module).double()
