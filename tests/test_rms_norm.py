@@ -333,8 +333,9 @@ def test_partitioned_and_meta_weights_are_probed_without_their_values():
     assert torch.equal(torch.get_rng_state(), state)  # the probe draws from its own generator
 
 
-def test_a_norm_that_differs_only_in_16_bit_is_left():
-    """(weight * h).to(input dtype) instead of weight * h.to(input dtype): equal in fp32, not for a 16-bit input."""
+def test_a_norm_that_differs_only_in_16_bit_gets_its_form():
+    """(weight * h).to(input dtype) instead of weight * h.to(input dtype): equal in fp32, not for a 16-bit input, so
+    the probe passes over the llama form to the fp32 weight one."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     class CastLastRMSNorm(LlamaRMSNorm):
@@ -345,7 +346,7 @@ def test_a_norm_that_differs_only_in_16_bit_is_left():
             hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
             return (self.weight * hidden_states).to(input_dtype)
 
-    assert rms_norm.probe(CastLastRMSNorm(24)) == ("", "output differs from the module's forward")
+    assert rms_norm.probe(CastLastRMSNorm(24)) == ("fp32 weight", "")
 
 
 def test_lean_norm_option(tmp_path):
@@ -413,3 +414,23 @@ def test_cuda_bitwise_and_memory(dtype):
     per_token = (4 if dtype == torch.float32 else 6) * width + 4
     assert kept[0] >= tokens * per_token and kept[1] <= tokens * 4 + 2**20, kept
     assert peak[0] >= 2 * 4 * tokens * width and peak[1] <= 8 * rms_norm.CHUNK_BYTES, peak
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [f for f in NORMS if f != "llama"])
+def test_cuda_other_forms_bitwise(family):
+    """On a GPU the other forms too: the probe picks the form (its fp16 autocast case included; Gemma3n's
+    pow(., -0.5) against rsqrt), the output bit for bit, gradients no further from float64 than the module's."""
+    device, shape = torch.device("cuda"), (2, 9, 256)
+    for dtype in DTYPES:
+        module = _norm(shape[-1], dtype, 26, family=family).to(device)
+        assert rms_norm.probe(module) == (NORMS[family], "")
+        x = _input(shape, dtype, 27).to(device)
+        assert torch.equal(_lean(module)(x), module(x))
+        grad = torch.randn(shape, device=device).to(dtype)
+        lean = _grads(_lean(module), x, module.weight, grad)
+        reference = copy.deepcopy(module).double()
+        want = _grads(reference, x.double(), reference.weight, grad.double())
+        eager = _grads(module, x, module.weight, grad)
+        for got, base, ref in zip(lean, eager, want):
+            assert (got.double() - ref).abs().max() <= 1.5 * (base.double() - ref).abs().max() + 1e-3 * ref.abs().max()
