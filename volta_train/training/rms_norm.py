@@ -1,22 +1,22 @@
-"""Lean RMSNorm: a Llama-style RMSNorm whose forward is the module's own, op for op, but which saves only the input
-(the tensor the caller already keeps), the per-row reciprocal RMS and the weight, and whose backward works over
-chunks of rows, so that no fp32 tensor of the full ``[tokens, width]`` size is saved or created.
+"""Lean RMSNorm: an RMSNorm whose forward is the module's own, op for op, but which saves only the input (the
+tensor the caller already keeps), the per-row reciprocal RMS and the weight, and whose backward works over chunks
+of rows, so that no fp32 tensor of the full ``[tokens, width]`` size is saved or created.
 
-transformers' ``LlamaRMSNorm`` (and the many families that copy it) computes in eager PyTorch::
-
-    h = x.to(float32); var = h.pow(2).mean(-1, keepdim=True); h = h * rsqrt(var + eps); y = weight * h.to(x.dtype)
-
-and autograd saves the fp32 upcast of a 16-bit input, the fp32 normalised rows (fp32 input) or their 16-bit cast,
-then creates several fp32 ``[tokens, width]`` temporaries at once in the backward. :class:`RMSNormFunction` runs
-the same ops in the same order in its forward (the output is bit-identical) and recomputes the normalised rows per
+transformers' RMSNorms compute in eager PyTorch ``h = x.to(float32) * rsqrt(h.pow(2).mean(-1) + eps)`` and then
+one of the :data:`FORMS`: ``weight * h.to(x.dtype)`` (``LlamaRMSNorm`` and the many families that copy it),
+``(h * (1.0 + weight.float())).to(x.dtype)`` (``GemmaRMSNorm``, Gemma2, Gemma3 and their copies) or
+``(h * weight.float()).to(x.dtype)`` (``Gemma3nRMSNorm``, ``Olmo2RMSNorm``'s ``(weight * h).to(x.dtype)``).
+Autograd saves the fp32 upcast of a 16-bit input and the normalised rows (fp32, or their 16-bit cast), then
+creates several fp32 ``[tokens, width]`` temporaries at once in the backward. :class:`RMSNormFunction` runs the
+same ops in the same order in its forward (the output is bit-identical) and recomputes the normalised rows per
 chunk in its backward.
 
 :func:`swap_rms_norms` replaces the ``forward`` of each module that looks like such a norm, after checking on a
-probe that the function reproduces the module's own forward bit for bit; modules whose forward differs (Gemma's
-``1 + weight`` in fp32, for one) keep theirs. The probe runs on a shallow copy of the module holding a random
-weight of the module's shape and dtype, never on the module's own weight: it needs no gathered ZeRO-3 parameter
-(no collective), works on a model built on the meta device (probed on the CPU) and leaves the random generators
-alone. ``__call__`` is untouched, so module hooks (DeepSpeed's gathers, offload) keep firing.
+probe that the function reproduces the module's own forward bit for bit in one of the forms (tried in order);
+modules whose forward differs in all keep theirs, named in the log. The probe runs on a shallow copy of the module
+holding a random weight of the module's shape and dtype, never on the module's own weight: it needs no gathered
+ZeRO-3 parameter (no collective), works on a model built on the meta device (probed on the CPU) and leaves the
+random generators alone. ``__call__`` is untouched, so module hooks (DeepSpeed's gathers, offload) keep firing.
 """
 
 from __future__ import annotations
