@@ -456,7 +456,7 @@ def test_pegasus_x_global_local_encoder_and_causal_decoder_match_eager(padding):
 def test_patched_models_pickle_and_load_in_a_fresh_process(family, tmp_path):
     """torch.save of a whole patched model (Falcon's and PEGASUS-X's modules have run-time classes, PEGASUS-X's
     decoder a cross-attention found by name); torch.load in a Python process that never called patch() gives the same
-    logits, and unpatch works on what was loaded."""
+    logits (to 1e-6: a process's own CPU reductions may split differently), and unpatch works on what was loaded."""
     import subprocess
     import sys
 
@@ -469,13 +469,14 @@ def test_patched_models_pickle_and_load_in_a_fresh_process(family, tmp_path):
     torch.save({"model": model, "ids": ids, "kwargs": kwargs, "want": want}, tmp_path / "model.pt")
     script = f"""
 import torch, volta_train
+torch.set_num_threads({torch.get_num_threads()})  # the CPU's reductions split as in this process
 saved = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
 model = saved["model"]
 swapped = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("OnVoltaTrain")]
 assert bool(swapped) == {family != "llama"!r}, swapped
 with torch.no_grad():
     got = model(saved["ids"], **saved["kwargs"]).logits
-assert torch.equal(got, saved["want"]), (got - saved["want"]).abs().max()
+assert (got - saved["want"]).abs().max() <= 1e-6, (got - saved["want"]).abs().max()  # unpatched cross-attention: 6e-3
 volta_train.unpatch(model)
 assert not any(type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
 print("ok", len(swapped))
