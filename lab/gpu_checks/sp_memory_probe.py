@@ -36,16 +36,16 @@ step rather than from the steps' trend.
 
 Llama-3.1-8B (``--shape llama3.1-8b``: 32 layers, width 4096, 32 heads, 8 key/value heads, MLP 14336, 128,256
 words) does not fit one GPU in fp32 or fp16 next to anything else, so ``--zero-init`` builds it as the recipes do
-under ZeRO-3 (``distributed.partitioned_build``, inside ``deepspeed.zero.Init``): each module's weights are partitioned over the processes as they are created, in host
-memory under ``offload_param`` (``--deepspeed zero3_offload``). With ``offload_optimizer`` the fp32 master
+under ZeRO-3 (``distributed.partitioned_build``, inside ``deepspeed.zero.Init``): each module's weights are
+partitioned over the processes as they are created, in host memory under ``offload_param`` (``--deepspeed
+zero3_offload``). With ``offload_optimizer`` the fp32 master
 weights, gradients and AdamW moments live in host memory and the step runs on the CPU: torch's AdamW with
 ``fused=True`` (one pass, no temporaries; ``zero_force_ds_cpu_optimizer: false`` lets DeepSpeed take it) or,
 with ``--cpu-optimizer deepspeed``, DeepSpeed's CPU Adam (a C++ extension built on first use: needs a compiler
 and ninja). ``--tiled-mlp on``, ``--activation-offload`` turn on the recipes' long-context features. Host memory:
 ZeRO's offload keeps ~18 bytes per parameter per process (fp16 weights; fp32 weights, gradients and AdamW
-moments), and the activation offload one pinned copy of each layer's checkpointed input, which PyTorch's pinned
-allocator rounds up to a power of two; ``--host-memory-gb`` (default: the machine's) caps the target so that
-both fit.
+moments), and the activation offload one exact-size page-locked copy of each offloaded layer's checkpointed
+input; ``--host-memory-gb`` (default: the machine's) caps the target so that both fit.
 
 Output: one JSON (``--out``, rewritten after every step) with every step's peaks and seconds, the fit, the
 predictions, the target and the verification. ``--cpu``: gloo, a tiny model, no memory figures (a smoke test of
@@ -247,9 +247,8 @@ def host_bytes(length: int, sp: int, processes: int, parameters: int, layers: in
                offload_param: bool, offload_optimizer: bool, activation_offload: bool) -> float:
     """Host memory the processes of one machine hold at ``length`` tokens: ZeRO's offloaded share of the model per
     process (fp16 weights 2, fp32 weights, gradients and AdamW moments 16 bytes per parameter; x1.15 for the
-    pinned allocator's rounding of each tensor to a power of two), one pinned fp16 copy of each layer's
-    checkpointed input (rounded up to a power of two, as PyTorch's pinned allocator does), 6 GiB per process for
-    the rest (CUDA context, libraries)."""
+    pinned allocator's rounding of each tensor to a power of two), one exact-size fp16 copy of each offloaded
+    layer's checkpointed input (the offload's pool), 6 GiB per process for the rest (CUDA context, libraries)."""
     share = parameters / processes
     zero = 1.15 * share * ((2 if offload_param else 0) + (16 if offload_optimizer else 0))
     pinned = layers * pinned_layer_bytes(length, sp, hidden) if activation_offload else 0  # offloaded layers
@@ -488,25 +487,24 @@ def main(argv=None) -> dict:
         began = time.perf_counter()
         error, loss_value, phases = None, math.nan, []
         skipped_before = getattr(engine, "skipped_steps", 0)
-        host = HostPeak().__enter__()
-        try:
-            loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
-            phases = [HostPeak.in_use()]
-            if args.cpu and args.cpu_oom_above and length > args.cpu_oom_above:
-                loss.register_hook(_simulated_oom)
-            acc.backward(loss)
-            phases.append(HostPeak.in_use())
-            optimizer.step()
-            phases.append(HostPeak.in_use())
-            optimizer.zero_grad()
-            loss_value = loss.item()
-            del loss
-            if cuda:
-                torch.cuda.synchronize(device)
-        except torch.OutOfMemoryError as e:  # noqa: F821 - torch >= 2.1
-            error = str(e).splitlines()[0]
-        seconds = time.perf_counter() - began
-        host.__exit__(None, None, None)
+        with HostPeak() as host:
+            try:
+                loss = sequence_parallel.sharded_loss(engine, shard, lay.group, factor, chunked=args.chunked_loss)
+                phases = [HostPeak.in_use()]
+                if args.cpu and args.cpu_oom_above and length > args.cpu_oom_above:
+                    loss.register_hook(_simulated_oom)
+                acc.backward(loss)
+                phases.append(HostPeak.in_use())
+                optimizer.step()
+                phases.append(HostPeak.in_use())
+                optimizer.zero_grad()
+                loss_value = loss.item()
+                del loss
+                if cuda:
+                    torch.cuda.synchronize(device)
+            except torch.OutOfMemoryError as e:  # noqa: F821 - torch >= 2.1
+                error = str(e).splitlines()[0]
+            seconds = time.perf_counter() - began
         if cuda:
             trim_host_heap()
         if error is not None:

@@ -100,11 +100,7 @@ class PinnedPool:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        stale = [buf for size in [size for size in self._free if size not in self._asked] for buf in self._free.pop(size)]
-        if stale:
-            self._drain()
-        for buf in stale:
-            self._drop(buf)
+        self._release_sizes([size for size in self._free if size not in self._asked])
         buf = _page_aligned(nbytes)
         self._register(buf)
         self.held_bytes += nbytes
@@ -122,14 +118,16 @@ class PinnedPool:
         """Unlock and free every free buffer (``close``: and each one given back from now on); returns the bytes
         released."""
         self.closed = self.closed or close
-        if self._free:
+        return self._release_sizes(list(self._free))
+
+    def _release_sizes(self, sizes: list[int]) -> int:
+        """Unlock and free the free buffers of these sizes, once the copies are done; returns the bytes freed."""
+        bufs = [buf for size in sizes for buf in self._free.pop(size)]
+        if bufs:
             self._drain()
-        released = 0
-        for size in list(self._free):
-            for buf in self._free.pop(size):
-                released += buf.numel()
-                self._drop(buf)
-        return released
+        for buf in bufs:
+            self._drop(buf)
+        return sum(buf.numel() for buf in bufs)
 
     def _drop(self, buf: torch.Tensor) -> None:
         self._unregister(buf)
@@ -204,7 +202,7 @@ class ActivationOffload:
         if t.is_contiguous():
             pool = self._pools.get(t.device)
             if pool is None:
-                pool = self._pools[t.device] = PinnedPool(drain=self._stream(t.device).synchronize)
+                pool = self._pools[t.device] = PinnedPool(drain=stream.synchronize)
             buf = pool.take(t.numel() * t.element_size())
             host = buf.view(t.dtype).view(t.shape)
         else:
