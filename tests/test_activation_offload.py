@@ -88,11 +88,12 @@ def test_small_tensors_stay_and_errors():
 
 def test_recipe_configs_refuse_offload_without_checkpointing():
     from volta_train.training import config, gpt
+    from volta_train.training.memory import MemoryConfig
 
-    with pytest.raises(config.ConfigError, match="activation_offload .* set gradient_checkpointing"):
-        gpt.resolve(gpt.GPTTrainConfig(activation_offload=True), "cpu")
-    with pytest.raises(config.ConfigError, match="tiled_mlp_tokens must be positive"):
-        gpt.resolve(gpt.GPTTrainConfig(tiled_mlp_tokens=0), "cpu")
+    with pytest.raises(config.ConfigError, match="memory.activation_offload .* set memory.gradient_checkpointing"):
+        gpt.resolve(gpt.GPTTrainConfig(memory=MemoryConfig(activation_offload=True)), "cpu")
+    with pytest.raises(config.ConfigError, match="memory.tiled_mlp_tokens must be positive"):
+        gpt.resolve(gpt.GPTTrainConfig(memory=MemoryConfig(tiled_mlp_tokens=0)), "cpu")
 
 
 class _Locks:

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, config, data
-from volta_train.training import finetune_setup as ft
+from volta_train.training import example_batches, examples, models
+from volta_train.training import finetune_config as ft
+from volta_train.recipes import finetune as finetune_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
@@ -64,8 +66,8 @@ def test_shipped_configs_are_valid(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = ft.check(config.from_flat(ft.FinetuneConfig, config.load_yaml(path, ft.FinetuneConfig)))
     assert cfg.model.patch and cfg.model.config and cfg.logging.out_dir.startswith("out/finetune/")
-    tokenizer = data.load_tokenizer(ft.tokenizer_spec(cfg))
-    assert ft.read_model_config(cfg.model.config).vocab_size >= tokenizer.vocab_size
+    tokenizer = data.load_tokenizer(models.tokenizer_spec(cfg.model.tokenizer, cfg.model.path, cfg.model.config))
+    assert models.read_model_config(cfg.model.config).vocab_size >= tokenizer.vocab_size
 
 
 @pytest.mark.parametrize(
@@ -119,7 +121,7 @@ def _merged(extra: dict) -> dict:
         ({"schedule": {"warmup_ratio": 1.5}}, "schedule.warmup_ratio must lie in [0, 1), got 1.5"),
         ({"optimizer": {"lr": 0}}, "optimizer.lr must be a finite number > 0, got 0.0"),
         ({"model": {"gradient_checkpointing": True, "activation_offload": True, "activation_offload_keep": -1}},
-         "model.activation_offload_keep must be >= 0"),
+         "memory.activation_offload_keep must be >= 0"),
     ],
 )
 def test_cross_key_checks(tmp_path, monkeypatch, extra, message):
@@ -189,33 +191,33 @@ def test_instruction_records_mask_the_prompt(tmp_path):
                  + json.dumps({"instruction": "Say hi.", "output": "hi"}) + "\n")
     tok = data.ByteTokenizer()
     cfg = _cfg(tmp_path, train=str(f), format="instruction")
-    arrays = ft.load_examples(str(f), cfg, tok, [])
+    arrays = examples.load_examples(str(f), cfg, tok, [])
     assert list((tmp_path / "cache").glob("*.npz"))
-    ds = ft.ExampleDataset(arrays, "causal_lm")
+    ds = example_batches.ExampleDataset(arrays, "causal_lm")
     first, second = ds[0], ds[1]
     prompt = ft.DEFAULT_PROMPT_WITH_INPUT.format(instruction="Add.", input="1 + 2")
     assert tok.decode(first["input_ids"]) == prompt + "3<|eos|>"
     n = len(prompt.encode())
     assert (first["labels"][:n] == -100).all() and first["labels"][n:].tolist() == [ord("3"), tok.eos_token_id]
     assert tok.decode(second["input_ids"]).startswith(ft.DEFAULT_PROMPT.format(instruction="Say hi."))
-    batch = ft.Collator(tok.pad_token_id, "causal_lm", False)([first, second])
+    batch = example_batches.Collator(tok.pad_token_id, "causal_lm", False)([first, second])
     assert batch["input_ids"].shape == (2, max(first["input_ids"].numel(), second["input_ids"].numel()))
     assert batch["attention_mask"].sum().item() == first["input_ids"].numel() + second["input_ids"].numel()
     assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
     cfg.data.train_on_prompt = True
-    arrays = ft.tokenize(ft.read_records(str(f)), cfg, tok, [])
+    arrays = examples.tokenize(examples.read_records(str(f)), cfg, tok, [])
     assert arrays["prompt"].tolist() == [0, 0]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "?"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: no field 'instruction' \(set data.instruction_field"):
-        ft.tokenize(ft.read_records(str(bad)), cfg, tok, [])
+        examples.tokenize(examples.read_records(str(bad)), cfg, tok, [])
 
 
 def test_packed_examples_restart_positions():
     arrays = {"ids": np.arange(1, 11, dtype=np.uint16), "offsets": np.array([0, 3, 7, 10]),
               "prompt": np.array([0, 2, 0], dtype=np.int32), "split": np.zeros(3, np.int32),
               "label": np.full(3, -100)}
-    ds = ft.PackedExamples(arrays, 8, pad_token_id=0)
+    ds = example_batches.PackedExamples(arrays, 8, pad_token_id=0)
     assert ds.rows == [[0, 1], [2]]
     row = ds[0]
     assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
@@ -228,35 +230,35 @@ def test_classification_pairs_and_labels(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"a": a, "b": b, "y": y}) for a, b, y in
                            [("the kettle is red", "it is red", "yes"), ("the rope", "it is blue", "no")]) + "\n")
-    records = ft.read_records(str(f))
+    records = examples.read_records(str(f))
     cfg = _cfg(tmp_path, train=str(f), format="classification", text_field="a", text_pair_field="b", label_field="y")
-    names = ft.label_names(records, cfg.data)
+    names = examples.label_names(records, cfg.data)
     assert names == ["no", "yes"]
     bert = data.load_tokenizer(str(ROOT / "configs/finetune/models/tiny_bert"))
-    ds = ft.ExampleDataset(ft.tokenize(records, cfg, bert, names), "classification")
-    batch = ft.Collator(bert.pad_token_id, "classification", True)([ds[0], ds[1]])
+    ds = example_batches.ExampleDataset(examples.tokenize(records, cfg, bert, names), "classification")
+    batch = example_batches.Collator(bert.pad_token_id, "classification", True)([ds[0], ds[1]])
     assert batch["labels"].tolist() == [1, 0]
     ids, types = batch["input_ids"][0].tolist(), batch["token_type_ids"][0].tolist()
     assert ids[0] == bert.cls_token_id and ids.count(bert.sep_token_id) == 2
     assert types.index(1) == ids.index(bert.sep_token_id) + 1  # the second segment starts after the first [SEP]
     roberta = data.load_tokenizer(str(ROOT / "configs/finetune/models/tiny_roberta"))
-    arrays = ft.tokenize(records, cfg, roberta, names)
+    arrays = examples.tokenize(records, cfg, roberta, names)
     first = arrays["ids"][: arrays["offsets"][1]].tolist()
     split = int(arrays["split"][0])
     assert first[split - 2 : split] == [roberta.sep_token_id] * 2  # <s> a </s></s> b </s>
     byte = data.ByteTokenizer()
-    arrays = ft.tokenize(records, cfg, byte, names)
+    arrays = examples.tokenize(records, cfg, byte, names)
     first = arrays["ids"][: arrays["offsets"][1]].tolist()
     assert first[0] == byte.cls_token_id and first.count(byte.sep_token_id) == 2
     cfg.data.labels = ["yes"]
     with pytest.raises(ValueError, match=r"label 'no' is not one of data.labels \['yes'\]"):
-        ft.tokenize(records, cfg, byte, ["yes"])
+        examples.tokenize(records, cfg, byte, ["yes"])
 
 
 def test_select_keeps_examples_intact(tmp_path):
     arrays = {"ids": np.arange(10, dtype=np.uint16), "offsets": np.array([0, 3, 7, 10]),
               "prompt": np.array([1, 2, 0], dtype=np.int32), "split": np.zeros(3, np.int32), "label": np.arange(3)}
-    sub = ft.select(arrays, [2, 0])
+    sub = examples.select(arrays, [2, 0])
     assert sub["ids"].tolist() == [7, 8, 9, 0, 1, 2] and sub["offsets"].tolist() == [0, 3, 6]
     assert sub["prompt"].tolist() == [0, 1] and sub["label"].tolist() == [2, 0]
 
@@ -264,20 +266,20 @@ def test_select_keeps_examples_intact(tmp_path):
 def test_models_from_config_and_path(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = _parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"))
-    tok = data.load_tokenizer(ft.tokenizer_spec(cfg))
-    model = ft.build_model(cfg, tok, ["contradiction", "entailment"])
+    tok = data.load_tokenizer(models.tokenizer_spec(cfg.model.tokenizer, cfg.model.path, cfg.model.config))
+    model = finetune_recipe.build_model(cfg, tok, ["contradiction", "entailment"])
     assert model.config.model_type == "roberta" and model.config.num_labels == 2
-    assert ft.max_positions(model.config) == 256  # 258 positions - padding_idx 1 - 1
+    assert models.max_positions(model.config) == 256  # 258 positions - padding_idx 1 - 1
     model.save_pretrained(tmp_path / "m")
     tok.tokenizer.save_pretrained(tmp_path / "m")
     cfg = _parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"), "--model.path", str(tmp_path / "m"),
                  "--model.config-overrides", '{"hidden_dropout_prob": 0.0}')
-    assert ft.tokenizer_spec(cfg) == str(tmp_path / "m")  # model.path's own tokenizer comes first
-    again = ft.build_model(cfg, tok, ["contradiction", "entailment"])
+    assert models.tokenizer_spec(cfg.model.tokenizer, cfg.model.path, cfg.model.config) == str(tmp_path / "m")  # model.path's own tokenizer comes first
+    again = finetune_recipe.build_model(cfg, tok, ["contradiction", "entailment"])
     assert again.config.hidden_dropout_prob == 0.0
     assert torch.equal(again.roberta.embeddings.word_embeddings.weight, model.roberta.embeddings.word_embeddings.weight)
     with pytest.raises(config.ConfigError, match="data.max_length 300 exceeds the model's 256 positions"):
-        ft.build_model(_parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"), "--data.max-length",
+        finetune_recipe.build_model(_parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"), "--data.max-length",
                               "300"), tok, ["a", "b"])
 
 

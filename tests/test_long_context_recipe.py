@@ -118,29 +118,31 @@ def test_shipped_8b_config_composes_everything():
 
     import torch
 
-    from volta_train.training import (chunked_loss, config, data, distributed, gpt, rms_norm, sequence_parallel,
-                                      tiled_mlp)
+    from volta_train.training import (chunked_loss, config, data, distributed, gpt, memory, rms_norm,
+                                      sequence_parallel, tiled_mlp)
 
     path = ROOT / "configs" / "gpt_long" / "v100_llama8b_128k_sp8_zero3_offload.yaml"
     cfg = gpt.resolve(config.parse_config(gpt.GPTTrainConfig, ["--config", str(path)]), "cuda", 8)
     gpt.check_sequence_parallel(cfg, 8)
     assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.intermediate_size) == \
         ("llama", 32, 4096, 32, 8, 14336)
-    assert (cfg.seq_len, cfg.sequence_parallel_size, cfg.mixed_precision) == (131072, 8, "fp16")
-    assert cfg.gradient_checkpointing and cfg.activation_offload and cfg.chunked_loss and cfg.tiled_mlp == "on"
-    ds = json.loads(distributed.resolve_deepspeed_spec(cfg.deepspeed).read_text())
+    assert (cfg.seq_len, cfg.parallel.sequence_parallel_size, cfg.precision.mixed_precision) == (131072, 8, "fp16")
+    m = cfg.memory
+    assert m.gradient_checkpointing and m.activation_offload and m.chunked_loss and m.tiled_mlp == "on"
+    ds = json.loads(distributed.resolve_deepspeed_spec(cfg.parallel.deepspeed).read_text())
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     with torch.device("meta"):
         model = gpt.build_model(cfg, data.load_tokenizer(gpt.default_tokenizer(cfg)))
+        memory.apply(model, m, memory.tokens_per_process(cfg.batch_size, cfg.seq_len, 8))
     sequence_parallel.check_degree(8, *sequence_parallel.heads_of(model.config), 8)
     tiled = [m for m in model.modules() if hasattr(m, tiled_mlp._ATTR)]
     assert len(tiled) == 32 and getattr(tiled[0], tiled_mlp._ATTR).tile_tokens == 2304
     assert isinstance(getattr(model, "_volta_activation_offloader", None), activation_offload.ActivationOffload)
     assert sum(hasattr(m, rms_norm._ATTR) for m in model.modules()) == 65  # lean_norm auto, on with the tiles
     assert sum(1 for m in activation_offload.checkpointed_modules(model) if hasattr(m, activation_offload._ATTR)) >= 32
-    assert chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)[0]
+    assert chunked_loss.resolve(m.chunked_loss, model, m.loss_chunk_tokens)[0]
     # Llama-3.1-8B's 8.03 B less its two 128k-word embeddings (a bytes vocabulary, tied)
     assert abs(sum(p.numel() for p in model.parameters()) - 6.98e9) < 0.05e9
 
@@ -150,15 +152,18 @@ def test_activation_offload_keep_option():
     negative or leaves no block to offload is refused naming the option."""
     import torch
 
-    from volta_train.training import activation_offload, data, gpt
+    from volta_train.training import activation_offload, data, gpt, memory
     from volta_train.training.config import ConfigError
 
     def build(keep):
+        options = memory.MemoryConfig(gradient_checkpointing=True, activation_offload=True,
+                                      activation_offload_keep=keep)
         cfg = gpt.resolve(gpt.GPTTrainConfig(arch="llama", model="nano", n_layer=3, seq_len=64, cpu=True,
-                                             gradient_checkpointing=True, activation_offload=True,
-                                             activation_offload_keep=keep), "cpu", 1)
+                                             memory=options), "cpu", 1)
         with torch.device("meta"):
-            return gpt.build_model(cfg, data.ByteTokenizer())
+            model = gpt.build_model(cfg, data.ByteTokenizer())
+            memory.apply(model, cfg.memory, memory.tokens_per_process(cfg.batch_size, cfg.seq_len))
+            return model
 
     model = build(1)
     offloaded = [m for m in activation_offload.checkpointed_modules(model) if hasattr(m, activation_offload._ATTR)]
@@ -166,8 +171,8 @@ def test_activation_offload_keep_option():
     assert not hasattr(layers[2], activation_offload._ATTR) and all(hasattr(b, activation_offload._ATTR)
                                                                       for b in layers[:2])
     assert layers[2] not in offloaded
-    with pytest.raises(ConfigError, match=r"activation_offload_keep: .*keep_last must be in \[0, 3\)"):
+    with pytest.raises(ConfigError, match=r"memory.activation_offload_keep: .*keep_last must be in \[0, 3\)"):
         build(3)
-    with pytest.raises(ConfigError, match="activation_offload_keep must be >= 0"):
+    with pytest.raises(ConfigError, match="memory.activation_offload_keep must be >= 0"):
         build(-1)
 

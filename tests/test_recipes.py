@@ -358,10 +358,10 @@ def test_cli_overrides_yaml(tmp_path):
 
 def test_auto_defaults_per_device():
     cpu = gpt.resolve(gpt.GPTTrainConfig(), "cpu")
-    assert (cpu.model, cpu.seq_len, cpu.mixed_precision, cpu.warmup_steps) == ("tiny", 256, "no", 20)
+    assert (cpu.model, cpu.seq_len, cpu.precision.mixed_precision, cpu.warmup_steps) == ("tiny", 256, "no", 20)
     assert (cpu.checkpoint_interval, cpu.resume, cpu.packing) == (100, "auto", "auto")
     cuda = gpt.resolve(gpt.GPTTrainConfig(), "cuda")
-    assert (cuda.model, cuda.n_layer, cuda.seq_len, cuda.mixed_precision) == ("small", 12, 4096, "fp16")
+    assert (cuda.model, cuda.n_layer, cuda.seq_len, cuda.precision.mixed_precision) == ("small", 12, 4096, "fp16")
     assert cuda.synthetic_mb * 1e6 >= cuda.steps * cuda.batch_size * cuda.grad_accum * cuda.seq_len
     with pytest.raises(config.ConfigError, match="multiple of n_head"):
         gpt.resolve(gpt.GPTTrainConfig(n_embd=100, n_head=3), "cpu")

@@ -350,7 +350,7 @@ def test_a_norm_that_differs_only_in_16_bit_gets_its_form():
 
 
 def test_lean_norm_option(tmp_path):
-    from volta_train.training import config, data, finetune_setup, gpt
+    from volta_train.training import config, data, finetune_config, gpt, memory
 
     with pytest.raises(ValueError, match="lean_norm must be one of auto, on, off, got 'yes'"):
         rms_norm.resolve("yes", True)
@@ -360,11 +360,13 @@ def test_lean_norm_option(tmp_path):
         config.load_yaml(bad, gpt.GPTTrainConfig)
     bad.write_text("model: {lean_norm: maybe}\n")
     with pytest.raises(config.ConfigError, match=re.escape("model.lean_norm is 'maybe'; accepted: auto, on, off")):
-        config.load_yaml(bad, finetune_setup.FinetuneConfig)
+        config.load_yaml(bad, finetune_config.FinetuneConfig)
 
     def swapped(**options):
-        cfg = gpt.resolve(gpt.GPTTrainConfig(arch="llama", model="nano", n_kv_head=1, seq_len=64, **options), "cpu")
+        cfg = gpt.resolve(gpt.GPTTrainConfig(arch="llama", model="nano", n_kv_head=1, seq_len=64,
+                                             memory=memory.MemoryConfig(**options)), "cpu")
         model = gpt.build_model(cfg, data.ByteTokenizer())
+        memory.apply(model, cfg.memory, memory.tokens_per_process(cfg.batch_size, cfg.seq_len))
         tiled = any(hasattr(m, tiled_mlp._ATTR) for m in model.modules())
         return sum(hasattr(m, rms_norm._ATTR) for m in model.modules()), tiled
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, data, fsio
-from volta_train.training import finetune_setup as ft
+from volta_train.training import examples
+from volta_train.training import finetune_config as ft
 from volta_train.training.trainer import (
     STOPPED_EXIT, RunStateError, Trainer, finished_run_problems, run_or_fail,
 )
@@ -322,7 +323,7 @@ def test_disk_full_while_writing_a_cache_names_it_and_leaves_no_temporary_file(t
         train.write_text('{"text": "hello"}\n')
         cfg = ft.FinetuneConfig(data=ft.DataSection(train=str(train), format="text", cache_dir=str(cache)))
         with pytest.raises(fsio.WriteError) as err:
-            ft.load_examples(str(train), cfg, data.ByteTokenizer(), [])
+            examples.load_examples(str(train), cfg, data.ByteTokenizer(), [])
         pattern = rf"cannot write the tokenised dataset {re.escape(str(cache))}/finetune-t-\w+\.npz: OSError: "
     monkeypatch.undo()
     assert re.match(pattern + r".* free on its filesystem\)$", str(err.value)), str(err.value)

@@ -94,8 +94,8 @@ def test_recipe_config_checks():
     with pytest.raises(config.ConfigError, match=r"sequence_parallel_size is 4, but it does not divide the 2 "
                                                  r"attention heads \(n_head\).*values for these heads: 1, 2$"):
         gpt.resolve(_cfg(sequence_parallel_size=4, deepspeed="zero3"), "cpu")
-    with pytest.raises(config.ConfigError, match=r"sequence_parallel_size 2 runs under DeepSpeed-Ulysses: set "
-                                                 r"deepspeed"):
+    with pytest.raises(config.ConfigError, match=r"parallel.sequence_parallel_size 2 runs under DeepSpeed-Ulysses, "
+                                                 r"and parallel.deepspeed is unset: set parallel.deepspeed"):
         gpt.resolve(_cfg(sequence_parallel_size=2), "cpu")
     with pytest.raises(config.ConfigError, match=r"the 3 key/value heads \(n_kv_head\)"):
         gpt.resolve(_cfg(arch="llama", n_embd=192, n_head=6, n_kv_head=3, sequence_parallel_size=2,

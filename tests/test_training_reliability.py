@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from volta_train.training import checkpoint, config, data, distributed, fsio, gpt, logs, runlock
-from volta_train.training import finetune_setup as ft
+from volta_train.training import examples
+from volta_train.training import finetune_config as ft
 from volta_train.training.trainer import TrainingFailed, end_training
 from tiny_trainer import make_setup, make_trainer
 
@@ -524,32 +525,32 @@ def test_bad_finetune_records_are_refused_with_file_and_line(tmp_path, fmt, line
     task = "classification" if fmt == "classification" else "causal_lm"
     cfg = _ft_cfg(tmp_path, fmt, task, train=str(f))
     with pytest.raises(ValueError, match=message):
-        records = ft.read_records(str(f))
-        names = ft.label_names(records, cfg.data) if task == "classification" else []
-        ft.tokenize(records, cfg, data.ByteTokenizer(), names)
+        records = examples.read_records(str(f))
+        names = examples.label_names(records, cfg.data) if task == "classification" else []
+        examples.tokenize(records, cfg, data.ByteTokenizer(), names)
 
 
 def test_labels_unknown_ambiguous_and_accepted(tmp_path):
     byte = data.ByteTokenizer()
-    train = ft.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": "neg"}, {"text": "b", "label": "pos"}])))
+    train = examples.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": "neg"}, {"text": "b", "label": "pos"}])))
     cfg = _ft_cfg(tmp_path, "classification", "classification")
-    names = ft.label_names(train, cfg.data)
+    names = examples.label_names(train, cfg.data)
     assert names == ["neg", "pos"]
-    unknown = ft.read_records(str(_jsonl(tmp_path, [{"text": "c", "label": "meh"}], "e.jsonl")))
+    unknown = examples.read_records(str(_jsonl(tmp_path, [{"text": "c", "label": "meh"}], "e.jsonl")))
     with pytest.raises(ValueError, match=r"e.jsonl:1: label 'meh' is not one of the labels of data.train"):
-        ft.tokenize(unknown, cfg, byte, names)
-    ints = ft.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": 2}, {"text": "b", "label": 0}], "i.jsonl")))
-    assert ft.label_names(ints, cfg.data) == ["0", "1", "2"]
-    assert ft.tokenize(ints, cfg, byte, ["0", "1", "2"])["label"].tolist() == [2, 0]
+        examples.tokenize(unknown, cfg, byte, names)
+    ints = examples.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": 2}, {"text": "b", "label": 0}], "i.jsonl")))
+    assert examples.label_names(ints, cfg.data) == ["0", "1", "2"]
+    assert examples.tokenize(ints, cfg, byte, ["0", "1", "2"])["label"].tolist() == [2, 0]
     cfg.data.labels = ["neg", "pos"]  # integer labels index data.labels
-    one = ft.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": 1}], "one.jsonl")))
-    assert ft.tokenize(one, cfg, byte, ["neg", "pos"])["label"].tolist() == [1]
+    one = examples.read_records(str(_jsonl(tmp_path, [{"text": "a", "label": 1}], "one.jsonl")))
+    assert examples.tokenize(one, cfg, byte, ["neg", "pos"])["label"].tolist() == [1]
     cfg.data.labels = ["1", "0"]  # 1 as an index is "0", as a name is "1": refused
     with pytest.raises(ValueError, match=r"one.jsonl:1: label 1 is ambiguous"):
-        ft.tokenize(one, cfg, byte, ["1", "0"])
+        examples.tokenize(one, cfg, byte, ["1", "0"])
     # a null input is an absent input
-    rec = ft.read_records(str(_jsonl(tmp_path, [{"instruction": "Hi.", "input": None, "output": "yo"}], "n.jsonl")))
-    ft.tokenize(rec, _ft_cfg(tmp_path, "instruction"), byte, [])
+    rec = examples.read_records(str(_jsonl(tmp_path, [{"instruction": "Hi.", "input": None, "output": "yo"}], "n.jsonl")))
+    examples.tokenize(rec, _ft_cfg(tmp_path, "instruction"), byte, [])
 
 
 def test_examples_without_targets_are_counted_dropped_or_refused(tmp_path, caplog):
@@ -559,17 +560,17 @@ def test_examples_without_targets_are_counted_dropped_or_refused(tmp_path, caplo
                           {"instruction": "Ok.", "output": "k"}])
     cfg = _ft_cfg(tmp_path, "instruction", max_length=48)
     caplog.set_level("WARNING")
-    arrays = ft.load_examples(str(f), cfg, byte, [])
-    assert arrays["offsets"].size - 1 == 2 and (ft.target_counts(arrays) > 0).all()
+    arrays = examples.load_examples(str(f), cfg, byte, [])
+    assert arrays["offsets"].size - 1 == 2 and (examples.target_counts(arrays) > 0).all()
     assert any("1 of 3 examples have no token to learn (the prompt fills data.max_length 48)" in r.getMessage()
                for r in caplog.records)
     cfg.data.max_length = 16  # the issue's `--data.max-length 16` on gpt2_instruct: no response token survives
     with pytest.raises(ValueError, match=r"d.jsonl: none of its 3 examples has a token to learn \(the prompt fills "
                                          r"data.max_length 16\)"):
-        ft.load_examples(str(f), cfg, byte, [])
+        examples.load_examples(str(f), cfg, byte, [])
     empty_texts = _jsonl(tmp_path, [{"text": ""}, {"text": ""}], "t.jsonl")
     with pytest.raises(ValueError, match=r"none of its 2 examples has a token to learn \(the text is empty\)"):
-        ft.load_examples(str(empty_texts), _ft_cfg(tmp_path, "text"), byte, [])
+        examples.load_examples(str(empty_texts), _ft_cfg(tmp_path, "text"), byte, [])
 
 
 def test_finetune_recipe_refuses_max_length_16_on_gpt2_instruct(tmp_path, monkeypatch, fresh_state):

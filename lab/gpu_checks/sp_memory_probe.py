@@ -80,7 +80,7 @@ import torch  # noqa: E402
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
 from volta_train.training import (  # noqa: E402
-    data, distributed, gpt, optim, rms_norm, sequence_parallel, tiled_mlp, trainer)
+    data, distributed, gpt, memory, optim, parallel, precision, rms_norm, sequence_parallel, tiled_mlp, trainer)
 
 PROBE = "volta_train_probe"
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,17 +347,21 @@ def mem_total_bytes() -> float:
 
 
 def build_model(cfg, tokenizer, args):
-    """gpt.build_model; with --zero-init the way the recipes build under ZeRO-3 (``distributed.partitioned_build``:
-    partitioned as created, in host memory with offload_param, initialised on gathered copies)."""
-    if not args.zero_init:
-        return gpt.build_model(cfg, tokenizer)
-    zero3 = distributed.zero3_init_config(mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum,
-                                          batch_size=cfg.batch_size, grad_clip=cfg.grad_clip,
-                                          deepspeed_spec=cfg.deepspeed)
-    if zero3 is None:
-        raise SystemExit(f"--zero-init needs a ZeRO-3 DeepSpeed config; {args.deepspeed!r} is not one")
+    """gpt.build_model and the memory section, as the recipe does; with --zero-init the way the recipes build under
+    ZeRO-3 (``distributed.partitioned_build``: partitioned as created, in host memory with offload_param, initialised
+    on gathered copies)."""
+    zero3 = None
+    if args.zero_init:
+        zero3 = distributed.zero3_init_config(mixed_precision=cfg.precision.mixed_precision,
+                                              grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
+                                              grad_clip=cfg.grad_clip, deepspeed_spec=cfg.parallel.deepspeed)
+        if zero3 is None:
+            raise SystemExit(f"--zero-init needs a ZeRO-3 DeepSpeed config; {args.deepspeed!r} is not one")
     with distributed.partitioned_build(zero3):
-        return gpt.build_model(cfg, tokenizer)
+        model = gpt.build_model(cfg, tokenizer)
+        memory.apply(model, cfg.memory, memory.tokens_per_process(cfg.batch_size, cfg.seq_len,
+                                                                  cfg.parallel.sequence_parallel_size))
+    return model
 
 
 def adamw(model, cpu_optimizer: str, offload_optimizer: bool):
@@ -390,11 +394,13 @@ def main(argv=None) -> dict:
             shape.update(n_head=CPU_SHAPE_HEADS, n_kv_head=CPU_SHAPE_HEADS * kv // SHAPES[args.shape]["n_head"],
                          intermediate_size=96)
     cfg = gpt.resolve(gpt.GPTTrainConfig(
-        **shape, seq_len=args.max_len if args.arch == "gpt2" else 4096, gradient_checkpointing=True,
-        deepspeed=args.deepspeed, sequence_parallel_size=args.sp, steps=1, batch_size=1, grad_accum=1, lr=1e-5,
-        cpu=args.cpu, mixed_precision="no" if args.cpu else "fp16", tiled_mlp=args.tiled_mlp,
-        tiled_mlp_tokens=64 if args.cpu and args.tiled_mlp != "off" else args.tile_tokens,
-        activation_offload=args.activation_offload,
+        **shape, seq_len=args.max_len if args.arch == "gpt2" else 4096, steps=1, batch_size=1, grad_accum=1, lr=1e-5,
+        cpu=args.cpu,
+        memory=memory.MemoryConfig(gradient_checkpointing=True, tiled_mlp=args.tiled_mlp,
+                                   tiled_mlp_tokens=64 if args.cpu and args.tiled_mlp != "off" else args.tile_tokens,
+                                   activation_offload=args.activation_offload),
+        parallel=parallel.ParallelConfig(deepspeed=args.deepspeed, sequence_parallel_size=args.sp),
+        precision=precision.PrecisionConfig(mixed_precision="no" if args.cpu else "fp16"),
     ), device.type, world)
     if args.tiled_mlp == "auto":  # the recipes' rule at the longest fitted step (cfg.seq_len is the probe's 4096)
         cfg.seq_len = args.shard_lengths[-1] * args.sp
@@ -433,7 +439,7 @@ def main(argv=None) -> dict:
     register_probe()
     model.set_attn_implementation(PROBE)
     parallelism = sequence_parallel.parallelism_config(args.sp, world, model) if args.sp > 1 else None
-    setup = distributed.build_accelerator(cpu=args.cpu, mixed_precision=cfg.mixed_precision, grad_accum=1,
+    setup = distributed.build_accelerator(cpu=args.cpu, mixed_precision=cfg.precision.mixed_precision, grad_accum=1,
                                           batch_size=1, grad_clip=1.0, deepspeed_spec=args.deepspeed,
                                           parallelism_config=parallelism)
     acc = setup.accelerator

@@ -11,7 +11,8 @@
     accelerate launch --num_processes 4 recipes/gpt_long.py --config configs/gpt_long/v100_gpt2_medium_sp4_zero3.yaml
                                                      # DeepSpeed-Ulysses: 4 GPUs share each sequence
 
-Every option is a flag and a YAML key (see --help); flags override --config. Options left
+Every option is a flag and a YAML key (see --help); flags override --config. The sections memory, parallel and
+precision are the same as finetune's (volta_train/training/memory.py, parallel.py, precision.py). Options left
 "auto" are chosen for the device the run lands on (volta_train/training/gpt.py: AUTO).
 Runs resume from out_dir's last checkpoint by default (--resume never to start over).
 The corpus is generated or read locally, tokenised once and cached; nothing is downloaded.
@@ -35,12 +36,13 @@ from accelerate.utils import set_seed  # noqa: E402
 
 from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
-    activation_offload, attention_choice, chunked_loss, config, data, distributed, gpt, logs, metrics, optim, runlock,
-    sequence_parallel,
+    activation_offload, attention_choice, config, data, distributed, gpt, logs, memory, metrics, optim, parallel,
+    sequence_parallel, steps,
 )
+from ..training.finetune_config import FinetuneConfig  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, exit_status, finished_earlier, run_or_fail, save_final_and_summary,
+    starting_run, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -51,7 +53,8 @@ _prog = ["gpt_long.py"]  # the command name error messages start with (volta-tra
 NOT_TRAJECTORY = {
     "out_dir", "cache_dir", "num_workers", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
     "keep_checkpoints", "resume", "resume_without_rng", "time_limit_min", "cpu", "cpu_threads", "progress",
-    "tensorboard", "peak_tflops", "save", "max_consecutive_skips", "gradient_checkpointing", "deepspeed",
+    "tensorboard", "peak_tflops", "save", "precision.max_consecutive_skips", "memory.gradient_checkpointing",
+    "parallel.deepspeed", "parallel.zero_offload",
 }
 # Options whose change makes the checkpoint's weights meaningless for this run: resuming with another is refused.
 FIXED = ("--arch", "--model", "--n-layer", "--n-head", "--n-embd", "--n-kv-head", "--intermediate-size",
@@ -62,162 +65,117 @@ def _fail(message: str):
     sys.exit(f"{_prog[0]}: error: {message}")
 
 
-def make_optimizer(setup, model, cfg):
-    """AdamW with weight-decay groups; a DeepSpeed JSON with its own "optimizer" gets accelerate's placeholder."""
-    betas = (cfg.beta1, cfg.beta2)
-    if setup.deepspeed and "optimizer" in setup.accelerator.state.deepspeed_plugin.deepspeed_config:
-        from accelerate.utils import DummyOptim
-
-        return DummyOptim(optim.param_groups(model, cfg.weight_decay), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return optim.build_adamw(model, cfg.lr, cfg.weight_decay, betas)
-
-
-def attention_module(model):
-    """The first attention module of a causal LM (what transformers passes to the attention function)."""
-    for module in model.modules():
-        if module is not model and hasattr(module, "is_causal") and hasattr(module, "config") \
-                and "attention" in type(module).__name__.lower():
-            return module
-    raise ValueError(f"{type(model).__name__} has no attention module with is_causal and config")
-
-
-def resolve_packing(cfg, model) -> tuple[bool, str]:
-    """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
-    if cfg.packing == "stream":
-        return False, "packing stream: documents attend across EOS (GPT-2 style)"
-    ok, why = attention_choice.packed_documents_supported(model)
-    impl = model.config._attn_implementation
-    if ok and cfg.sequence_parallel_size > 1:
-        # under Ulysses the core attention gets no mask and the whole sequence's position ids: check that route
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        ok, why = sequence_parallel.keeps_documents_apart(ALL_ATTENTION_FUNCTIONS[impl], attention_module(model))
-        if not ok:
-            why = f"under sequence parallelism: {why}"
-    if ok:
-        return True, f"packing documents: position ids restart at each document; {impl} keeps documents apart"
-    if cfg.packing == "documents":
-        _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
-              "--packing stream, or --no-patch")
-    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
-    return False, f"packing stream (auto: {impl} cannot separate packed documents)"
-
-
 def main(argv=None, prog: str = "gpt_long.py") -> dict:
-    """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
+    """Run the recipe: parse, build, train, save; returns summary.json's contents. A run that stopped before its
+    planned steps with a checkpoint (SIGTERM, a time limit) exits with trainer.STOPPED_EXIT once that is written."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir)
-
-
-def _prepare(cfg, state):
-    """Everything before the first step: data, model, accelerator, trainer (a failure here leaves no files)."""
-    tokenizer, train_tokens, val_tokens = _load_data(cfg, state)
-    try:
-        zero3 = distributed.zero3_init_config(mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum,
-                                              batch_size=cfg.batch_size, grad_clip=cfg.grad_clip,
-                                              deepspeed_spec=cfg.deepspeed)
-    except config.ConfigError as e:
-        _fail(str(e))
-    with distributed.partitioned_build(zero3):  # ZeRO-3: no process ever holds the whole model
-        model = _build_model(cfg, state, tokenizer)
-    shape = gpt.describe(model)
-    impl = model.config._attn_implementation
-    documents, packing_note = resolve_packing(cfg, model)
-    n_params = sum(distributed.param_numel(p) for p in model.parameters())
-    flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"], shape["n_head"] * shape["head_dim"])
-    log.info(
-        "model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, attention %s%s",
-        shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["hidden"], n_params / 1e6,
-        cfg.seq_len, impl, ", gradient checkpointing" if cfg.gradient_checkpointing else "",
-    )
-    log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}", f"{val_tokens.size:,}",
-             packing_note)
-    chunked, loss_note = chunked_loss.resolve(cfg.chunked_loss, model, cfg.loss_chunk_tokens)
-    log.info("%s", loss_note)
-    eos = tokenizer.eos_token_id
-    train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
-    val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
-
-    setup, grad_factor = _accelerator(cfg, state, model)
-    accelerator = setup.accelerator
-    log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
-             setup.precision, torch.get_num_threads())
-    optimizer = make_optimizer(setup, model, cfg)
-    with sequence_parallel.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
-        model, optimizer = accelerator.prepare(model, optimizer)
-    step = _StepFunctions(cfg, model, accelerator, train_set, val_set, flops, impl, grad_factor, chunked)
-
-    replicas = step.layout.dp
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
-    log.info(
-        "training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
-        "%d sequences per epoch",
-        cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum, replicas, cfg.seq_len, cfg.lr,
-        cfg.warmup_steps, step.batches_per_epoch * cfg.batch_size * replicas,
-    )
-    # what "auto" options resolved to (the options themselves are the settings)
-    run_info = {"packing": "documents" if documents else "stream", "chunked_loss": chunked}
-    saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
-    settings = trajectory_settings(config.to_dict(cfg), NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
-    trainer = Trainer(setup, model, optimizer, _loop_config(cfg), batches=step.batches, flops=step.count,
-                      evaluate=step.evaluate if step.val_batches else None, run_info=run_info,
-                      tokenizer=saved_tokenizer, loss_fn=step.loss, settings=settings, fixed_settings=FIXED)
-    return trainer, (model, impl, n_params, documents, chunked, setup, replicas, saved_tokenizer)
-
-
-def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, replicas, saved_tokenizer) -> dict:
-    out_dir, accelerator = Path(cfg.out_dir), setup.accelerator
-    result = run_or_fail(trainer, _fail)
-    previous = finished_earlier(trainer, result, log, final_expected=cfg.save)
-    if previous is not None:
-        return previous
-
-    val_loss = result.pop("eval_loss", math.nan)
-    summary = {
-        **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
-        "packing": "documents" if documents else "stream", "precision": setup.precision,
-        "zero_stage": setup.zero_stage, "processes": accelerator.num_processes,
-        "sequence_parallel_size": cfg.sequence_parallel_size, "data_parallel_size": replicas, "chunked_loss": chunked,
-        "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
-    }
-    offloaded = activation_offload.report(accelerator.unwrap_model(model))
-    if offloaded is not None:
-        summary["activation_offload"] = offloaded
-    save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer, _fail)
-    _log_done(summary, val_loss, impl, out_dir)
-    end_training(accelerator)
-    return summary
-
-
-def _start(argv, held: list):
-    """The resolved config and the process state; out_dir locked for this run, logging and seeds set up."""
+    # ---- parse: the options, what "auto" becomes here, and every refusal before out_dir is touched
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
         _fail(str(e))
-    cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
+    cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__, other=FinetuneConfig)
     try:
         logs.check_tensorboard(cfg.tensorboard)
-    except ImportError as e:
-        _fail(str(e))
-    try:
-        state = distributed.init_state(cfg.cpu, cfg.deepspeed)
+        state = distributed.init_state(cfg.cpu, cfg.parallel.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
         gpt.check_sequence_parallel(cfg, state.num_processes)
-    except config.ConfigError as e:
+    except (config.ConfigError, ImportError) as e:
         _fail(str(e))
     out_dir = Path(cfg.out_dir)
-    try:  # before anything is written there: one run per out_dir
-        held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
-    except runlock.RunLockError as e:
-        _fail(str(e))
-    logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
-    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-    set_seed(cfg.seed)
-    logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process, write=False)
-    return cfg, state
+
+    with starting_run(out_dir, state, _fail) as run:  # a failure before run.begin() leaves no file in out_dir
+        transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
+        set_seed(cfg.seed)
+        logs.log_config(log, config.to_dict(cfg), out_dir, state.is_main_process, write=False)
+
+        # ---- build: data, the model (partitioned under ZeRO-3) with its attention and memory features, the
+        # Accelerator and the per-step functions
+        tokenizer, train_tokens, val_tokens = _load_data(cfg, state)
+        p, prec = cfg.parallel, cfg.precision
+        try:
+            zero3 = parallel.zero3_config(p, mixed_precision=prec.mixed_precision, grad_accum=cfg.grad_accum,
+                                          batch_size=cfg.batch_size, grad_clip=cfg.grad_clip)
+        except config.ConfigError as e:
+            _fail(str(e))
+        with parallel.partitioned_build(zero3):  # ZeRO-3: no process ever holds the whole model
+            model = _build_model(cfg, state, tokenizer)
+        shape = gpt.describe(model)
+        impl = model.config._attn_implementation
+        documents, packing_note = resolve_packing(cfg, model)
+        n_params = sum(distributed.param_numel(p) for p in model.parameters())
+        flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"],
+                                    shape["n_head"] * shape["head_dim"])
+        log.info("model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, "
+                 "attention %s%s", shape["model_type"], shape["n_layer"], shape["n_head"], shape["n_kv_head"],
+                 shape["hidden"], n_params / 1e6, cfg.seq_len, impl,
+                 ", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")
+        log.info("data: %s tokens for training, %s for validation; %s", f"{train_tokens.size:,}",
+                 f"{val_tokens.size:,}", packing_note)
+        chunked = memory.loss_mode(cfg.memory, model)
+        eos = tokenizer.eos_token_id
+        train_set = data.PackedDataset(train_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+        val_set = data.PackedDataset(val_tokens, cfg.seq_len, documents=documents, eos_token_id=eos)
+
+        try:
+            par = parallel.accelerator(p, model, cpu=cfg.cpu, mixed_precision=prec.mixed_precision,
+                                       grad_accum=cfg.grad_accum, batch_size=cfg.batch_size, grad_clip=cfg.grad_clip,
+                                       loss_scale_init=prec.loss_scale_init,
+                                       loss_scale_window=prec.loss_scale_window)
+        except config.ConfigError as e:
+            _fail(str(e))
+        setup, accelerator = par.setup, par.setup.accelerator
+        log.info("device: %s x %d process(es), %s, %d torch threads", accelerator.device, accelerator.num_processes,
+                 setup.precision, torch.get_num_threads())
+        optimizer = optim.for_setup(setup, model, "adamw", cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+        model, optimizer = parallel.prepare(par, model, optimizer, cfg.seq_len)
+        try:
+            batches = steps.MicroBatches(train_set, cfg.batch_size, par, cfg.seed, flops, num_workers=cfg.num_workers)
+        except ValueError as e:
+            _fail(f"{e}: give more data or a shorter seq_len")
+        loss_fn = steps.loss_function(par, impl, chunked, cfg.memory.loss_chunk_tokens)
+        val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, par.replicas, par.replica)
+        evaluate = _Evaluation(model, accelerator, val_set, val_batches, par.layout, loss_fn)
+
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * par.replicas
+        log.info("training: %d steps x %s tokens (batch %d x accum %d x %d replica(s) x seq %d), lr %.1e, warmup %d, "
+                 "%d sequences per epoch", cfg.steps, f"{tokens_per_step:,}", cfg.batch_size, cfg.grad_accum,
+                 par.replicas, cfg.seq_len, cfg.lr, cfg.warmup_steps,
+                 batches.batches_per_epoch * cfg.batch_size * par.replicas)
+        # what "auto" options resolved to (the options themselves are the settings)
+        run_info = {"packing": "documents" if documents else "stream", "chunked_loss": chunked}
+        saved_tokenizer = data.saveable_tokenizer(tokenizer)  # AutoTokenizer.from_pretrained(checkpoint) loads it
+        settings = trajectory_settings(config.to_dict(cfg), NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
+        trainer = Trainer(setup, model, optimizer, _loop_config(cfg), batches=batches, flops=batches.count,
+                          evaluate=evaluate if val_batches else None, run_info=run_info, tokenizer=saved_tokenizer,
+                          loss_fn=loss_fn, settings=settings, fixed_settings=FIXED)
+        run.begin(config.to_dict(cfg))  # train.log and config.yaml: the run's files from here on
+
+        # ---- train
+        result = run_or_fail(trainer, _fail)
+        summary = finished_earlier(trainer, result, log, final_expected=cfg.save)
+        if summary is None:
+            # ---- save: the final model and summary.json
+            val_loss = result.pop("eval_loss", math.nan)
+            summary = {
+                **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
+                "packing": "documents" if documents else "stream", "precision": setup.precision,
+                "zero_stage": setup.zero_stage, "processes": accelerator.num_processes,
+                "sequence_parallel_size": p.sequence_parallel_size, "data_parallel_size": par.replicas,
+                "chunked_loss": chunked,
+                "checkpoint": str(out_dir / "final") if cfg.save and result["completed"] else None,
+            }
+            offloaded = activation_offload.report(accelerator.unwrap_model(model))
+            if offloaded is not None:
+                summary["activation_offload"] = offloaded
+            save_final_and_summary(accelerator, model, out_dir, summary, "checkpoint", cfg, saved_tokenizer, _fail)
+            _log_done(summary, val_loss, impl, out_dir)
+            end_training(accelerator)
+    if exit_status(summary):
+        raise SystemExit(exit_status(summary))
+    return summary
 
 
 def _load_data(cfg, state):
@@ -233,8 +191,9 @@ def _load_data(cfg, state):
 
 
 def _build_model(cfg, state, tokenizer):
-    """The model, then its attention: volta_train's (patch) or stock SDPA; its heads checked against the processes."""
-    sp = cfg.sequence_parallel_size
+    """The model, its attention (volta_train's, or stock SDPA with --no-patch), its heads checked against the
+    sequence-parallel degree, then the memory features."""
+    sp = cfg.parallel.sequence_parallel_size
     try:
         model = gpt.build_model(cfg, tokenizer)
         if cfg.patch:
@@ -242,87 +201,43 @@ def _build_model(cfg, state, tokenizer):
         heads, kv_heads = sequence_parallel.heads_of(model.config)
         names = ("n_head", "n_kv_head") if not (cfg.model_path or cfg.model_config) else (
             "the model config's num_attention_heads", "num_key_value_heads")
-        sequence_parallel.check_degree(sp, heads, kv_heads, state.num_processes, heads_name=names[0], kv_name=names[1])
+        parallel.check_heads(cfg.parallel, heads, kv_heads, state.num_processes, heads_name=names[0],
+                             kv_name=names[1])
         if sp > 1 and cfg.attn_pdrop > 0:
             log.warning("attn_pdrop %g with sequence_parallel_size %d: each process draws dropout masks for its own "
                         "heads from the same generator state, so heads on different processes share mask patterns",
                         cfg.attn_pdrop, sp)
+        memory.apply(model, cfg.memory, memory.tokens_per_process(cfg.batch_size, cfg.seq_len, sp))
     except (config.ConfigError, attention_choice.AttentionSetupError, OSError, ValueError) as e:
         _fail(str(e))
     return model
 
 
-def _accelerator(cfg, state, model):
-    """(accelerate setup, gradient factor of sequence parallelism under ZeRO-3)."""
-    sp = cfg.sequence_parallel_size
-    try:
-        parallelism = sequence_parallel.parallelism_config(sp, state.num_processes, model) if sp > 1 else None
-        setup = distributed.build_accelerator(
-            cpu=cfg.cpu, mixed_precision=cfg.mixed_precision, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size,
-            grad_clip=cfg.grad_clip, deepspeed_spec=cfg.deepspeed, loss_scale_init=cfg.loss_scale_init,
-            loss_scale_window=cfg.loss_scale_window, parallelism_config=parallelism,
-        )
-        grad_factor = sequence_parallel.gradient_factor(setup.accelerator.state.deepspeed_plugin.deepspeed_config, sp) \
-            if sp > 1 else 1.0
-    except (config.ConfigError, sequence_parallel.SequenceParallelError) as e:
-        _fail(str(e))
-    return setup, grad_factor
+def resolve_packing(cfg, model) -> tuple[bool, str]:
+    """(documents?, why) for cfg.packing given what the model's attention does with packed rows."""
+    if cfg.packing == "stream":
+        return False, "packing stream: documents attend across EOS (GPT-2 style)"
+    ok, why = attention_choice.packed_documents_kept_apart(model, cfg.parallel.sequence_parallel_size > 1)
+    impl = model.config._attn_implementation
+    if ok:
+        return True, f"packing documents: position ids restart at each document; {impl} keeps documents apart"
+    if cfg.packing == "documents":
+        _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
+              "--packing stream, or --no-patch")
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
-class _StepFunctions:
-    """What the trainer calls per step: the batches from a micro-batch index on, their token and FLOP counts, the
-    loss of a micro-batch and the evaluation; under sequence parallelism each process sees its shard of a sequence."""
+class _Evaluation:
+    """The trainer's ``evaluate``: the mean loss of the fixed validation micro-batches, each process its own (its
+    shard of them under sequence parallelism), averaged over the processes."""
 
-    def __init__(self, cfg, model, accelerator, train_set, val_set, flops, impl: str, grad_factor: float,
-                 chunked: bool):
-        self.cfg, self.model, self.accelerator = cfg, model, accelerator
-        self.train_set, self.val_set, self.flops, self.impl = train_set, val_set, flops, impl
-        self.grad_factor, self.chunked = grad_factor, chunked
-        rank, world = accelerator.process_index, accelerator.num_processes
-        self.layout = layout = sequence_parallel.layout(rank, world, cfg.sequence_parallel_size)
-        self.uattn = None
-        if layout.enabled:
-            self.uattn = sequence_parallel.install(impl)
-            log.info("%s%s", sequence_parallel.describe(layout, cfg.seq_len),
-                     f"; gradients x{grad_factor:g} for ZeRO-3's reduce-scatter" if grad_factor != 1 else "")
-        # processes of a sequence-parallel group read the same batches
-        self.replicas, self.replica = layout.dp, layout.dp_rank
-        try:
-            probe = data.ShardedBatchSampler(len(train_set), cfg.batch_size, self.replicas, self.replica, seed=cfg.seed)
-        except ValueError as e:
-            _fail(f"{e}: give more data or a shorter seq_len")
-        self.batches_per_epoch = probe.batches_per_epoch
-        self.pin = accelerator.device.type == "cuda"
-        self.shards: list[sequence_parallel.ShardedBatches] = []
-        self.val_batches = data.eval_indices(len(val_set), cfg.batch_size, cfg.eval_batches, self.replicas,
-                                             self.replica)
-
-    def batches(self, start: int):
-        cfg = self.cfg
-        sampler = data.ShardedBatchSampler(len(self.train_set), cfg.batch_size, self.replicas, self.replica,
-                                           seed=cfg.seed, start=start)
-        loader = data.micro_batches(self.train_set, sampler, num_workers=cfg.num_workers, pin_memory=self.pin)
-        if not self.layout.enabled:
-            return loader
-        self.shards[:] = [sequence_parallel.ShardedBatches(loader, self.layout, self.flops)]
-        return self.shards[0]
-
-    def count(self, batch: dict) -> tuple[int, float]:
-        return self.shards[0].counts(batch) if self.layout.enabled else self.flops(batch)
-
-    def loss(self, engine, batch: dict) -> torch.Tensor:
-        """Mean token loss of a micro-batch (of this process's shard of it under sequence parallelism)."""
-        cfg = self.cfg
-        if self.layout.enabled:
-            sequence_parallel.ensure_installed(self.impl, self.uattn)
-            return sequence_parallel.sharded_loss(engine, batch, self.layout.group, self.grad_factor,
-                                                  chunked=self.chunked, chunk_tokens=cfg.loss_chunk_tokens)
-        if self.chunked:
-            return chunked_loss.causal_lm_loss(engine, batch, chunk_tokens=cfg.loss_chunk_tokens)
-        return engine(**batch).loss
+    def __init__(self, model, accelerator, val_set, val_batches: list[list[int]], layout, loss_fn):
+        self.model, self.accelerator, self.val_set, self.val_batches = model, accelerator, val_set, val_batches
+        self.layout, self.loss_fn = layout, loss_fn
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def __call__(self) -> dict[str, float]:
         model, layout = self.model, self.layout
         model.eval()
         losses = []
@@ -331,8 +246,7 @@ class _StepFunctions:
             if layout.enabled:
                 batch = sequence_parallel.shard_batch(batch, layout.sp, layout.sp_rank)
             batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-            loss = self.loss(model, batch)
-            losses.append(loss.float())
+            losses.append(self.loss_fn(model, batch).float())
         model.train()
         return {"loss": self.accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
 
@@ -344,7 +258,7 @@ def _loop_config(cfg) -> LoopConfig:
         eval_interval=cfg.eval_interval, checkpoint_interval=cfg.checkpoint_interval,
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
-        max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
+        max_consecutive_skips=cfg.precision.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
         steps_flag="--steps", resume_flag="--resume",
     )
 

@@ -79,6 +79,31 @@ def packed_documents_supported(model, vocab_limit: int = 256) -> tuple[bool, str
         model.train(was_training)
 
 
+def attention_module(model):
+    """The first attention module of a causal LM (what transformers passes to the attention function)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "is_causal") and hasattr(module, "config") \
+                and "attention" in type(module).__name__.lower():
+            return module
+    raise ValueError(f"{type(model).__name__} has no attention module with is_causal and config")
+
+
+def packed_documents_kept_apart(model, sequence_parallel: bool, vocab_limit: int = 256) -> tuple[bool, str]:
+    """What both recipes ask before packing documents into rows: :func:`packed_documents_supported`, and under
+    sequence parallelism the route DeepSpeed-Ulysses takes as well (no mask, the whole row's position ids)."""
+    ok, why = packed_documents_supported(model, vocab_limit=vocab_limit)
+    if ok and sequence_parallel:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from . import sequence_parallel as ulysses
+
+        function = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+        ok, why = ulysses.keeps_documents_apart(function, attention_module(model))
+        if not ok:
+            why = f"under sequence parallelism: {why}"
+    return ok, why
+
+
 @contextmanager
 def _gathered_per_module(model):
     """Under ZeRO-3 partitioning (parameters with ``ds_id``, before prepare()): each module's own parameters gathered

@@ -7,6 +7,12 @@ whose keys are flags with the section's name in front (``--optimizer.lr 3e-4``).
 Error messages name keys with dots (``optimizer.lr``), the way they are written
 on the command line.
 
+A config class may carry ``ALIASES`` (an older dotted name -> the option's dotted name, e.g.
+``gradient_checkpointing`` -> ``memory.gradient_checkpointing``): the old key and flag are still read, into the
+new option, and hidden from ``--help``; giving both is an error naming both. Its ``RECIPE`` names the recipe in
+errors: a key that belongs to the other recipe (``other`` in :func:`load_yaml` and :func:`parse_config`) is refused
+naming that recipe.
+
 A field left at ``None`` means "auto": :func:`resolve_auto` fills it from a
 per-device table (small and fast on CPU, long sequences and fp16 on a GPU), so
 that ``python recipes/gpt_long.py`` does something sensible everywhere.
@@ -156,14 +162,40 @@ def _check_choice(name: str, f: dataclasses.Field, value: Any, where: str) -> No
         raise ConfigError(f"{prefix}{name} is {value!r}; accepted: {', '.join(map(str, choices))}")
 
 
-def _unknown(where: str, key: str, known: list[str], prefix: str) -> ConfigError:
+def aliases(cls) -> dict[str, str]:
+    """The older dotted names ``cls`` still reads, each with the option it now means."""
+    return dict(getattr(cls, "ALIASES", {}))
+
+
+def _other_recipe(name: str, root, other) -> str:
+    """'' unless ``name`` (dotted) is an option of the ``other`` recipe's config: then a sentence saying so."""
+    names = [*leaf_fields(other), *aliases(other)] if other is not None else []
+    if not any(n == name or n.startswith(name + ".") for n in names):  # an option, or a section, of the other
+        return ""
+    this = getattr(root, "RECIPE", "this recipe")
+    return f"{name} is an option of the {getattr(other, 'RECIPE', 'other')} recipe; {this} has no such option"
+
+
+def _unknown(where: str, key: str, known: list[str], prefix: str, root=None, other=None) -> ConfigError:
+    elsewhere = _other_recipe(prefix + key, root, other)
+    if elsewhere:
+        return ConfigError(f"{where}: {elsewhere}")
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
     scope = f" in {prefix[:-1]}" if prefix else ""
     return ConfigError(f"{where}: unknown key {prefix + key!r}{hint}; known keys{scope}: {', '.join(known)}")
 
 
-def _flatten(raw: dict, cls, where: str, prefix: str = "") -> dict[str, Any]:
+def _claim(given: dict[str, str], option: str, written: str, where: str) -> None:
+    """One value per option: an option given under its name and an older alias (or two aliases) is an error."""
+    if given.setdefault(option, written) != written:
+        raise ConfigError(f"{where}: {given[option]} and {written} are the same option ({option}): give it once")
+
+
+def _flatten(raw: dict, cls, where: str, prefix: str = "", root=None, other=None,
+             given: dict | None = None) -> dict[str, Any]:
+    root = cls if root is None else root
+    given = {} if given is None else given
     fields = _fields(cls)
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -171,8 +203,16 @@ def _flatten(raw: dict, cls, where: str, prefix: str = "") -> dict[str, Any]:
         if "." in name:  # a dotted key at any level: optimizer.lr: 3e-4
             head, rest = name.split(".", 1)
             value, name = {rest: value}, head
+        target = aliases(root).get(prefix + name) if name not in fields else None
+        if target is not None:  # an older name of an option: read into the option, errors name it as written
+            f, tp, nullable = leaf_fields(root)[target]
+            value = coerce(prefix + name, value, tp, nullable, where)
+            _check_choice(prefix + name, f, value, where)
+            _claim(given, target, prefix + name, where)
+            out[target] = value
+            continue
         if name not in fields:
-            raise _unknown(where, name, list(fields), prefix)
+            raise _unknown(where, name, list(fields), prefix, root, other)
         f, tp, nullable = fields[name]
         if _is_section(tp):
             if value is None:
@@ -181,16 +221,18 @@ def _flatten(raw: dict, cls, where: str, prefix: str = "") -> dict[str, Any]:
                 raise ConfigError(
                     f"{where}: {prefix + name} is a section: expected a mapping of option: value, got {value!r}"
                 )
-            out.update(_flatten(value, tp, where, f"{prefix}{name}."))
+            out.update(_flatten(value, tp, where, f"{prefix}{name}.", root, other, given))
             continue
         value = coerce(prefix + name, value, tp, nullable, where)
         _check_choice(prefix + name, f, value, where)
+        _claim(given, prefix + name, prefix + name, where)
         out[prefix + name] = value
     return out
 
 
-def load_yaml(path: str | Path, cls) -> dict[str, Any]:
-    """The YAML file's options by dotted name, checked against ``cls`` (dashes allowed for underscores)."""
+def load_yaml(path: str | Path, cls, other=None) -> dict[str, Any]:
+    """The YAML file's options by dotted name, checked against ``cls`` (dashes allowed for underscores; older
+    names in ``cls.ALIASES`` read into their options; a key of the ``other`` recipe's config refused naming it)."""
     path = Path(path)
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeySafeLoader)  # noqa: S506 - a SafeLoader
@@ -204,11 +246,14 @@ def load_yaml(path: str | Path, cls) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of option: value, got {type(raw).__name__}")
-    return _flatten(raw, cls, str(path))
+    return _flatten(raw, cls, str(path), other=other)
 
 
 def from_flat(cls, values: dict[str, Any], prefix: str = ""):
-    """Build ``cls`` (and its sections) from dotted names; missing options keep their defaults."""
+    """Build ``cls`` (and its sections) from dotted names (or their older aliases); missing options keep their
+    defaults."""
+    if not prefix:
+        values = {aliases(cls).get(k, k): v for k, v in values.items()}
     kwargs = {}
     for name, (f, tp, _) in _fields(cls).items():
         if _is_section(tp):
@@ -257,19 +302,51 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
             arg_type = str if (tp is dict or typing.get_origin(tp) is dict) else tp
             metavar = None if choices else name.rsplit(".", 1)[-1].upper()
             target.add_argument(flag, dest=name, type=arg_type, choices=choices, metavar=metavar, help=help_text)
+    leaves = leaf_fields(cls)
+    for old, name in aliases(cls).items():  # older flags, read into their options, not in --help
+        f, tp, _ = leaves[name]
+        flag = "--" + old.replace("_", "-")
+        if tp is bool:
+            head_flag, _, leaf = flag.rpartition(".")
+            negative = f"{head_flag}.no-{leaf}" if head_flag else "--no-" + flag[2:]
+            parser.add_argument(flag, dest=name, action="store_const", const=True, help=argparse.SUPPRESS)
+            parser.add_argument(negative, dest=name, action="store_const", const=False, help=argparse.SUPPRESS)
+        else:
+            arg_type = str if (tp is dict or typing.get_origin(tp) is dict) else tp
+            parser.add_argument(flag, dest=name, type=arg_type, choices=f.metadata.get("choices"),
+                                help=argparse.SUPPRESS)
     return parser
 
 
-def parse_config(cls, argv=None, description: str = ""):
-    """defaults < ``--config`` YAML < command-line flags. Errors exit through ``parser.error`` (status 2)."""
+def _flags(cls) -> set[str]:
+    """Every flag of ``cls``'s parser, older aliases and --no- forms included."""
+    flags = set()
+    for name in [*leaf_fields(cls), *aliases(cls)]:
+        flag = "--" + name.replace("_", "-")
+        head, _, leaf = flag.rpartition(".")
+        flags |= {flag, f"{head}.no-{leaf}" if head else "--no-" + flag[2:]}
+    return flags
+
+
+def parse_config(cls, argv=None, description: str = "", other=None):
+    """defaults < ``--config`` YAML < command-line flags. Errors exit through ``parser.error`` (status 2); a flag
+    or key of the ``other`` recipe's config is refused naming that recipe."""
     parser = build_parser(cls, description)
-    args = vars(parser.parse_args(argv))
+    namespace, rest = parser.parse_known_args(argv)
+    if rest:
+        theirs = [a for a in rest if a.split("=", 1)[0] in (_flags(other) if other is not None else set())]
+        if theirs:
+            flag = theirs[0].split("=", 1)[0]
+            parser.error(f"{flag} is an option of the {getattr(other, 'RECIPE', 'other')} recipe; "
+                         f"{getattr(cls, 'RECIPE', 'this recipe')} has no such option")
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = vars(namespace)
     values: dict[str, Any] = {}
     config_path = args.pop("config", None)
     leaves = leaf_fields(cls)
     try:
         if config_path:
-            values.update(load_yaml(config_path, cls))
+            values.update(load_yaml(config_path, cls, other))
         for name, value in args.items():
             _, tp, nullable = leaves[name]
             values[name] = coerce(name, value, tp, nullable, "command line")

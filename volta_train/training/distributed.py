@@ -133,20 +133,30 @@ def _plugin(deepspeed_spec: str | None):
     return DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
 
 
-def _complete(ds: dict, batch_size: int, grad_accum: int, grad_clip: float) -> int:
-    """Fill the recipe's values into a DeepSpeed config's "auto" entries; returns the ZeRO stage."""
+def _complete(ds: dict, batch_size: int, grad_accum: int, grad_clip: float, zero_offload: str | None = None) -> int:
+    """Fill the recipe's values into a DeepSpeed config's "auto" entries and apply ``zero_offload`` (optimizer: its
+    state in host memory; all: the weights as well, ZeRO-3 only); returns the ZeRO stage."""
     _fill(ds, "train_micro_batch_size_per_gpu", batch_size, "batch_size")
     _fill(ds, "gradient_accumulation_steps", grad_accum, "grad_accum")
     _fill(ds, "gradient_clipping", float(grad_clip), "grad_clip")
     zero = ds.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
+    if zero_offload:
+        if stage == 0 or (zero_offload == "all" and stage != 3):
+            raise ConfigError(f"parallel.zero_offload {zero_offload} needs ZeRO stage {'3' if zero_offload == 'all' else '1-3'}, "
+                              f"and the DeepSpeed config (parallel.deepspeed) has stage {stage}: use parallel.deepspeed "
+                              f"{'zero3' if zero_offload == 'all' else 'zero2 or zero3'}, or zero_offload "
+                              f"{'optimizer' if stage else 'unset'}")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if zero_offload == "all":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return stage
 
 
 def zero3_init_config(*, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,
-                      deepspeed_spec: str | None) -> dict | None:
+                      deepspeed_spec: str | None, zero_offload: str | None = None) -> dict | None:
     """The completed DeepSpeed config a ZeRO-3 model is built under (:func:`partitioned_build`), or None when the run
     is not ZeRO-3. The entries accelerate fills from the model at prepare() (bucket sizes, persistence threshold) and
     the global batch are left to DeepSpeed's defaults here: building the model reads only the partitioning, the
@@ -160,7 +170,7 @@ def zero3_init_config(*, mixed_precision: str, grad_accum: int, batch_size: int,
     if int(ds.get("zero_optimization", {}).get("stage", 0)) != 3:
         return None
     plugin.set_mixed_precision(mixed_precision)
-    _complete(ds, batch_size, grad_accum, grad_clip)
+    _complete(ds, batch_size, grad_accum, grad_clip, zero_offload)
     ds = json.loads(json.dumps(ds))
     if ds.get("train_batch_size") == "auto":
         del ds["train_batch_size"]
@@ -216,11 +226,12 @@ def param_numel(p: torch.Tensor) -> int:
 
 def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch_size: int, grad_clip: float,
                       deepspeed_spec: str | None, loss_scale_init: float = 65536.0,
-                      loss_scale_window: int = 1000, parallelism_config=None) -> Setup:
+                      loss_scale_window: int = 1000, parallelism_config=None, zero_offload: str | None = None) -> Setup:
     """The Accelerator for a recipe (call :func:`init_state` first); DeepSpeed's config is completed here.
 
     ``parallelism_config``: Accelerate's ``ParallelismConfig`` for DeepSpeed-Ulysses sequence parallelism
-    (:func:`volta_train.training.sequence_parallel.parallelism_config`); DeepSpeed only.
+    (:func:`volta_train.training.sequence_parallel.parallelism_config`); DeepSpeed only. ``zero_offload``: see
+    :func:`_complete`.
     """
     from accelerate import Accelerator
     from accelerate.utils import GradientAccumulationPlugin, GradScalerKwargs
@@ -243,7 +254,7 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
         ds_plugin = accelerator.state.deepspeed_plugin
         ds_plugin.zero3_init_flag = False  # the recipes build a ZeRO-3 model in partitioned_build, not accelerate
         ds = ds_plugin.deepspeed_config
-        stage = _complete(ds, batch_size, grad_accum, grad_clip)
+        stage = _complete(ds, batch_size, grad_accum, grad_clip, zero_offload)
         zero = ds["zero_optimization"]
         fp16 = ds.get("fp16", {})
         if str(fp16.get("enabled", False)).lower() == "true":

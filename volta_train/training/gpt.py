@@ -14,10 +14,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from .config import ConfigError, check_number, check_optimization, field, resolve_auto
-from .models import auto_precision, padded_vocab, read_model_config
-from .models import layers_and_hidden
+from . import memory, parallel, precision
+from .config import ConfigError, check_number, check_optimization, field, resolve_auto, section
+from .memory import MemoryConfig
+from .models import layers_and_hidden, load_causal_lm, padded_vocab, tokenizer_spec
+from .parallel import ParallelConfig
+from .precision import PrecisionConfig
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
 # arch "llama" uses the same shapes with RoPE, RMSNorm and a SwiGLU MLP of ~8/3 n_embd.
@@ -34,12 +38,12 @@ ARCHS = ("gpt2", "llama")
 
 # What "auto" (a field left at None) becomes, by the device the run lands on. CPU: a ~1 M-parameter
 # model on 256-token sequences, done in a minute or two on two cores. GPU (a V100 in mind): GPT-2 small
-# on 4096-token sequences in fp16 with dynamic loss scaling (V100 has no bf16), 64 Ki tokens per step.
+# on 4096-token sequences, 64 Ki tokens per step (precision auto: fp16 with dynamic loss scaling, precision.py).
 AUTO: dict[str, dict] = {
     "cpu": dict(model="tiny", seq_len=256, steps=200, batch_size=8, grad_accum=1, lr=2e-3,
-                mixed_precision="no", log_interval=10, checkpoint_interval=100),
+                log_interval=10, checkpoint_interval=100),
     "cuda": dict(model="small", seq_len=4096, steps=1000, batch_size=4, grad_accum=4, lr=6e-4,
-                 mixed_precision="fp16", log_interval=10, checkpoint_interval=250),
+                 log_interval=10, checkpoint_interval=250),
 }
 WARMUP_CAP = {"cpu": 20, "cuda": 100}  # auto warmup: 10% of the steps, at most this many
 MAX_SYNTHETIC_MB = 256
@@ -68,21 +72,6 @@ class GPTTrainConfig:
     attn_pdrop: float = field(0.0, "attention-probability dropout")
     dropout: float = field(0.0, "residual and embedding dropout")
     patch: bool = field(True, "run attention through volta_train.patch(model); --no-patch: stock PyTorch SDPA")
-    gradient_checkpointing: bool = field(False, "recompute block activations in the backward (long sequences)")
-    chunked_loss: bool = field(True, "loss over chunks of tokens, never the whole [tokens, vocab] logits "
-                                     "(volta_train/training/chunked_loss.py); --no-chunked-loss: the model's own loss")
-    loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 1 GiB of fp32 logits)")
-    tiled_mlp: str = field("auto", "MLP over tiles of the sequence, recomputed per tile in the backward "
-                                   "(volta_train/training/tiled_mlp.py); auto: on from the length where one sequence's "
-                                   "MLP activations reach 2 GiB (quote on/off in YAML)", choices=["auto", "on", "off"])
-    tiled_mlp_tokens: int | None = field(None, "tokens per tile of the tiled MLP (auto: ~256 MiB of activations)")
-    activation_offload: bool = field(False, "keep the hidden states kept by gradient checkpointing in host memory "
-                                            "between forward and backward (volta_train/training/activation_offload.py)")
-    activation_offload_keep: int = field(0, "with activation_offload: the top N blocks keep their checkpointed inputs "
-                                            "on the GPU (less host memory for spare GPU memory)")
-    lean_norm: str = field("auto", "RMSNorm that saves only its input and per-row scale and runs its backward over "
-                                   "chunks of rows (volta_train/training/rms_norm.py); auto: on where the tiled MLP is "
-                                   "(quote on/off in YAML)", choices=["auto", "on", "off"])
     # data
     data: str = field("synthetic", "'synthetic', or a .txt/.jsonl file or a directory of them")
     synthetic_mb: float | None = field(None, "size of the synthetic corpus in MB (auto: enough for the run)")
@@ -103,19 +92,6 @@ class GPTTrainConfig:
     beta1: float = field(0.9, "AdamW beta1")
     beta2: float = field(0.95, "AdamW beta2")
     grad_clip: float = field(1.0, "clip the gradient norm to this (0: off)")
-    mixed_precision: str = field("auto", "accelerate mixed precision: no, fp16, bf16, or auto (fp16 on GPU, no on CPU)",
-                                 choices=["no", "fp16", "bf16", "auto"])
-    loss_scale_init: float = field(65536.0, "fp16: initial dynamic loss scale (PyTorch GradScaler; DeepSpeed "
-                                            "takes its JSON's initial_scale_power)")
-    loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
-    max_consecutive_skips: int = field(32, "fp16: stop the run (non-zero exit) after this many optimizer steps in a "
-                                           "row skipped for non-finite gradients")
-    deepspeed: str | None = field(None, "DeepSpeed JSON (ZeRO), or zero1/zero2/zero3/zero3_offload for "
-                                        "configs/deepspeed/<name>.json; also set by an accelerate config",
-                                  unset=True)
-    sequence_parallel_size: int = field(1, "DeepSpeed-Ulysses sequence parallelism: processes that share each "
-                                           "sequence (1: off); needs deepspeed, must divide n_head (and the number "
-                                           "of processes); sequences are padded to a multiple of it")
     # run
     out_dir: str = field("out/gpt_long", "checkpoints, logs and config go here")
     log_interval: int | None = field(None, "optimizer steps between log lines")
@@ -136,16 +112,29 @@ class GPTTrainConfig:
     peak_tflops: float | None = field(None, "peak TFLOP/s per device for MFU (auto: V100 125, A100 312, "
                                             "H100/H200 989; none elsewhere)")
     save: bool = field(True, "save the final model")
+    # the components both recipes share (volta_train/training/memory.py, parallel.py, precision.py)
+    memory: MemoryConfig = section(MemoryConfig, "memory features: checkpointing, tiled MLP, lean RMSNorm, "
+                                                 "activation offload, chunked loss")
+    parallel: ParallelConfig = section(ParallelConfig, "DeepSpeed ZeRO and sequence parallelism")
+    precision: PrecisionConfig = section(PrecisionConfig, "mixed precision and fp16 loss scaling")
+
+    RECIPE: ClassVar[str] = "gpt_long"
+    # the flat names these options had before they moved into their sections (still read)
+    ALIASES: ClassVar[dict[str, str]] = {
+        **{name: f"memory.{name}" for name in (
+            "gradient_checkpointing", "activation_offload", "activation_offload_keep", "tiled_mlp",
+            "tiled_mlp_tokens", "lean_norm", "chunked_loss", "loss_chunk_tokens")},
+        **{name: f"parallel.{name}" for name in ("deepspeed", "sequence_parallel_size")},
+        **{name: f"precision.{name}" for name in (
+            "mixed_precision", "loss_scale_init", "loss_scale_window", "max_consecutive_skips")},
+    }
 
 
 def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GPTTrainConfig:
     """Fill every auto field for ``device_type`` ('cuda' or anything else = CPU table) and check the result."""
     kind = "cuda" if device_type == "cuda" else "cpu"
     table = dict(AUTO[kind])
-    if cfg.mixed_precision in (None, "auto"):  # "auto", as in the finetune config (None: the same, from code)
-        # a precision chosen through `accelerate config` wins over the device default
-        cfg = dataclasses.replace(cfg, mixed_precision=None)
-        table["mixed_precision"] = auto_precision(table["mixed_precision"], kind)
+    cfg = dataclasses.replace(cfg, precision=precision.resolve(cfg.precision, kind))
     external = cfg.model_path or cfg.model_config
     if external:
         given = [k for k in ("model", *SHAPE_FIELDS) if getattr(cfg, k) is not None]
@@ -170,7 +159,7 @@ def resolve(cfg: GPTTrainConfig, device_type: str, num_processes: int = 1) -> GP
     if cfg.synthetic_mb is None:
         # enough bytes that the run sees no sequence twice, rounded up to a power of two (stable cache keys);
         # the processes of a sequence-parallel group read the same sequences
-        replicas = max(1, num_processes // max(1, cfg.sequence_parallel_size))
+        replicas = max(1, num_processes // max(1, cfg.parallel.sequence_parallel_size))
         tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len * replicas
         tokens = tokens / (1.0 - cfg.val_fraction) * 1.02
         mb = 2 ** max(0, math.ceil(math.log2(max(tokens / 1e6, 1.0))))
@@ -211,21 +200,13 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
                  "checkpoint_interval", "time_limit_min", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    memory.check(cfg.memory)
+    precision.check(cfg.precision)
     check_sequence_parallel(cfg, processes)
-    if cfg.activation_offload and not cfg.gradient_checkpointing:
-        raise ConfigError("activation_offload moves what gradient checkpointing keeps: set gradient_checkpointing too")
-    if cfg.activation_offload_keep < 0:
-        raise ConfigError(f"activation_offload_keep must be >= 0 (blocks kept on the GPU), got "
-                          f"{cfg.activation_offload_keep}")
-    if cfg.tiled_mlp_tokens is not None and cfg.tiled_mlp_tokens <= 0:
-        raise ConfigError(f"tiled_mlp_tokens must be positive (or unset: auto), got {cfg.tiled_mlp_tokens}")
-    if cfg.loss_chunk_tokens is not None and cfg.loss_chunk_tokens <= 0:
-        raise ConfigError(f"loss_chunk_tokens must be positive (or unset: auto), got {cfg.loss_chunk_tokens}")
     if cfg.keep_checkpoints < 1:
         raise ConfigError(f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     check_optimization({kind: (kind, getattr(cfg, kind)) for kind in (
-        "lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio", "loss_scale_init",
-        "loss_scale_window", "max_consecutive_skips", "time_limit_min")})
+        "lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio", "time_limit_min")})
     for name in ("rope_theta", "peak_tflops", "synthetic_mb"):
         if getattr(cfg, name) is not None:
             check_number(name, getattr(cfg, name), 0, None, low_open=name != "synthetic_mb")
@@ -236,37 +217,17 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
 
 
 def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -> None:
-    """sequence_parallel_size against the preset's heads (a model from model_config/model_path is checked once
-    built), the number of processes when known, and DeepSpeed."""
-    from . import sequence_parallel
-    from .distributed import deepspeed_from_env
-
-    sp = cfg.sequence_parallel_size
-    needs_deepspeed = sp > 1 and not (cfg.deepspeed or deepspeed_from_env())
-    deepspeed_note = (f"sequence_parallel_size {sp} runs under DeepSpeed-Ulysses: set deepspeed (zero3, a JSON file, "
-                      "or an accelerate config with distributed_type DEEPSPEED)")
-    try:
-        if not (cfg.model_path or cfg.model_config):
-            kv = cfg.n_kv_head if cfg.arch == "llama" else cfg.n_head
-            sequence_parallel.check_degree(sp, cfg.n_head, kv, processes)
-        elif sp > 1:
-            sequence_parallel.check_degree(sp, sp, sp, processes)  # the degree and the processes here; heads once built
-        else:
-            sequence_parallel.check_degree(sp, 1, 1)
-    except sequence_parallel.SequenceParallelError as e:
-        raise ConfigError(f"{e}{'. Also, ' + deepspeed_note if needs_deepspeed else ''}") from None
-    if needs_deepspeed:
-        raise ConfigError(deepspeed_note)
+    """The parallel section (:func:`.parallel.check`), and the sequence-parallel degree against a preset's heads
+    (a model from model_config/model_path is checked once built)."""
+    parallel.check(cfg.parallel, processes)
+    if not (cfg.model_path or cfg.model_config):
+        kv = cfg.n_kv_head if cfg.arch == "llama" else cfg.n_head
+        parallel.check_heads(cfg.parallel, cfg.n_head, kv, processes, heads_name="n_head", kv_name="n_kv_head")
 
 
 def default_tokenizer(cfg: GPTTrainConfig) -> str:
     """The tokenizer spec for ``cfg``: its own, else model_path's tokenizer files if any, else bytes."""
-    if cfg.tokenizer:
-        return cfg.tokenizer
-    if cfg.model_path and any((Path(cfg.model_path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json",
-                                                                           "vocab.json", "vocab.txt")):
-        return cfg.model_path
-    return "bytes"
+    return tokenizer_spec(cfg.tokenizer, cfg.model_path)
 
 
 def _preset_config(cfg: GPTTrainConfig, tokenizer):
@@ -298,21 +259,18 @@ def _preset_config(cfg: GPTTrainConfig, tokenizer):
 
 
 def build_model(cfg: GPTTrainConfig, tokenizer):
-    """The causal LM with stock SDPA attention (the recipe patches it afterwards).
+    """The causal LM with stock SDPA attention (the recipe patches it and applies the memory section afterwards).
 
-    Preset or ``model_config``: random weights (seeded by the caller). ``model_path``: the saved weights.
+    Preset or ``model_config``: random weights (seeded by the caller). ``model_path``: the saved weights
+    (:func:`.models.load_causal_lm`, as finetune loads them).
     Raises ConfigError when the model cannot hold the run's sequences or tokens.
     """
     from transformers import AutoModelForCausalLM
 
-    if cfg.model_path:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_path, attn_implementation="sdpa", dtype="float32", local_files_only=True,
-        )
+    if cfg.model_path or cfg.model_config:
+        model = load_causal_lm(AutoModelForCausalLM, cfg.model_path, cfg.model_config)
     else:
-        config = read_model_config(cfg.model_config) if cfg.model_config else _preset_config(cfg, tokenizer)
-        config._attn_implementation = "sdpa"
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = load_causal_lm(AutoModelForCausalLM, None, None, config=_preset_config(cfg, tokenizer))
     config = model.config
     config.use_cache = False
     if getattr(config, "model_type", None) == "llama" and cfg.attn_pdrop and not cfg.model_path:
@@ -325,18 +283,6 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's n_positions ({positions}): GPT-2 learns one "
                           "embedding per position")
     model.loss_type = "ForCausalLM"  # what these models use anyway; saying so silences transformers' warning
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from . import activation_offload, rms_norm, tiled_mlp
-
-    tiled = tiled_mlp.configure(model, cfg.tiled_mlp, cfg.batch_size * -(-cfg.seq_len // cfg.sequence_parallel_size),
-                                cfg.tiled_mlp_tokens)
-    rms_norm.configure(model, cfg.lean_norm, bool(tiled))
-    if cfg.activation_offload:
-        try:
-            activation_offload.enable(model, keep_last=cfg.activation_offload_keep)
-        except activation_offload.ActivationOffloadError as e:
-            raise ConfigError(f"activation_offload_keep: {e}") from None
     return model
 
 

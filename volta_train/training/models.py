@@ -1,5 +1,5 @@
 """Model helpers shared by the recipes (gpt_long, finetune): precision "auto", the padded vocabulary, a local
-model config, a config's depth and width."""
+model config, loading a model (pretrained weights or random), a config's depth and width."""
 
 from __future__ import annotations
 
@@ -40,6 +40,47 @@ def read_model_config(path: str | Path):
     if model_type is None:
         raise ConfigError(f"model config {str(path)!r} has no model_type (e.g. \"gpt2\" or \"llama\")")
     return AutoConfig.for_model(model_type, **values)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
+
+
+def tokenizer_spec(tokenizer: str | None, *model_paths: str | None) -> str:
+    """The tokenizer both recipes load: ``tokenizer`` when given, else the first model directory (or the directory
+    of a config.json) among ``model_paths`` that holds tokenizer files, else "bytes"."""
+    if tokenizer:
+        return tokenizer
+    for candidate in model_paths:
+        if candidate:
+            directory = Path(candidate) if Path(candidate).is_dir() else Path(candidate).parent
+            if any((directory / name).exists() for name in TOKENIZER_FILES):
+                return str(directory)
+    return "bytes"
+
+
+def max_positions(model_config) -> int | None:
+    """Longest input the model's position embeddings allow (RoBERTa-style offsets subtracted), or None."""
+    limit = getattr(model_config, "n_positions", None)
+    if limit is None and getattr(model_config, "position_embedding_type", "absolute") == "absolute" and \
+            model_config.model_type in ("bert", "roberta", "xlm-roberta", "electra", "camembert", "distilbert",
+                                        "albert"):
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if limit is not None and model_config.model_type in ("roberta", "xlm-roberta", "camembert"):
+            limit -= (model_config.pad_token_id or 0) + 1
+    return limit
+
+
+def load_causal_lm(cls, path: str | None, config_path: str | None = None, config=None):
+    """A model of ``cls`` (a transformers Auto class) with stock SDPA attention, the one way both recipes load one:
+    the pretrained directory ``path`` (its weights in fp32, local files only; ``config`` replaces its config.json), or
+    random weights from ``config`` or the config.json at ``config_path`` (seeded by the caller)."""
+    if path:
+        return cls.from_pretrained(path, config=config, attn_implementation="sdpa", dtype="float32",
+                                   local_files_only=True)
+    if config is None:
+        config = read_model_config(config_path)
+    config._attn_implementation = "sdpa"
+    return cls.from_config(config, attn_implementation="sdpa")
 
 
 def layers_and_hidden(model_config) -> tuple[int, int]:

@@ -63,3 +63,14 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     if name == "sgd":
         return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum)
     raise ValueError(f"optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+
+
+def for_setup(setup, model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas=(0.9, 0.999),
+              eps: float = 1e-8, momentum: float = 0.9):
+    """The recipes' optimizer (:func:`build_optimizer`), or accelerate's placeholder when the run's DeepSpeed JSON
+    names its own "optimizer" (DeepSpeed builds that one)."""
+    if setup.deepspeed and "optimizer" in setup.accelerator.state.deepspeed_plugin.deepspeed_config:
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(param_groups(model, weight_decay), lr=lr, weight_decay=weight_decay)
+    return build_optimizer(model, name, lr, weight_decay, betas, eps, momentum)

@@ -34,6 +34,7 @@ nothing (no checkpoint, no final model; the last good checkpoint stays) and rais
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, chunked_loss, config, fsio, logs, metrics, optim, runlock
+from . import checkpoint, chunked_loss, fsio, logs, metrics, optim, runlock
 from .distributed import Setup, loss_scale
 
 logger = logging.getLogger("volta_train.trainer")
@@ -598,20 +599,34 @@ def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], 
     return flat
 
 
-def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable) -> dict:
-    """The steps of every recipe: ``start(argv, held)`` parses options and locks out_dir, ``prepare(cfg, state)``
-    builds everything before the first step (a failure there leaves no files), then the run begins and
-    ``train(cfg, trainer, *parts)`` returns summary.json's contents. A run that stopped before its planned steps
-    with a checkpoint (SIGTERM, a time limit) exits with :data:`STOPPED_EXIT` once that is written."""
+class _Start:
+    """The run :func:`starting_run` opens; :meth:`begin` marks its start."""
+
+    def __init__(self, out_dir: Path, is_main: bool):
+        self.out_dir, self.is_main, self.begun = out_dir, is_main, False
+
+    def begin(self, options: dict) -> None:
+        """The run begins (:func:`begin_run`): from here on its files stay, whatever happens."""
+        begin_run(self.out_dir, options, self.is_main)
+        self.begun = True
+
+
+@contextlib.contextmanager
+def starting_run(out_dir: Path, state, fail: Callable[[str], None]) -> Iterator[_Start]:
+    """The frame of every recipe's run: ``out_dir`` locked for it (another run there ends in ``fail``), logging set
+    up with train.log deferred; until ``run.begin(options)`` anything that stops the run (an error, ``sys.exit``)
+    leaves no file behind (:func:`abandon_start`). The locks are released however the block ends."""
+    out_dir = Path(out_dir)
     with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        cfg, state = start(argv, held)
         try:
-            trainer, parts = prepare(cfg, state)
+            held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
+        except runlock.RunLockError as e:
+            fail(str(e))
+        logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once it begins
+        run = _Start(out_dir, state.is_main_process)
+        try:
+            yield run
         except BaseException:
-            abandon_start(held)
+            if not run.begun:
+                abandon_start(held)
             raise
-        begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
-        summary = train(cfg, trainer, *parts)
-    if exit_status(summary):
-        raise SystemExit(exit_status(summary))
-    return summary
