@@ -228,7 +228,7 @@ def test_the_recipe_records_the_learning_rate_and_warns_when_it_changes(tmp_path
     _gpt(tmp_path, out, "--lr", "1e-3", "--steps", "2")
     state = json.loads((out / "checkpoints" / "step-00000002" / checkpoint.STATE).read_text())
     for flag in ("--lr", "--seed", "--n-layer", "--data", "--packing", "--weight-decay", "--min-lr-ratio",
-                 "--chunked-loss", "--steps", "--batch-size"):
+                 "--memory.chunked-loss", "--steps", "--batch-size"):
         assert flag in state["settings"], flag
     assert "--out-dir" not in state["settings"] and "--log-interval" not in state["settings"]
     _gpt(tmp_path, out, "--lr", "2e-3", "--steps", "3")

@@ -459,8 +459,8 @@ def test_gpt_options_are_range_checked(flag, value, message):
     ("--schedule.warmup-steps", "-3", "schedule.warmup_steps must be an integer >= 0, got -3"),
     ("--schedule.min-lr-ratio", "nan", "schedule.min_lr_ratio must be a finite number in [0, 1], got nan"),
     ("--train.epochs", "nan", "train.epochs must be a finite number > 0, got nan"),
-    ("--train.loss-scale-window", "0", "train.loss_scale_window must be an integer >= 1, got 0"),
-    ("--train.max-consecutive-skips", "0", "train.max_consecutive_skips must be an integer >= 1, got 0"),
+    ("--train.loss-scale-window", "0", "precision.loss_scale_window must be an integer >= 1, got 0"),
+    ("--train.max-consecutive-skips", "0", "precision.max_consecutive_skips must be an integer >= 1, got 0"),
 ])
 def test_finetune_options_are_range_checked(monkeypatch, flag, value, message):
     monkeypatch.chdir(ROOT)
