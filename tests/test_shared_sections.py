@@ -242,3 +242,28 @@ def test_finetune_sp2_repeats_the_one_process_losses(tmp_path):
     assert math.isclose(s_two["eval_loss"], s_one["eval_loss"], rel_tol=1e-5)
     assert (s_two["sequence_parallel_size"], s_two["data_parallel_size"], s_two["processes"]) == (2, 1, 2)
     assert s_two["tokens"] == s_one["tokens"]  # each token counted once
+
+
+@pytest.mark.parametrize("stage, offload", [(2, "optimizer"), (3, "optimizer"), (3, "all")])
+def test_zero_offload_goes_into_the_deepspeed_config(stage, offload):
+    from volta_train.training import distributed
+
+    json_config = json.loads((ROOT / f"configs/deepspeed/zero{stage}.json").read_text())
+    assert "offload_optimizer" not in json_config["zero_optimization"]
+    distributed._complete(json_config, 2, 1, 1.0, offload)
+    zero = json_config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert ("offload_param" in zero) == (offload == "all")
+    if stage == 3:  # the partitioned build sees the weights' offload as well
+        built = distributed.zero3_init_config(mixed_precision="no", grad_accum=1, batch_size=2, grad_clip=1.0,
+                                              deepspeed_spec="zero3", zero_offload=offload)
+        assert ("offload_param" in built["zero_optimization"]) == (offload == "all")
+
+
+def test_zero_offload_all_needs_stage_3():
+    from volta_train.training import distributed
+
+    with pytest.raises(config.ConfigError, match=r"parallel.zero_offload all needs ZeRO stage 3, and the DeepSpeed "
+                                                 r"config \(parallel.deepspeed\) has stage 2: use parallel.deepspeed "
+                                                 r"zero3, or parallel.zero_offload optimizer"):
+        distributed._complete(json.loads((ROOT / "configs/deepspeed/zero2.json").read_text()), 2, 1, 1.0, "all")

@@ -142,10 +142,11 @@ def _complete(ds: dict, batch_size: int, grad_accum: int, grad_clip: float, zero
     zero = ds.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if zero_offload:
+        needed = "3" if zero_offload == "all" else "1-3"
         if stage == 0 or (zero_offload == "all" and stage != 3):
-            raise ConfigError(f"parallel.zero_offload {zero_offload} needs ZeRO stage {'3' if zero_offload == 'all' else '1-3'}, "
-                              f"and the DeepSpeed config (parallel.deepspeed) has stage {stage}: use parallel.deepspeed "
-                              f"{'zero3' if zero_offload == 'all' else 'zero2 or zero3'}, or zero_offload "
+            raise ConfigError(f"parallel.zero_offload {zero_offload} needs ZeRO stage {needed}, and the DeepSpeed "
+                              f"config (parallel.deepspeed) has stage {stage}: use parallel.deepspeed "
+                              f"{'zero3' if zero_offload == 'all' else 'zero2 or zero3'}, or parallel.zero_offload "
                               f"{'optimizer' if stage else 'unset'}")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if zero_offload == "all":
@@ -239,8 +240,8 @@ def build_accelerator(*, cpu: bool, mixed_precision: str, grad_accum: int, batch
     plugin = _plugin(deepspeed_spec)
     use_ds = plugin is not None or deepspeed_from_env()
     if parallelism_config is not None and not use_ds:
-        raise ConfigError("sequence parallelism runs under DeepSpeed only: set deepspeed (e.g. zero3) or launch with "
-                          "a DeepSpeed accelerate config")
+        raise ConfigError("sequence parallelism runs under DeepSpeed only: set parallel.deepspeed (e.g. zero3) or "
+                          "launch with a DeepSpeed accelerate config")
     kwargs = [] if use_ds else [GradScalerKwargs(init_scale=loss_scale_init, growth_interval=loss_scale_window)]
     accelerator = Accelerator(
         cpu=cpu and not use_ds,
