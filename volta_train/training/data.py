@@ -26,6 +26,7 @@ A corpus is ``"synthetic"`` (see :mod:`volta_train.training.corpus`), a
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -171,6 +172,20 @@ def load_tokenizer(spec: str | None):
     if spec in (None, "", "bytes"):
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+def data_files(spec: str, must_exist: bool = True) -> list[Path]:
+    """A .jsonl file, every .jsonl file under a directory (sorted), or the files a glob matches (sorted)."""
+    path = Path(spec)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+    else:
+        files = sorted(Path(p) for p in glob.glob(spec) if Path(p).is_file())
+    if not files and must_exist:
+        raise FileNotFoundError(f"{spec!r} matches no .jsonl file")
+    return files
 
 
 def _source_files(path: Path) -> list[Path]:

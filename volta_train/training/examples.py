@@ -7,7 +7,6 @@ Data are tokenised once and cached (``data.cache_dir``) as ``.npz`` arrays read 
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -17,25 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import data
-from .data import ByteTokenizer
+from .data import ByteTokenizer, data_files
 
 if TYPE_CHECKING:
     from .finetune_config import DataSection, FinetuneConfig
 
 logger = logging.getLogger(__name__)
-
-def data_files(spec: str, must_exist: bool = True) -> list[Path]:
-    """A .jsonl file, every .jsonl file under a directory (sorted), or the files a glob matches (sorted)."""
-    path = Path(spec)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-    else:
-        files = sorted(Path(p) for p in glob.glob(spec) if Path(p).is_file())
-    if not files and must_exist:
-        raise FileNotFoundError(f"{spec!r} matches no .jsonl file")
-    return files
 
 
 def _decode_line(raw: bytes, f: Path, n: int) -> str:

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from . import memory, parallel, precision
 from .config import ConfigError, check_number, check_optimization, field, section
-from .examples import data_files
+from .data import data_files
 from .memory import MemoryConfig
 from .optim import OPTIMIZERS, SCHEDULES
 from .parallel import ParallelConfig
