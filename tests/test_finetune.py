@@ -274,13 +274,14 @@ def test_models_from_config_and_path(tmp_path, monkeypatch):
     tok.tokenizer.save_pretrained(tmp_path / "m")
     cfg = _parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"), "--model.path", str(tmp_path / "m"),
                  "--model.config-overrides", '{"hidden_dropout_prob": 0.0}')
-    assert models.tokenizer_spec(cfg.model.tokenizer, cfg.model.path, cfg.model.config) == str(tmp_path / "m")  # model.path's own tokenizer comes first
+    # model.path's own tokenizer comes first
+    assert models.tokenizer_spec(cfg.model.tokenizer, cfg.model.path, cfg.model.config) == str(tmp_path / "m")
     again = finetune_recipe.build_model(cfg, tok, ["contradiction", "entailment"])
     assert again.config.hidden_dropout_prob == 0.0
     assert torch.equal(again.roberta.embeddings.word_embeddings.weight, model.roberta.embeddings.word_embeddings.weight)
     with pytest.raises(config.ConfigError, match="data.max_length 300 exceeds the model's 256 positions"):
-        finetune_recipe.build_model(_parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"), "--data.max-length",
-                              "300"), tok, ["a", "b"])
+        finetune_recipe.build_model(_parse("--config", str(ROOT / "configs/finetune/roberta_pairs.yaml"),
+                                           "--data.max-length", "300"), tok, ["a", "b"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def main(argv=None, prog: str = "finetune.py") -> dict:
         impl = model.config._attn_implementation
         chunked = memory.loss_mode(cfg.memory, model, causal)
         train_set, eval_set, collate = _datasets(cfg, model, tokenizer, train_arrays, eval_arrays)
-        n_params = sum(distributed.param_numel(p) for p in model.parameters())
+        n_params = sum(distributed.param_numel(w) for w in model.parameters())
         n_layer, hidden = models.layers_and_hidden(model.config)
         flops = metrics.FlopCounter(metrics.matmul_parameters(model), n_layer, hidden, causal=causal)
         log.info("model: %s for %s, %.2fM parameters, attention %s%s%s", model.config.model_type, cfg.task,

@@ -105,7 +105,7 @@ def main(argv=None, prog: str = "gpt_long.py") -> dict:
         shape = gpt.describe(model)
         impl = model.config._attn_implementation
         documents, packing_note = resolve_packing(cfg, model)
-        n_params = sum(distributed.param_numel(p) for p in model.parameters())
+        n_params = sum(distributed.param_numel(w) for w in model.parameters())
         flops = metrics.FlopCounter(metrics.matmul_parameters(model), shape["n_layer"],
                                     shape["n_head"] * shape["head_dim"])
         log.info("model: %s (n_layer %d, n_head %d, n_kv_head %d, hidden %d), %.2fM parameters, seq_len %d, "
