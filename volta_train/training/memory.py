@@ -16,7 +16,6 @@ from .config import ConfigError, field
 
 log = logging.getLogger(__name__)
 
-SECTION = "memory"
 
 
 @dataclass

@@ -18,7 +18,6 @@ from .config import ConfigError, field
 
 log = logging.getLogger(__name__)
 
-SECTION = "parallel"
 OFFLOADS = ("optimizer", "all")
 
 

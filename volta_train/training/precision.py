@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from .config import check_optimization, field
 from .models import auto_precision
 
-SECTION = "precision"
 
 
 @dataclass
