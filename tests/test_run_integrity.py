@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
@@ -164,11 +165,12 @@ def test_a_final_model_without_its_manifest_or_with_a_damaged_file_is_not_finish
 
 
 def _trainer(out: Path, steps: int, interval: int, resume: str = "auto", keep: int = 5, settings=None,
-             fixed=()) -> Trainer:
+             fixed=(), renamed=None) -> Trainer:
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
-    return make_trainer(out, make_setup(), steps, interval, keep, resume=resume, settings=settings, fixed=fixed)
+    return make_trainer(out, make_setup(), steps, interval, keep, resume=resume, settings=settings, fixed=fixed,
+                        renamed=renamed)
 
 
 def _steps(root: Path) -> list[int]:
@@ -221,6 +223,22 @@ def test_settings_are_recorded_and_a_changed_one_warns_or_is_refused(tmp_path, f
     with pytest.raises(RunStateError, match=r"it was written with --n-layer 2, this run has 3; use 2, or start over "
                                             r"with --resume never"):
         _trainer(out, steps=3, interval=0, settings={"--n-layer": 3}, fixed=("--n-layer",)).run()
+
+
+def test_a_checkpoint_written_before_an_option_moved_is_compared_under_its_new_name(tmp_path, fresh_state, caplog):
+    from volta_train.training import config, gpt
+
+    out = tmp_path / "out"
+    renamed = config.renamed_flags(gpt.GPTTrainConfig)
+    assert renamed["--tiled-mlp"] == "--memory.tiled-mlp" and renamed["--deepspeed"] == "--parallel.deepspeed"
+    old = random.choice(["off", "on"])
+    new = "on" if old == "off" else "off"
+    _trainer(out, steps=2, interval=2, settings={"--tiled-mlp": old, "--lr": 0.001}).run()
+    caplog.set_level(logging.WARNING)
+    _trainer(out, steps=3, interval=0, settings={"--memory.tiled-mlp": new, "--lr": 0.001}, renamed=renamed).run()
+    assert re.search(rf"resuming \S+step-00000002 with --memory.tiled-mlp '{new}'; the checkpoint was written with "
+                     rf"'{old}'", caplog.text), caplog.text
+    assert "--lr" not in caplog.text
 
 
 def test_the_recipe_records_the_learning_rate_and_warns_when_it_changes(tmp_path, fresh_state):

@@ -16,7 +16,7 @@ def make_setup(mixed_precision: str = "no") -> distributed.Setup:
 
 
 def make_trainer(out: Path, setup, steps=6, interval=1, keep=2, loss_fn=None, resume="auto", settings=None, fixed=(),
-                 **loop_kwargs) -> Trainer:
+                 renamed=None, **loop_kwargs) -> Trainer:
     """``steps`` steps of batch 2 x 16 tokens, micro-batch m seeded by m, a checkpoint every ``interval`` steps."""
     torch.manual_seed(0)
     model = gpt.build_model(gpt.resolve(gpt.GPTTrainConfig(model="nano", seq_len=16), "cpu"), data.ByteTokenizer())
@@ -34,4 +34,4 @@ def make_trainer(out: Path, setup, steps=6, interval=1, keep=2, loss_fn=None, re
                       checkpoint_interval=interval, keep_checkpoints=keep, out_dir=str(out), progress=False,
                       tensorboard=False, resume=resume, **loop_kwargs)
     return Trainer(setup, model, opt, loop, batches=batches, flops=lambda b: (b["input_ids"].numel(), 0.0),
-                   loss_fn=loss_fn, settings=settings, fixed_settings=fixed)
+                   loss_fn=loss_fn, settings=settings, fixed_settings=fixed, renamed_settings=renamed)

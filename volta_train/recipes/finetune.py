@@ -146,7 +146,8 @@ def main(argv=None, prog: str = "finetune.py") -> dict:
         settings = trajectory_settings(options, NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
         trainer = Trainer(setup, model, optimizer, _loop_config(cfg, n_steps, warmup), batches=batches,
                           flops=batches.count, evaluate=evaluate, run_info={"chunked_loss": chunked},
-                          tokenizer=hf_tokenizer, loss_fn=loss_fn, settings=settings, fixed_settings=FIXED)
+                          tokenizer=hf_tokenizer, loss_fn=loss_fn, settings=settings, fixed_settings=FIXED,
+                          renamed_settings=config.renamed_flags(FinetuneConfig))
         run.begin(config.to_dict(cfg))  # train.log and config.yaml: the run's files from here on
 
         # ---- train

@@ -150,7 +150,8 @@ def main(argv=None, prog: str = "gpt_long.py") -> dict:
         settings = trajectory_settings(config.to_dict(cfg), NOT_TRAJECTORY, lambda name: "--" + name.replace("_", "-"))
         trainer = Trainer(setup, model, optimizer, _loop_config(cfg), batches=batches, flops=batches.count,
                           evaluate=evaluate if val_batches else None, run_info=run_info, tokenizer=saved_tokenizer,
-                          loss_fn=loss_fn, settings=settings, fixed_settings=FIXED)
+                          loss_fn=loss_fn, settings=settings, fixed_settings=FIXED,
+                          renamed_settings=config.renamed_flags(gpt.GPTTrainConfig))
         run.begin(config.to_dict(cfg))  # train.log and config.yaml: the run's files from here on
 
         # ---- train

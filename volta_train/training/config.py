@@ -167,6 +167,12 @@ def aliases(cls) -> dict[str, str]:
     return dict(getattr(cls, "ALIASES", {}))
 
 
+def renamed_flags(cls) -> dict[str, str]:
+    """The older flags of ``cls`` (``ALIASES``), each with the flag of the option it now sets: what a checkpoint
+    written before an option moved recorded it as."""
+    return {"--" + old.replace("_", "-"): "--" + new.replace("_", "-") for old, new in aliases(cls).items()}
+
+
 def _other_recipe(name: str, root, other) -> str:
     """'' unless ``name`` (dotted) is an option of the ``other`` recipe's config: then a sentence saying so."""
     names = [*leaf_fields(other), *aliases(other)] if other is not None else []

@@ -109,6 +109,7 @@ class Trainer:
         loss_fn: Callable[[object, dict], torch.Tensor] | None = None,
         settings: dict | None = None,
         fixed_settings: tuple[str, ...] = (),
+        renamed_settings: dict[str, str] | None = None,
     ):
         self.setup, self.accelerator = setup, setup.accelerator
         self.model, self.optimizer, self.loop = model, optimizer, loop
@@ -117,6 +118,7 @@ class Trainer:
         # every option that changes the trajectory, by the name the user sets it with; saved with each checkpoint
         # and compared on resume (a change warns; one of ``fixed_settings`` refuses: the weights would not fit)
         self.settings, self.fixed_settings = dict(settings or {}), tuple(fixed_settings)
+        self.renamed_settings = dict(renamed_settings or {})  # a checkpoint's older flag -> the flag now
         self._train_loss = math.nan  # the last logged training loss, saved with checkpoints
         self.tokenizer = tokenizer  # saved inside checkpoints when it is a HuggingFace tokenizer
         # loss of one micro-batch on the device (default: the model's own); sequence parallelism passes its own
@@ -197,6 +199,7 @@ class Trainer:
             logger.warning("%s records no run settings (written by an older version): a changed learning rate, "
                            "seed or model config cannot be detected", path)
             return
+        saved = {self.renamed_settings.get(key, key): value for key, value in saved.items()}
         for key, value in self.settings.items():
             if key not in saved or saved[key] == value:
                 continue
