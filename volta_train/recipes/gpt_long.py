@@ -99,7 +99,8 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     if cfg.packing == "documents":
         _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
               "--packing stream, or --no-patch")
-    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart (%s), so documents "
+                "attend across each other; --packing documents refuses to run instead", impl, why)
     return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
