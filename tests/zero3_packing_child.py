@@ -1,8 +1,8 @@
 """One process of a two-process gloo world under ZeRO-3, started by tests/test_zero3_build.py with accelerate launch:
 ``zero3_packing_child.py <out.json> <gpt_long model options>``. For fp16 and fp32 mixed precision it builds the
 model as gpt_long does, partitioned (ZeRO-3) and whole, takes gpt_long's packed-document decision for each, and
-records the decision, the dtype the weights are stored in and the dtype of the logits the decision's check
-computed. Process 0 writes the records to out.json."""
+records the decision, the dtype the weights are stored in, the dtype of the logits the decision's check
+computed, and the chunked loss's log line (its vocabulary). Process 0 writes the records to out.json."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from volta_train.recipes import gpt_long
-from volta_train.training import config, data, distributed, gpt
+from volta_train.training import chunked_loss, config, data, distributed, gpt
 
 
 def decision(argv: list[str], state, tokenizer, zero3: bool) -> dict:
@@ -27,6 +27,7 @@ def decision(argv: list[str], state, tokenizer, zero3: bool) -> dict:
     documents, note = gpt_long.resolve_packing(cfg, model)
     hook.remove()
     return {"documents": documents, "note": note, "weights": str(next(model.parameters()).dtype),
+            "loss": chunked_loss.resolve(True, model)[1], "vocab": model.config.vocab_size,
             "partitioned": hasattr(next(model.parameters()), "ds_id"), "logits": sorted(set(seen))}
 
 
