@@ -171,6 +171,7 @@ def _start(argv, held: list):
     t = cfg.train
     try:
         state = distributed.init_state(t.cpu, t.deepspeed)
+        distributed.check_mixed_precision(_precision(cfg, state), state.device, "train.mixed_precision")
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.logging.out_dir)

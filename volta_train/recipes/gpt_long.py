@@ -204,6 +204,7 @@ def _start(argv, held: list):
     try:
         state = distributed.init_state(cfg.cpu, cfg.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        distributed.check_mixed_precision(cfg.mixed_precision, state.device, "mixed_precision")
         gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
         _fail(str(e))

@@ -209,6 +209,19 @@ def _share_rng_of_rank0() -> None:
         torch.cuda.set_rng_state(states[1])
 
 
+def check_mixed_precision(precision: str, device: torch.device, option: str) -> None:
+    """Refuse bf16 mixed precision on a GPU without bfloat16 arithmetic (V100, sm_70), naming ``option`` and what
+    would be accepted (at start, before the model is built or a file written)."""
+    if precision != "bf16" or device.type != "cuda":
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"{option} bf16: {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no bfloat16 arithmetic; use "
+            f"fp16 (fp32 master weights, dynamic loss scaling; what a bfloat16 model config or checkpoint trains in "
+            f"here) or no (fp32)")
+
+
 def param_numel(p: torch.Tensor) -> int:
     """The number of elements of a parameter, its full count where ZeRO-3 partitioned it."""
     return getattr(p, "ds_numel", None) or p.numel()
