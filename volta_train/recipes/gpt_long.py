@@ -173,7 +173,7 @@ def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, repli
     if previous is not None:
         return previous
 
-    val_loss = result.pop("eval_loss", math.nan)
+    val_loss = result.pop("eval_loss", None)  # None (null in summary.json): no validation ran
     summary = {
         **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
         "packing": "documents" if documents else "stream", "precision": setup.precision,
@@ -351,13 +351,13 @@ def _loop_config(cfg) -> LoopConfig:
     )
 
 
-def _log_done(summary: dict, val_loss: float, impl: str, out_dir: Path) -> None:
+def _log_done(summary: dict, val_loss: float | None, impl: str, out_dir: Path) -> None:
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
-        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
+        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %s | peak mem %s (%s)%s"
         " | attention %s%s | checkpoint %s | %s",
         summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
-        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        summary["train_loss"], "n/a" if val_loss is None else f"{val_loss:.4f}", metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
         f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
         impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
         logs.run_files(out_dir),
