@@ -197,6 +197,7 @@ def _start(argv, held: list):
     except FileNotFoundError as e:
         _fail(str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     try:
         logs.check_tensorboard(cfg.tensorboard)
     except ImportError as e:
@@ -214,6 +215,8 @@ def _start(argv, held: list):
     except runlock.RunLockError as e:
         _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
+    if state.device.type == "cuda":
+        log.info("%s", allocator_note)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)

@@ -42,6 +42,25 @@ logger = logging.getLogger(__name__)
 from ..resources import configs_dir, shipped_config
 
 
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch reads either (the second from 2.9)
+EXPANDABLE = "expandable_segments:True"
+
+
+def cuda_allocator_env() -> str:
+    """PyTorch's CUDA allocator set to expandable segments (one growing mapping per stream rather than fixed blocks
+    that fragment: at long lengths a step ran out of memory with 3.7 GiB reserved but unallocated), unless the user
+    set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF. The allocator reads it once, when CUDA initialises, so the
+    recipes call this first; where CUDA is already up the setting is applied to it directly. Returns the log line."""
+    for name in ALLOC_CONF_NAMES:
+        if name in os.environ:
+            return f"CUDA allocator: {name}={os.environ[name]} (your setting, kept)"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+    if torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    return (f"CUDA allocator: PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} (set by the recipe: long sequences fragment fixed "
+            "segments; set the variable yourself to choose otherwise)")
+
+
 def deepspeed_from_env() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
