@@ -168,9 +168,11 @@ def _train(cfg, trainer, model, impl, n_params, names, setup, hf_tokenizer) -> d
 def _start(argv, held: list):
     """The checked config and the process state; out_dir locked for this run, logging, threads and seeds set up."""
     cfg, notes = _parse(argv)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     t = cfg.train
     try:
         state = distributed.init_state(t.cpu, t.deepspeed)
+        distributed.check_mixed_precision(_precision(cfg, state), state.device, "train.mixed_precision")
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.logging.out_dir)
@@ -179,6 +181,8 @@ def _start(argv, held: list):
     except runlock.RunLockError as e:
         _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
+    if state.device.type == "cuda":
+        notes = [allocator_note, *notes]
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
     if threads is None and state.device.type != "cuda":

@@ -99,7 +99,8 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     if cfg.packing == "documents":
         _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
               "--packing stream, or --no-patch")
-    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart (%s), so documents "
+                "attend across each other; --packing documents refuses to run instead", impl, why)
     return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
@@ -172,7 +173,7 @@ def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, repli
     if previous is not None:
         return previous
 
-    val_loss = result.pop("eval_loss", math.nan)
+    val_loss = result.pop("eval_loss", None)  # None (null in summary.json): no validation ran
     summary = {
         **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
         "packing": "documents" if documents else "stream", "precision": setup.precision,
@@ -196,6 +197,7 @@ def _start(argv, held: list):
     except FileNotFoundError as e:
         _fail(str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     try:
         logs.check_tensorboard(cfg.tensorboard)
     except ImportError as e:
@@ -203,6 +205,7 @@ def _start(argv, held: list):
     try:
         state = distributed.init_state(cfg.cpu, cfg.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        distributed.check_mixed_precision(cfg.mixed_precision, state.device, "mixed_precision")
         gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
         _fail(str(e))
@@ -212,6 +215,8 @@ def _start(argv, held: list):
     except runlock.RunLockError as e:
         _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
+    if state.device.type == "cuda":
+        log.info("%s", allocator_note)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
@@ -349,13 +354,13 @@ def _loop_config(cfg) -> LoopConfig:
     )
 
 
-def _log_done(summary: dict, val_loss: float, impl: str, out_dir: Path) -> None:
+def _log_done(summary: dict, val_loss: float | None, impl: str, out_dir: Path) -> None:
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
-        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
+        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %s | peak mem %s (%s)%s"
         " | attention %s%s | checkpoint %s | %s",
         summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
-        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        summary["train_loss"], "n/a" if val_loss is None else f"{val_loss:.4f}", metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
         f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
         impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
         logs.run_files(out_dir),

@@ -687,7 +687,7 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
         model = cls.from_pretrained(m.path, config=model_config, attn_implementation="sdpa", dtype="float32",
                                     local_files_only=True)
     else:
-        model = cls.from_config(model_config, attn_implementation="sdpa")
+        model = cls.from_config(model_config, attn_implementation="sdpa", dtype=torch.float32)  # see gpt.build_model
     if cfg.task == "causal_lm":
         model.loss_type = "ForCausalLM"
     if m.gradient_checkpointing:

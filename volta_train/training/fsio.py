@@ -10,6 +10,8 @@ rename, so a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -73,6 +75,21 @@ def atomic_file(path: str | os.PathLike, what: str = "", mode: str = "wb", fsync
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
+
+
+def strict_json(record) -> str:
+    """``record`` as indented JSON that any parser reads: a NaN or infinite float (no value: a loss never measured,
+    a memory peak not known) becomes null, where Python's json would write the non-JSON ``NaN``."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(record), indent=2, allow_nan=False) + "\n"
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = True) -> None:

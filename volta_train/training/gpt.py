@@ -303,6 +303,7 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     Preset or ``model_config``: random weights (seeded by the caller). ``model_path``: the saved weights.
     Raises ConfigError when the model cannot hold the run's sequences or tokens.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     if cfg.model_path:
@@ -312,7 +313,9 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     else:
         config = read_model_config(cfg.model_config) if cfg.model_config else _preset_config(cfg, tokenizer)
         config._attn_implementation = "sdpa"
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        # fp32 weights whatever the config's dtype says (Llama-3 configs say bfloat16): mixed precision computes in
+        # fp16/bf16 and keeps these as the master weights; under ZeRO-3 DeepSpeed stores its own copy
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     config = model.config
     config.use_cache = False
     if getattr(config, "model_type", None) == "llama" and cfg.attn_pdrop and not cfg.model_path:

@@ -264,7 +264,7 @@ class Trainer:
             record = {**summary, "steps": done, "planned_steps": self.loop.steps, "completed": False,
                       "failed": True, "reason": reason, "stopped": "non-finite values", "last_checkpoint":
                       str(last) if last else None, "checkpoint": None, "model": None}
-            fsio.write_text_atomic(self.out_dir / "summary.json", json.dumps(record, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(self.out_dir / "summary.json", fsio.strict_json(record), fsync=False)
         raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
@@ -558,7 +558,7 @@ def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, fin
         if summary[final_key]:
             checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
         if accelerator.is_main_process:
-            fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(out_dir / "summary.json", fsio.strict_json(summary), fsync=False)
     except fsio.WriteError as e:
         fail(str(e))
 
