@@ -36,11 +36,14 @@ class ConfigError(ValueError):
 
 
 class _UniqueKeySafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently). Merge
+    keys (``<<: *defaults``) stay valid: the mapping's own keys override the merged ones, as YAML defines."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # flattened by SafeLoader's construct_mapping
+                continue
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -1,0 +1,184 @@
+"""Nothing lost, nothing stale (issue 37): a finished run is never overwritten, the token cache follows the data's
+contents, SIGTERM at any moment ends with a summary or exit 75, start-up write errors are one line and leave nothing,
+pickled weights and empty data files are named, killed cache writes are cleaned up, YAML merge keys load.
+
+The recipes run in-process on the "nano" GPT-2 (2 layers, 64 wide) for a few steps; the kill tests run a child process
+and send it a real signal.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from volta_train.training import config, data, fsio
+from volta_train.training import finetune_setup as ft
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fresh_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    return ["--cpu", "--model", "nano", "--seq-len", "32", "--batch-size", "2", "--synthetic-mb", "0.02",
+            "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--steps", "4", "--checkpoint-interval",
+            "2", "--warmup-steps", "0", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *extra]
+
+
+def _gpt(tmp_path: Path, out: Path, *extra: str) -> dict:
+    from accelerate.state import AcceleratorState
+
+    from volta_train.recipes import gpt_long
+
+    AcceleratorState._reset_state(True)
+    return gpt_long.main(_gpt_args(tmp_path, out, *extra))
+
+
+def _gpt_exit(tmp_path: Path, out: Path, *extra: str):
+    with pytest.raises(SystemExit) as info:
+        _gpt(tmp_path, out, *extra)
+    return info.value.code
+
+
+def _child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def _text(rng: random.Random, n: int) -> str:
+    words = ["alder", "birch", "cedar", "delta", "ember", "flint", "grove", "heron"]
+    return " ".join(rng.choice(words) for _ in range(n)) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. the token cache follows the contents, whatever the mtime
+# ------------------------------------------------------------------------------------------------
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_seen_by_the_token_cache(tmp_path):
+    rng = random.Random()
+    corpus = tmp_path / "c.txt"
+    text = _text(rng, 300)
+    corpus.write_text(text)
+    first = np.array(data.load_tokens(str(corpus), tmp_path / "cache", data.ByteTokenizer()))
+    st = corpus.stat()
+    i = rng.randrange(len(text) - 1)
+    edited = text[:i] + ("X" if text[i] != "X" else "Y") + text[i + 1:]  # a same-length fix
+    corpus.write_text(edited)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p / rsync -t / tar x leave it
+    assert corpus.stat().st_size == st.st_size and corpus.stat().st_mtime_ns == st.st_mtime_ns
+    again = np.array(data.load_tokens(str(corpus), tmp_path / "cache", data.ByteTokenizer()))
+    assert again.size == first.size and not np.array_equal(again, first)
+    assert data.ByteTokenizer().decode(again[:-1]) == edited
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_seen_by_the_finetune_cache(tmp_path):
+    rng = random.Random()
+    train = tmp_path / "t.jsonl"
+    records = [{"text": _text(rng, 20).strip()} for _ in range(4)]
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = ft.FinetuneConfig(data=ft.DataSection(train=str(train), format="text", cache_dir=str(tmp_path / "cache")))
+    first = ft.load_examples(str(train), cfg, data.ByteTokenizer(), [])
+    st = train.stat()
+    raw = train.read_text()
+    swapped = raw.replace("alder", "ALDER") if "alder" in raw else raw.replace("birch", "BIRCH")
+    assert swapped != raw and len(swapped) == len(raw)
+    train.write_text(swapped)
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = ft.load_examples(str(train), cfg, data.ByteTokenizer(), [])
+    assert not np.array_equal(again["ids"], first["ids"])
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. an empty data file is named
+# ------------------------------------------------------------------------------------------------
+
+
+def test_an_empty_data_file_is_named_as_empty(tmp_path, fresh_state):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"data file {re.escape(str(empty))} is empty \(0 bytes\)"):
+        data.load_tokens(str(empty), tmp_path / "cache", data.ByteTokenizer())
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(ValueError, match=rf"data source {re.escape(str(blank))} holds no text"):
+        data.load_tokens(str(blank), tmp_path / "cache", data.ByteTokenizer())
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+    message = _gpt_exit(tmp_path, tmp_path / "out", "--data", str(empty))
+    assert message == f"gpt_long.py: error: data file {empty} is empty (0 bytes): give a file that holds text, or " \
+                      "'synthetic'"
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. a killed cache write leaves no temporary once the cache is next opened; YAML merge keys
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_sigkill_during_the_token_cache_write_leaves_nothing_once_the_cache_is_reopened(tmp_path, caplog):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(_text(random.Random(), 2000))
+    cache = tmp_path / "cache"
+    code = (
+        "import os, signal, sys\n"
+        "import numpy as np\n"
+        "from volta_train.training import data\n"
+        "def save(f, value, *a, **k):\n"
+        "    f.write(b'x' * 4096)\n"
+        "    f.flush()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "np.save = save\n"
+        "data.load_tokens(sys.argv[1], sys.argv[2], data.ByteTokenizer())\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code, str(corpus), str(cache)], capture_output=True, text=True,
+                           timeout=120, env=_child_env())
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    (tmp,) = cache.glob(".*.tmp")
+    assert tmp.stat().st_size == 4096
+    mine = tmp.with_name(re.sub(r"\.\d+\.tmp$", f".{os.getppid()}.tmp", tmp.name))  # a live writer's
+    mine.write_bytes(b"y")
+    old = time.time() - 2 * data.STALE_TEMPORARY_S
+    for f in (tmp, mine):
+        os.utime(f, (old, old))  # the kill happened a while ago
+    caplog.set_level(logging.WARNING)
+    tokens = data.load_tokens(str(corpus), cache, data.ByteTokenizer())
+    assert tokens.size == corpus.stat().st_size + 1
+    assert not tmp.exists() and mine.exists()
+    assert f"removed {tmp}, left by an interrupted write of" in caplog.text
+    mine.unlink()
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []
+
+
+def test_yaml_merge_keys_load_and_python_tags_are_still_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  <<: &d {batch_size: 3, seed: 5}\n  steps: 7\n  seed: 6\n")  # seed overrides
+    values = config.load_yaml(path, ft.FinetuneConfig)
+    assert values == {"train.batch_size": 3, "train.seed": 6, "train.steps": 7}
+    path.write_text("train:\n  steps: 7\n  steps: 8\n")
+    with pytest.raises(config.ConfigError, match="duplicate key 'steps'"):
+        config.load_yaml(path, ft.FinetuneConfig)
+    path.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(config.ConfigError, match="not valid YAML"):
+        config.load_yaml(path, ft.FinetuneConfig)
+    doc = yaml.load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  y: 3\n", Loader=config._UniqueKeySafeLoader)  # noqa: S506
+    assert doc == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}}
