@@ -182,3 +182,44 @@ def test_yaml_merge_keys_load_and_python_tags_are_still_refused(tmp_path):
         config.load_yaml(path, ft.FinetuneConfig)
     doc = yaml.load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  y: 3\n", Loader=config._UniqueKeySafeLoader)  # noqa: S506
     assert doc == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}}
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. pickled weights in a model directory: named, not loaded, and the conversion that works
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pickled_weights_are_named_not_loaded_and_the_given_command_converts_them(tmp_path, monkeypatch):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from volta_train.training import gpt
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=64))
+    directory = tmp_path / "pickled"
+    model.save_pretrained(directory)
+    (directory / "model.safetensors").unlink()
+    weights = directory / "pytorch_model.bin"
+    torch.save(model.state_dict(), weights)  # tied: wte and lm_head share storage
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or pytest.fail("a pickle was loaded"))
+    train = tmp_path / "t.jsonl"
+    train.write_text('{"text": "hello"}\n')
+    cfg = ft.FinetuneConfig(model=ft.ModelSection(path=str(directory)),
+                            data=ft.DataSection(train=str(train), format="text", max_length=32))
+    with pytest.raises(config.ConfigError) as err:
+        ft.build_model(cfg, data.ByteTokenizer(), [])
+    message = str(err.value)
+    assert message.startswith(f"model.path {directory}: its weights are pickled ({weights}), and pickled weights are "
+                              "not loaded"), message
+    gcfg = gpt.resolve(config.parse_config(gpt.GPTTrainConfig, ["--cpu", "--model-path", str(directory),
+                                                                "--seq-len", "32"]), "cpu")
+    with pytest.raises(config.ConfigError, match=re.escape(f"model_path {directory}: its weights are pickled")):
+        gpt.build_model(gcfg, data.ByteTokenizer())
+    assert loads == []
+    monkeypatch.undo()
+    command = re.search(r'python -c "(.*)"$', message).group(1)
+    subprocess.run([sys.executable, "-c", command], check=True, timeout=120)
+    rebuilt = ft.build_model(cfg, data.ByteTokenizer(), [])
+    ids = torch.randint(0, 260, (1, 8))
+    assert torch.equal(rebuilt(input_ids=ids).logits, model.eval()(input_ids=ids).logits)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from . import chunked_loss, data
 from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
-from .models import padded_vocab, read_model_config
+from .models import check_safetensors_weights, padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
 
 logger = logging.getLogger(__name__)
@@ -658,6 +658,7 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
 
     m = cfg.model
     if m.path:
+        check_safetensors_weights(m.path, "model.path")
         model_config = AutoConfig.from_pretrained(m.path, local_files_only=True)
     else:
         model_config = read_model_config(m.config)
