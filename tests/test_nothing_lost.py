@@ -223,3 +223,139 @@ def test_pickled_weights_are_named_not_loaded_and_the_given_command_converts_the
     rebuilt = ft.build_model(cfg, data.ByteTokenizer(), [])
     ids = torch.randint(0, 260, (1, 8))
     assert torch.equal(rebuilt(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. a full disk when the run's first files are written: one line naming the file, nothing left
+# ------------------------------------------------------------------------------------------------
+
+
+def _disk_full_for(monkeypatch, name: str) -> None:
+    """Writes to the file called ``name`` (or its temporary, ``.name.PID.tmp``) fail as on a full disk."""
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def writelines(self, lines):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        base = Path(str(file)).name
+        hit = base == name or (base.startswith(f".{name}.") and base.endswith(".tmp"))
+        return Full(f) if hit and ("w" in mode or "a" in mode) else f
+
+    monkeypatch.setattr("builtins.open", full_open)
+
+
+@pytest.mark.parametrize("name", ["train.log", "config.yaml"])
+def test_a_full_disk_at_start_is_one_line_naming_the_file_and_leaves_nothing(tmp_path, fresh_state, monkeypatch,
+                                                                             capsys, name):
+    out = tmp_path / "new" / "out"
+    _disk_full_for(monkeypatch, name)
+    message = _gpt_exit(tmp_path, out)
+    monkeypatch.undo()
+    assert isinstance(message, str) and "\n" not in message, message
+    what = "the run's log " if name == "train.log" else ""
+    assert re.fullmatch(rf"gpt_long.py: error: cannot write {what}{re.escape(str(out / name))}: OSError: \[Errno 28\] "
+                        r"No space left on device \(\S+ \S+ free on its filesystem\)", message), message
+    assert not (tmp_path / "new").exists()  # no train.log, config.yaml, run.lock or out_dir
+    assert "Traceback" not in capsys.readouterr().err
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    _disk_full_for(monkeypatch, name)
+    _gpt_exit(tmp_path, existing)
+    monkeypatch.undo()
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. SIGTERM at any moment: summary.json (finished) or exit 75 with a resumable state
+# ------------------------------------------------------------------------------------------------
+
+_SIGTERM_CHILD = '''
+import os, signal, sys
+from volta_train.recipes import gpt_long
+from volta_train.training import checkpoint, data, fsio, optim, trainer
+
+phase, argv = sys.argv[1], sys.argv[2:]
+
+def term_then(real, when=lambda *a, **k: True):
+    def wrapper(*a, **k):
+        if when(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    return wrapper
+
+calls = []
+if phase == "data":
+    data.load_tokens = term_then(data.load_tokens)
+elif phase == "step":
+    optim.set_lr = term_then(optim.set_lr, lambda *a, **k: calls.append(1) or len(calls) == 2)
+elif phase == "resume":
+    checkpoint.load_checkpoint = term_then(checkpoint.load_checkpoint)
+elif phase == "final-eval":
+    gpt_long._StepFunctions.evaluate = term_then(gpt_long._StepFunctions.evaluate)
+elif phase == "final-save":
+    checkpoint.save_model = term_then(checkpoint.save_model)
+elif phase == "summary":
+    fsio.write_text_atomic = term_then(fsio.write_text_atomic, lambda path, *a, **k: path.name == "summary.json")
+gpt_long.main(argv)
+'''
+
+
+def _sigterm_child(tmp_path: Path, out: Path, phase: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, phase, *_gpt_args(tmp_path, out, *extra)],
+                          capture_output=True, text=True, timeout=300, env=_child_env(), cwd=tmp_path)
+
+
+@pytest.mark.parametrize("phase", ["final-eval", "final-save", "summary"])
+def test_sigterm_after_the_last_step_finishes_the_run(tmp_path, phase):
+    out = tmp_path / "out"
+    child = _sigterm_child(tmp_path, out, phase, "--checkpoint-interval", "0")  # nothing to fall back to
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "SIGTERM after the last step: finishing the final" in child.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] is True and summary["steps"] == 4 and np.isfinite(summary["val_loss"])
+    from volta_train.training import checkpoint
+
+    assert checkpoint.verify_model(out / "final") == []
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.parametrize("phase", ["data", "step", "resume"])
+def test_sigterm_before_or_during_the_steps_exits_75_with_a_resumable_state(tmp_path, phase):
+    from volta_train.training import checkpoint
+
+    out = tmp_path / "out"
+    if phase == "resume":
+        first = _sigterm_child(tmp_path, out, "none", "--steps", "2")
+        assert first.returncode == 0, first.stderr[-3000:]
+    child = _sigterm_child(tmp_path, out, phase, "--checkpoint-interval", "0")
+    assert child.returncode == 75, child.stderr[-3000:]
+    assert "Traceback" not in child.stderr, child.stderr[-3000:]
+    if phase == "data":  # before the run began: nothing written, a rerun starts it
+        assert not out.exists()
+    else:
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["completed"] is False and summary["stopped"] == "SIGTERM"
+        assert checkpoint.find_latest(out / "checkpoints").name == f"step-{summary['steps']:08d}"
+    assert not (out / "run.lock").exists()
+    rerun = _sigterm_child(tmp_path, out, "none", "--checkpoint-interval", "0")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["completed"] is True

@@ -98,7 +98,7 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
 def main(argv=None, prog: str = "finetune.py") -> dict:
     """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.logging.out_dir)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.logging.out_dir, _fail)
 
 
 def _prepare(cfg, state):

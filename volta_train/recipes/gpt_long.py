@@ -106,7 +106,7 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 def main(argv=None, prog: str = "gpt_long.py") -> dict:
     """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir, _fail)
 
 
 def _prepare(cfg, state):

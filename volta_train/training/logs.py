@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .fsio import writing
+from .fsio import write_text_atomic, writing
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
@@ -93,21 +93,26 @@ def commit_log_file() -> None:
     later one."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
-        handler.path.parent.mkdir(parents=True, exist_ok=True)
-        with writing(handler.path):
-            file_handler = logging.FileHandler(handler.path, mode="a", encoding="utf-8")
+        with writing(handler.path, "the run's log"):  # written here, so that a full disk raises (logging would not)
+            handler.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(handler.path, "a", encoding="utf-8") as f:
+                f.writelines(handler.format(record) + "\n" for record in handler.records)
+            file_handler = RunLogFile(handler.path, mode="a", encoding="utf-8")
         file_handler.setFormatter(handler.formatter)
-        for record in handler.records:
-            file_handler.handle(record)
         root.removeHandler(handler)
         root.addHandler(file_handler)
+
+
+class RunLogFile(logging.FileHandler):
+    """A run's train.log once the run has begun (:func:`discard_log_file` closes it)."""
 
 
 def discard_log_file() -> None:
     """The run stopped before it began: its pending log file is never written."""
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
+    for handler in [h for h in root.handlers if isinstance(h, (PendingLogFile, RunLogFile))]:
         root.removeHandler(handler)
+        handler.close()
 
 
 def log_config(logger: logging.Logger, options: dict, out_dir: str | Path, is_main: bool, write: bool = True) -> Path:
@@ -130,10 +135,9 @@ def write_config(options: dict, out_dir: str | Path) -> Path:
     import yaml
 
     path = Path(out_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
     with writing(path):
-        path.write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100),
-                        encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100), fsync=False)
     return path
 
 

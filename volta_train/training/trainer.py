@@ -123,6 +123,7 @@ class Trainer:
         self.out_dir = Path(loop.out_dir)
         self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
         self._stop_reason: str | None = None
+        self._finishing = False  # past the last step: SIGTERM lets the run finish (its final save is the fastest end)
         device = self.accelerator.device
         self.peak = loop.peak_tflops if loop.peak_tflops else metrics.peak_tflops(device)
 
@@ -229,7 +230,10 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         self._stop_reason = "SIGTERM"
-        logger.warning("SIGTERM: stopping after this step with a checkpoint")
+        if self._finishing:
+            logger.warning("SIGTERM after the last step: finishing the final evaluation, model and summary.json first")
+        else:
+            logger.warning("SIGTERM: stopping after this step with a checkpoint")
 
     def _agree(self, started: float, nonfinite: torch.Tensor) -> tuple[bool, str | None]:
         """(a non-finite value on any process, the stop reason all processes agree on): one all-reduce per step
@@ -276,6 +280,16 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Resume (or start), train to ``loop.steps`` or a stop, evaluate; returns the summary. SIGTERM is handled
+        throughout: before and during the steps it stops the run at the next step boundary with a checkpoint,
+        after them it lets the final evaluation finish (the recipe then writes the final model and summary.json)."""
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> dict:
         acc, loop = self.accelerator, self.loop
         device = acc.device
         totals = {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}
@@ -308,7 +322,6 @@ class Trainer:
                     "stopped": None}
 
         writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         batches = self.batches(start_step * loop.grad_accum)
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -429,7 +442,7 @@ class Trainer:
                     logger.warning("stopping at step %d/%d: %s", done, loop.steps, stopped)
                     break
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            self._finishing = True
             bar.close()
 
         seconds = time.perf_counter() - started
@@ -572,10 +585,19 @@ def exit_status(summary: dict) -> int:
 
 
 def begin_run(out_dir: Path, options: dict, is_main: bool) -> None:
-    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written."""
-    if is_main:
+    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written. A write
+    error removes what this call created and raises :class:`fsio.WriteError` naming the file."""
+    if not is_main:
+        return
+    created = [p for p in (out_dir / "train.log", out_dir / "config.yaml") if not p.exists()]
+    try:
         logs.commit_log_file()
         logs.write_config(options, out_dir)
+    except fsio.WriteError:
+        logs.discard_log_file()
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def abandon_start(held: list) -> None:
@@ -584,6 +606,21 @@ def abandon_start(held: list) -> None:
     for lock in held:
         if lock is not None:
             lock.discard()
+
+
+class _Sigterm:
+    """SIGTERM outside :meth:`Trainer.run`: before the run begins it stops the run at once (exit
+    :data:`STOPPED_EXIT`, nothing left behind); once training has begun (the final model and summary.json are being
+    written) it lets them finish, the fastest way to a resumable state."""
+
+    def __init__(self):
+        self.training = False
+
+    def __call__(self, signum, frame):  # noqa: ARG002
+        if not self.training:
+            logger.warning("SIGTERM before the first step: stopping (nothing was written; rerun to start)")
+            raise SystemExit(STOPPED_EXIT)
+        logger.warning("SIGTERM after the last step: finishing the final model and summary.json first")
 
 
 def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], str]) -> dict:
@@ -598,20 +635,37 @@ def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], 
     return flat
 
 
-def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable) -> dict:
+def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable,
+               fail: Callable[[str], None] | None = None) -> dict:
     """The steps of every recipe: ``start(argv, held)`` parses options and locks out_dir, ``prepare(cfg, state)``
-    builds everything before the first step (a failure there leaves no files), then the run begins and
-    ``train(cfg, trainer, *parts)`` returns summary.json's contents. A run that stopped before its planned steps
-    with a checkpoint (SIGTERM, a time limit) exits with :data:`STOPPED_EXIT` once that is written."""
-    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        cfg, state = start(argv, held)
-        try:
-            trainer, parts = prepare(cfg, state)
-        except BaseException:
-            abandon_start(held)
-            raise
-        begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
-        summary = train(cfg, trainer, *parts)
+    builds everything before the first step and the run begins (train.log, config.yaml): a failure or SIGTERM up to
+    there leaves no files (a write error ends in ``fail(message)``). Then ``train(cfg, trainer, *parts)`` returns
+    summary.json's contents. A run that stopped before its planned steps with a checkpoint (SIGTERM, a time limit)
+    exits with :data:`STOPPED_EXIT` once that is written."""
+    sigterm = _Sigterm()
+    try:
+        previous = signal.signal(signal.SIGTERM, sigterm)
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = None
+    try:
+        with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
+            try:
+                cfg, state = start(argv, held)
+                trainer, parts = prepare(cfg, state)
+                begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
+            except fsio.WriteError as e:
+                abandon_start(held)
+                if fail is None:
+                    raise
+                fail(str(e))
+            except BaseException:
+                abandon_start(held)
+                raise
+            sigterm.training = True
+            summary = train(cfg, trainer, *parts)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if exit_status(summary):
         raise SystemExit(exit_status(summary))
     return summary
