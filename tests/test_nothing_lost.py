@@ -359,3 +359,50 @@ def test_sigterm_before_or_during_the_steps_exits_75_with_a_resumable_state(tmp_
     rerun = _sigterm_child(tmp_path, out, "none", "--checkpoint-interval", "0")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["completed"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. a finished run is never overwritten: resume auto without checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+def _log(out: Path) -> str:
+    return (out / "train.log").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("how", ["interval 0", "checkpoints deleted"])
+def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tmp_path, fresh_state, how):
+    from volta_train.training import checkpoint
+
+    out = tmp_path / "out"
+    extra = ("--checkpoint-interval", "0") if how == "interval 0" else ()
+    first = _gpt(tmp_path, out, *extra)
+    if how == "checkpoints deleted":
+        shutil.rmtree(out / "checkpoints")
+    assert first["completed"] and not (out / "checkpoints").exists()
+    final_bytes = {p.name: p.read_bytes() for p in (out / "final").iterdir() if p.is_file()}
+
+    again = _gpt(tmp_path, out, *extra)  # the unchanged command: finished, nothing retrained or rewritten
+    assert again == first
+    assert "holds this run, finished (step 4, same settings): nothing to train" in _log(out)
+    assert "already holds the finished run (step 4)" in _log(out)
+    assert {p.name: p.read_bytes() for p in (out / "final").iterdir() if p.is_file()} == final_bytes
+    assert not (out / "previous-run-1").exists() and not (out / "checkpoints").exists()
+
+    lr = str(first["settings"]["--lr"] * random.choice([0.5, 2.0, 3.0]))
+    changed = _gpt(tmp_path, out, *extra, "--lr", lr)  # another run: the finished one moves aside first
+    previous = out / "previous-run-1"
+    assert json.loads((previous / "summary.json").read_text()) == first
+    assert {p.name: p.read_bytes() for p in (previous / "final").iterdir() if p.is_file()} == final_bytes
+    assert (previous / "train.csv").is_file() and checkpoint.verify_model(previous / "final") == []
+    assert changed["completed"] and changed["start_step"] == 0 and changed["settings"]["--lr"] == float(lr)
+    assert re.search(r"--resume auto: \S+ holds an earlier run and no checkpoint to continue it from \(it was run "
+                     r"with other settings \(--lr\)\): moved final, summary.json, train.csv, eval.csv, loss.png to "
+                     rf"{re.escape(str(previous))}, starting over", _log(out)), _log(out)[-3000:]
+    more = _gpt(tmp_path, out, *extra, "--lr", lr, "--steps", "5")
+    assert more["completed"] and more["steps"] == 5
+    if how == "interval 0":  # nothing to continue from: set aside again
+        assert more["start_step"] == 0 and (out / "previous-run-2" / "final").is_dir()
+    else:  # the new run has checkpoints again: it continues
+        assert more["resumed_from"] == str(out / "checkpoints" / "step-00000004")
+        assert not (out / "previous-run-2").exists()

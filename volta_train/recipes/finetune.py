@@ -315,7 +315,7 @@ def _loop_config(cfg, steps: int, warmup: int) -> LoopConfig:
         time_limit_min=t.time_limit_min, out_dir=cfg.logging.out_dir, progress=cfg.logging.progress,
         tensorboard=cfg.logging.tensorboard, peak_tflops=cfg.logging.peak_tflops,
         max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
-        steps_flag="--train.steps", resume_flag="--checkpoint.resume",
+        steps_flag="--train.steps", resume_flag="--checkpoint.resume", final_model=cfg.checkpoint.save_final,
     )
 
 

@@ -345,7 +345,7 @@ def _loop_config(cfg) -> LoopConfig:
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
-        steps_flag="--steps", resume_flag="--resume",
+        steps_flag="--steps", resume_flag="--resume", final_model=cfg.save,
     )
 
 

@@ -89,6 +89,7 @@ class LoopConfig:
     allow_missing_rng: bool = False  # resume from a checkpoint without this process's generator states
     steps_flag: str = "--steps"  # how the recipe's user sets steps and resume, for messages
     resume_flag: str = "--resume"
+    final_model: bool = True  # the recipe saves a final model (out_dir/final) at the end of a completed run
 
 
 class Trainer:
@@ -123,6 +124,7 @@ class Trainer:
         self.out_dir = Path(loop.out_dir)
         self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
         self._stop_reason: str | None = None
+        self._finished = False  # resume auto found out_dir's finished run (no checkpoint): nothing to train
         self._finishing = False  # past the last step: SIGTERM lets the run finish (its final save is the fastest end)
         device = self.accelerator.device
         self.peak = loop.peak_tflops if loop.peak_tflops else metrics.peak_tflops(device)
@@ -135,10 +137,12 @@ class Trainer:
             if self.accelerator.is_main_process:
                 self._set_aside_previous_run()
             return None
-        choice: list = [None, None]  # path, error
+        choice: list = [None, None, None]  # path, error, "finished"
         if self.accelerator.is_main_process:
             try:
                 choice[0] = self._choose_checkpoint(spec)
+                if choice[0] is None and spec == "auto":
+                    choice[2] = "finished" if self._finished_without_checkpoints() else None
             except (checkpoint.CheckpointError, FileNotFoundError) as e:
                 choice[1] = f"{type(e).__name__}|{e}"
         if self.accelerator.num_processes > 1:
@@ -148,14 +152,36 @@ class Trainer:
         if choice[1] is not None:
             kind, message = str(choice[1]).split("|", 1)
             raise (FileNotFoundError if kind == "FileNotFoundError" else checkpoint.CheckpointError)(message)
+        self._finished = choice[2] is not None
         return Path(choice[0]) if choice[0] is not None else None
+
+    def _finished_without_checkpoints(self) -> bool:
+        """resume auto, and out_dir holds no checkpoint: True when it holds this very run, finished (summary.json
+        completed at this run's steps with the same settings, its final model whole); otherwise an earlier run there
+        (a final model or summary.json) is set aside as :meth:`_set_aside_previous_run` does, never overwritten."""
+        if not ((self.out_dir / "final").exists() or (self.out_dir / "summary.json").exists()):
+            return False
+        problems = finished_run_problems(self.out_dir, self.loop.steps, self.loop.final_model)
+        try:
+            saved = json.loads((self.out_dir / "summary.json").read_text(encoding="utf-8")).get("settings")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if not problems and saved == self.settings:
+            return True
+        if not problems:
+            changed = [k for k in self.settings if not isinstance(saved, dict) or saved.get(k) != self.settings[k]]
+            problems = [f"it was run with other settings ({', '.join(changed) or 'not recorded'})"]
+        self._set_aside_previous_run(f"{self.loop.resume_flag} auto: {self.out_dir} holds an earlier run and no "
+                                     f"checkpoint to continue it from ({'; '.join(problems)})")
+        return False
 
     PREVIOUS_RUN_FILES = (checkpoint.CHECKPOINTS, "final", "summary.json", "train.csv", "eval.csv", "loss.png",
                           "tensorboard")
 
-    def _set_aside_previous_run(self) -> None:
-        """Starting over (resume never) in an out_dir that holds an earlier run: its checkpoints, final model,
-        summary and metrics move to ``out_dir/previous-run-N`` so that the two runs never mix."""
+    def _set_aside_previous_run(self, why: str = "") -> None:
+        """Starting over (resume never, or resume auto without a checkpoint) in an out_dir that holds an earlier
+        run: its checkpoints, final model, summary and metrics move to ``out_dir/previous-run-N`` so that the two
+        runs never mix (``why``: the log line's reason)."""
         found = [self.out_dir / name for name in self.PREVIOUS_RUN_FILES if (self.out_dir / name).exists()]
         steps = [p.name for p in sorted(self.checkpoint_root.glob("step-*"))] if self.checkpoint_root.is_dir() else []
         if not steps and not (self.out_dir / "final").exists() and not (self.out_dir / "summary.json").exists():
@@ -168,6 +194,10 @@ class Trainer:
             target.mkdir()
             for path in found:
                 os.replace(path, target / path.name)
+        if why:
+            logger.warning("%s: moved %s to %s, starting over (delete it once it is not needed)", why,
+                           ", ".join(p.name for p in found), target)
+            return
         logger.warning("%s never: %s held an earlier run (%s); moved %s to %s (delete it once it is not needed)",
                        self.loop.resume_flag, self.out_dir, ", ".join(steps) if steps else "no checkpoints",
                        ", ".join(p.name for p in found), target)
@@ -310,9 +340,14 @@ class Trainer:
             logger.info("resumed from %s at step %d/%d (%s tokens so far)", path, start_step, loop.steps,
                         f"{totals['tokens']:,}")
 
-        summary_base = {"resumed_from": resumed_from, "start_step": start_step}
+        if self._finished:
+            start_step, state = loop.steps, {}
+            logger.info("%s holds this run, finished (step %d, same settings): nothing to train", self.out_dir,
+                        start_step)
+        summary_base = {"resumed_from": resumed_from, "start_step": start_step, "settings": self.settings}
         if start_step >= loop.steps:  # the recipe checks whether the final model and summary.json are there
-            logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
+            if not self._finished:
+                logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
             mem, mem_kind = metrics.peak_memory(device)
             last_loss = state.get("train_loss")
             return {**summary_base, "steps": start_step, "planned_steps": loop.steps, "tokens": 0, "seconds": 0.0,
