@@ -119,9 +119,10 @@ def transformers_lines() -> list[str]:
         counts[status] = counts.get(status, 0) + 1
     summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "refused", "wrong"))
     return [f"transformers {transformers.__version__}; volta_train.patch takes any model transformers declares "
-            "flash-attention capable whose attention goes through its attention interface; census of "
-            f"transformers {record['transformers']} ({len(record['results'])} text model types: {summary}; "
-            "docs/hf_integration.md), ok: " + ", ".join(supported_families())]
+            f"flash-attention capable whose attention goes through its attention interface; census of transformers "
+            f"{record['transformers']}: {len(supported_families())} of {len(record['results'])} text model types "
+            f"supported ({summary}), listed in docs/hf_integration.md and by "
+            "python -c 'from volta_train.integrations import hf; print(*hf.supported_model_types())'"]
 
 
 def problems() -> list[str]:

@@ -33,8 +33,8 @@ from ..training import (  # noqa: E402
 )
 from ..training import finetune_setup as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, resume_option_problem, run_or_fail, run_recipe,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("finetune")
@@ -80,17 +80,21 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "finetune")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(ft.FinetuneConfig, argv, description=__doc__)
     try:
         cfg, notes = shipped_paths(cfg)
         cfg = ft.check(cfg)
         logs.check_tensorboard(cfg.logging.tensorboard, "--logging.tensorboard")
         if cfg.train.loss_chunk_tokens is not None and cfg.train.loss_chunk_tokens <= 0:
-            _fail(f"train.loss_chunk_tokens must be positive (or unset: auto), got {cfg.train.loss_chunk_tokens}")
+            config.usage_error(_prog[0], "train.loss_chunk_tokens must be positive (or unset: auto), got "
+                               f"{cfg.train.loss_chunk_tokens}")
+        resume_problem = resume_option_problem(cfg.checkpoint.resume, "--checkpoint.resume")
+        if resume_problem:
+            config.usage_error(_prog[0], resume_problem)
         return cfg, notes
     except config.ConfigError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     except ImportError as e:
         _fail(str(e))
 

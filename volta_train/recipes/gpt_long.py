@@ -39,8 +39,8 @@ from ..training import (  # noqa: E402
     sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, resume_option_problem, run_or_fail, run_recipe,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -194,7 +194,7 @@ def _start(argv, held: list):
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
     try:
         logs.check_tensorboard(cfg.tensorboard)
@@ -205,7 +205,10 @@ def _start(argv, held: list):
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
         gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
+    resume_problem = resume_option_problem(cfg.resume, "--resume")
+    if resume_problem:
+        config.usage_error(_prog[0], resume_problem)
     out_dir = Path(cfg.out_dir)
     try:  # before anything is written there: one run per out_dir
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))

@@ -247,7 +247,8 @@ class Trainer:
                 if checkpoint.complete_checkpoints(root) or any(root.glob("step-*")):
                     return checkpoint.select_resume(root, allow_missing_rng=allow)
         if not (path / checkpoint.COMPLETE).is_file():
-            raise FileNotFoundError(f"resume {spec!r}: not a complete checkpoint directory")
+            raise FileNotFoundError(resume_option_problem(spec, self.loop.resume_flag) or
+                                    f"resume {spec!r}: not a complete checkpoint directory")
         problems, notes = checkpoint.verify_checkpoint(path)
         if allow:
             problems = [p for p in problems if "random-generator state" not in p]
@@ -523,6 +524,24 @@ class Trainer:
             f"{('val ' + k) if k == 'loss' else k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in values.items()))
         writer.write("eval", step, values)
         return values
+
+
+def resume_option_problem(spec: str, flag: str = "--resume") -> str | None:
+    """What is wrong with a ``--resume`` value that can be seen before the run begins (a path that does not exist
+    or holds no checkpoint), saying what the option accepts; None when nothing is."""
+    if spec in ("auto", "never", "", None):
+        return None
+    path = Path(spec)
+    accepted = (f"{flag} accepts auto (the newest complete checkpoint in out_dir/checkpoints; none: a fresh start), "
+                "never (start over; an earlier run moves to out_dir/previous-run-N) or a path: a checkpoint "
+                "(out_dir/checkpoints/step-N), a checkpoints directory, or an out_dir that holds one")
+    if not path.exists():
+        return f"{flag} {spec!r}: no such file or directory; {accepted}"
+    if (path / checkpoint.COMPLETE).is_file():
+        return None
+    if path.is_dir() and any(any(root.glob("step-*")) for root in (path, path / checkpoint.CHECKPOINTS)):
+        return None  # a checkpoints directory or an out_dir: verified when the run begins
+    return f"{flag} {spec!r}: neither a complete checkpoint nor a directory of checkpoints; {accepted}"
 
 
 # ---- the end of a recipe's run (gpt_long, finetune): run, or report the run out_dir already finished; save, summarise
