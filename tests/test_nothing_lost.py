@@ -406,3 +406,54 @@ def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tm
     else:  # the new run has checkpoints again: it continues
         assert more["resumed_from"] == str(out / "checkpoints" / "step-00000004")
         assert not (out / "previous-run-2").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# beyond: files read back damaged, a log that stops being writable mid-run
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_damaged_train_csv_is_kept_aside_and_the_resumed_run_goes_on(tmp_path, fresh_state):
+    out = tmp_path / "out"
+    _gpt(tmp_path, out)
+    garbage = bytes(random.randrange(256) for _ in range(64)) + b"\xff\xfe\x00"
+    (out / "train.csv").write_bytes((out / "train.csv").read_bytes()[:20] + garbage)
+    resumed = _gpt(tmp_path, out, "--steps", "6")
+    assert resumed["completed"] and resumed["resumed_from"].endswith("step-00000004")
+    assert (out / "train.csv.damaged").read_bytes().endswith(garbage)
+    assert re.search(r"train.csv is unreadable \(\w+: .*\): moved to train.csv.damaged; a new train.csv starts at "
+                     r"step 5", _log(out)), _log(out)[-3000:]
+    from volta_train.training import logs
+
+    assert [int(r["step"]) for r in logs.read_csv(out / "train.csv")] == [5, 6]
+
+
+def test_a_log_that_fills_the_disk_mid_run_is_one_line_and_the_run_goes_on(tmp_path, capsys):
+    from volta_train.training import logs
+
+    log_file = tmp_path / "train.log"
+    logs.setup_logging(True, log_file, deferred=True)
+    try:
+        logging.getLogger("run").info("before")
+        logs.commit_log_file()
+        (handler,) = [h for h in logging.getLogger().handlers if isinstance(h, logs.RunLogFile)]
+
+        class Full:
+            def write(self, text):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            def flush(self):
+                pass
+
+        handler.stream.close()
+        handler.stream = Full()
+        for i in range(3):
+            logging.getLogger("run").info("line %d", i)
+        err = capsys.readouterr().err
+        assert err.count(f"cannot write the run's log {log_file}: OSError: [Errno 28] No space left on device; "
+                         "later lines go to stderr only") == 1
+        assert "Traceback" not in err and "--- Logging error ---" not in err and "line 2" in err
+        assert "before" in log_file.read_text()
+    finally:
+        logs.discard_log_file()
+        logging.getLogger().handlers.clear()

@@ -104,7 +104,14 @@ def commit_log_file() -> None:
 
 
 class RunLogFile(logging.FileHandler):
-    """A run's train.log once the run has begun (:func:`discard_log_file` closes it)."""
+    """A run's train.log once the run has begun (:func:`discard_log_file` closes it). A write that fails later (a
+    full disk) gives one line on stderr, not logging's traceback per record, and the log goes on on stderr only."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        logging.getLogger().removeHandler(self)
+        sys.stderr.write(f"cannot write the run's log {self.baseFilename}: {type(error).__name__}: {error}; later "
+                         "lines go to stderr only\n")
 
 
 def discard_log_file() -> None:
@@ -214,8 +221,16 @@ class MetricsWriter:
         if start_step == 0:
             path.unlink()
             return
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+        except (OSError, ValueError, csv.Error) as e:  # not text (a damaged disk block, a binary file)
+            kept = path.with_name(path.name + ".damaged")
+            path.replace(kept)
+            logging.getLogger(__name__).warning(
+                "%s is unreadable (%s: %s): moved to %s; a new %s starts at step %d", path, type(e).__name__,
+                str(e)[:200], kept.name, path.name, start_step + 1)
+            return
         if not rows:
             path.unlink()
             return
