@@ -457,3 +457,54 @@ def test_a_log_that_fills_the_disk_mid_run_is_one_line_and_the_run_goes_on(tmp_p
     finally:
         logs.discard_log_file()
         logging.getLogger().handlers.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# the same faults against finetune
+# ------------------------------------------------------------------------------------------------
+
+
+def _ft_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs/finetune/gpt2_instruct.yaml"), "--train.cpu", "--train.steps", "2",
+            "--logging.out-dir", str(out), "--logging.no-progress", "--data.cache-dir", str(tmp_path / "cache"),
+            *extra]
+
+
+def test_finetune_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tmp_path, fresh_state,
+                                                                                      monkeypatch):
+    from accelerate.state import AcceleratorState
+
+    from volta_train.recipes import finetune
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ft"
+    first = finetune.main(_ft_args(tmp_path, out, "--checkpoint.interval", "0"))
+    assert first["completed"] and not (out / "checkpoints").exists()
+    AcceleratorState._reset_state(True)
+    assert finetune.main(_ft_args(tmp_path, out, "--checkpoint.interval", "0")) == first
+    assert "holds this run, finished (step 2, same settings)" in _log(out)
+    AcceleratorState._reset_state(True)
+    finetune.main(_ft_args(tmp_path, out, "--checkpoint.interval", "0", "--optimizer.lr", "1e-4"))
+    assert json.loads((out / "previous-run-1" / "summary.json").read_text()) == first
+    assert "--checkpoint.resume auto: " in _log(out) and "(--optimizer.lr)" in _log(out)
+
+
+def test_finetune_sigterm_during_the_final_save_finishes_the_run(tmp_path):
+    out = tmp_path / "ft"
+    code = (
+        "import os, signal, sys\n"
+        "from volta_train.recipes import finetune\n"
+        "from volta_train.training import checkpoint\n"
+        "real = checkpoint.save_model\n"
+        "def save(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "checkpoint.save_model = save\n"
+        "finetune.main(sys.argv[1:])\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code, *_ft_args(tmp_path, out, "--checkpoint.interval", "0")],
+                           capture_output=True, text=True, timeout=300, env=_child_env(), cwd=ROOT)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "SIGTERM after the last step: finishing the final" in child.stderr
+    assert json.loads((out / "summary.json").read_text())["completed"] is True
+    assert not (out / "run.lock").exists()
