@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from pathlib import Path
@@ -236,12 +237,11 @@ class MetricsWriter:
             return
         header, body = rows[0], rows[1:]
         keep = [r for r in body if r and r[0].isdigit() and int(r[0]) <= start_step]
-        tmp = path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(keep)
-        tmp.replace(path)
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(header)
+        writer.writerows(keep)
+        write_text_atomic(path, text.getvalue(), fsync=False)  # a full disk names the file and leaves it whole
         self.columns[name] = header
 
     def write(self, name: str, step: int, values: dict[str, float | int | None]) -> None:
