@@ -116,7 +116,8 @@ class RunLogFile(logging.FileHandler):
 
 
 def discard_log_file() -> None:
-    """The run stopped before it began: its pending log file is never written."""
+    """The run stopped before it began: its pending log file is never written (or, when :func:`commit_log_file`
+    already opened it, it is closed)."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, (PendingLogFile, RunLogFile))]:
         root.removeHandler(handler)
