@@ -157,7 +157,7 @@ def test_a_sigkill_during_the_token_cache_write_leaves_nothing_once_the_cache_is
     assert tmp.stat().st_size == 4096
     mine = tmp.with_name(re.sub(r"\.\d+\.tmp$", f".{os.getppid()}.tmp", tmp.name))  # a live writer's
     mine.write_bytes(b"y")
-    old = time.time() - 2 * data.STALE_TEMPORARY_S
+    old = time.time() - 2 * fsio.STALE_TEMPORARY_S
     for f in (tmp, mine):
         os.utime(f, (old, old))  # the kill happened a while ago
     caplog.set_level(logging.WARNING)
@@ -514,3 +514,18 @@ def test_finetune_sigterm_during_the_final_save_finishes_the_run(tmp_path):
     assert "SIGTERM after the last step: finishing the final" in child.stderr
     assert json.loads((out / "summary.json").read_text())["completed"] is True
     assert not (out / "run.lock").exists()
+
+
+def test_temporaries_a_killed_write_left_in_out_dir_go_when_the_next_run_begins(tmp_path, fresh_state):
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process that has ended
+    old = time.time() - 2 * fsio.STALE_TEMPORARY_S
+    left = [out / f".{name}.{gone}.tmp" for name in ("summary.json", "train.csv")]
+    for f in left:
+        f.write_text("half")
+        os.utime(f, (old, old))
+    _gpt(tmp_path, out, "--steps", "1")
+    assert not any(f.exists() for f in left)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

@@ -26,12 +26,10 @@ A corpus is ``"synthetic"`` (see :mod:`volta_train.training.corpus`), a
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import os
-import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -279,45 +277,13 @@ def cache_problem(path: Path) -> str | None:
     return None
 
 
-STALE_TEMPORARY_S = 60  # a temporary untouched this long whose writer is gone is a leftover of a killed write
-
-
-def remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporary files of ``path`` (:func:`fsio.temporary_name`) left by a write that was killed: their
-    process is not running here and they have not changed for :data:`STALE_TEMPORARY_S` seconds (a writer on another
-    host sharing the directory keeps writing its own)."""
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        try:
-            pid = int(tmp.name[len(path.name) + 2:-4])
-            age = time.time() - tmp.stat().st_mtime
-        except (ValueError, OSError):
-            continue
-        if age < STALE_TEMPORARY_S or _running(pid):
-            continue
-        try:
-            tmp.unlink()
-        except OSError:
-            continue
-        logger.warning("removed %s, left by an interrupted write of %s", tmp, path.name)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return pid > 0
-
-
 def cached(path: Path, build: Callable[[], object], save: Callable[[object, object], None],
            read: Callable[[Path], object], what: str = "token cache"):
     """``read(path)`` when ``path`` is whole (:func:`cache_problem`); otherwise ``build()``, written with
     ``save(value, file)`` through :func:`fsio.atomic_file` (nothing is left on a write error, which names the
     path and the free space) and a check file, then read back. A damaged file is rebuilt with a warning naming it."""
     path = Path(path)
-    remove_stale_temporaries(path)
+    fsio.remove_stale_temporaries(path)
     if path.exists():
         problem = cache_problem(path)
         if problem is None:

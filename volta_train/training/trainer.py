@@ -643,6 +643,8 @@ def begin_run(out_dir: Path, options: dict, is_main: bool) -> None:
     error removes what this call created and raises :class:`fsio.WriteError` naming the file."""
     if not is_main:
         return
+    for name in ("summary.json", "config.yaml", "train.csv", "eval.csv"):  # what a SIGKILL mid-write left
+        fsio.remove_stale_temporaries(out_dir / name)
     created = [p for p in (out_dir / "train.log", out_dir / "config.yaml") if not p.exists()]
     try:
         logs.commit_log_file()
