@@ -529,3 +529,17 @@ def test_temporaries_a_killed_write_left_in_out_dir_go_when_the_next_run_begins(
     _gpt(tmp_path, out, "--steps", "1")
     assert not any(f.exists() for f in left)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_finetune_a_full_disk_at_start_is_one_line_and_leaves_nothing(tmp_path, fresh_state, monkeypatch):
+    from volta_train.recipes import finetune
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "new" / "ft"
+    _disk_full_for(monkeypatch, "config.yaml")
+    with pytest.raises(SystemExit) as info:
+        finetune.main(_ft_args(tmp_path, out))
+    monkeypatch.undo()
+    assert re.fullmatch(rf"finetune.py: error: cannot write {re.escape(str(out / 'config.yaml'))}: OSError: "
+                        r"\[Errno 28\] No space left on device \(\S+ \S+ free on its filesystem\)", info.value.code)
+    assert not (tmp_path / "new").exists()
