@@ -39,8 +39,8 @@ from ..training import (  # noqa: E402
     sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, resume_option_problem, run_or_fail, run_recipe,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -107,7 +107,7 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
 def main(argv=None, prog: str = "gpt_long.py") -> dict:
     """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir, _fail)
 
 
 def _prepare(cfg, state):
@@ -195,7 +195,7 @@ def _start(argv, held: list):
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
     allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     try:
@@ -208,7 +208,10 @@ def _start(argv, held: list):
         distributed.check_mixed_precision(cfg.mixed_precision, state.device, "mixed_precision")
         gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
+    resume_problem = resume_option_problem(cfg.resume, "--resume")
+    if resume_problem:
+        config.usage_error(_prog[0], resume_problem)
     out_dir = Path(cfg.out_dir)
     try:  # before anything is written there: one run per out_dir
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
@@ -350,7 +353,7 @@ def _loop_config(cfg) -> LoopConfig:
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
-        steps_flag="--steps", resume_flag="--resume",
+        steps_flag="--steps", resume_flag="--resume", final_model=cfg.save,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
-from .models import auto_precision, padded_vocab, read_model_config
+from .models import auto_precision, check_safetensors_weights, padded_vocab, read_model_config
 from .models import layers_and_hidden
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
@@ -307,6 +307,7 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     from transformers import AutoModelForCausalLM
 
     if cfg.model_path:
+        check_safetensors_weights(cfg.model_path, "model_path")
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model_path, attn_implementation="sdpa", dtype="float32", local_files_only=True,
         )
