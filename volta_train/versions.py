@@ -7,9 +7,9 @@ from __future__ import annotations
 from importlib import metadata
 
 TESTED: dict[str, tuple[str, str]] = {
-    "transformers": ("5.3.0", "5.25.0"),
-    "accelerate": ("1.0.1", "1.16.0"),
-    "deepspeed": ("0.15.4", "0.19.8"),
+    "transformers": ("5.24.0", "5.25.0"),
+    "accelerate": ("1.12.0", "1.16.0"),
+    "deepspeed": ("0.18.2", "0.19.8"),
 }
 """package -> (lowest supported and tested, newest tested)."""
 

@@ -41,8 +41,8 @@ from ..training.example_batches import Collator, ExampleDataset, PackedExamples 
 from ..training.finetune_config import FinetuneConfig, check  # noqa: E402
 from ..training.gpt import GPTTrainConfig  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, exit_status, finished_earlier, run_or_fail, save_final_and_summary,
-    starting_run, trajectory_settings,
+    LoopConfig, Trainer, end_training, exit_status, finished_earlier, resume_option_problem, run_or_fail,
+    save_final_and_summary, starting_run, trajectory_settings,
 )
 
 log = logging.getLogger("finetune")
@@ -67,13 +67,17 @@ def main(argv=None, prog: str = "finetune.py") -> dict:
     _prog[0] = prog
     # ---- parse: the options, checked across keys, and every refusal before out_dir is touched
     cfg, notes = _parse(argv)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     t, d = cfg.train, cfg.data
     try:
         state = distributed.init_state(t.cpu, cfg.parallel.deepspeed)
+        cfg = dataclasses.replace(cfg, precision=precision.resolve(cfg.precision, state.device.type))
+        precision.check_device(cfg.precision, state.device)
         parallel.check(cfg.parallel, state.num_processes)
     except ConfigError as e:
         _fail(str(e))
-    cfg = dataclasses.replace(cfg, precision=precision.resolve(cfg.precision, state.device.type))
+    if state.device.type == "cuda":
+        notes = [allocator_note, *notes]
     out_dir = Path(cfg.logging.out_dir)
 
     with starting_run(out_dir, state, _fail) as run:  # a failure before run.begin() leaves no file in out_dir
@@ -180,14 +184,19 @@ def _parse(argv=None) -> tuple[FinetuneConfig, list[str]]:
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "finetune")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(FinetuneConfig, argv, description=__doc__, other=GPTTrainConfig)
     try:
         cfg, notes = shipped_paths(cfg)
         cfg = check(cfg)
         logs.check_tensorboard(cfg.logging.tensorboard, "--logging.tensorboard")
+        resume_problem = resume_option_problem(cfg.checkpoint.resume, "--checkpoint.resume")
+        if resume_problem:
+            config.usage_error(_prog[0], resume_problem)
         return cfg, notes
-    except (ConfigError, ImportError) as e:
+    except ConfigError as e:
+        config.usage_error(_prog[0], str(e))
+    except ImportError as e:
         _fail(str(e))
 
 
@@ -325,7 +334,7 @@ def _loop_config(cfg, n_steps: int, warmup: int) -> LoopConfig:
         time_limit_min=t.time_limit_min, out_dir=cfg.logging.out_dir, progress=cfg.logging.progress,
         tensorboard=cfg.logging.tensorboard, peak_tflops=cfg.logging.peak_tflops,
         max_consecutive_skips=cfg.precision.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
-        steps_flag="--train.steps", resume_flag="--checkpoint.resume",
+        steps_flag="--train.steps", resume_flag="--checkpoint.resume", final_model=cfg.checkpoint.save_final,
     )
 
 

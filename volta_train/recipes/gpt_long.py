@@ -37,12 +37,12 @@ from accelerate.utils import set_seed  # noqa: E402
 from .. import resources  # noqa: E402
 from ..training import (  # noqa: E402
     activation_offload, attention_choice, config, data, distributed, gpt, logs, memory, metrics, optim, parallel,
-    sequence_parallel, steps,
+    precision, sequence_parallel, steps,
 )
 from ..training.finetune_config import FinetuneConfig  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, exit_status, finished_earlier, run_or_fail, save_final_and_summary,
-    starting_run, trajectory_settings,
+    LoopConfig, Trainer, end_training, exit_status, finished_earlier, resume_option_problem, run_or_fail,
+    save_final_and_summary, starting_run, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -73,18 +73,28 @@ def main(argv=None, prog: str = "gpt_long.py") -> dict:
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__, other=FinetuneConfig)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     try:
         logs.check_tensorboard(cfg.tensorboard)
+    except ImportError as e:
+        _fail(str(e))
+    try:
         state = distributed.init_state(cfg.cpu, cfg.parallel.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        precision.check_device(cfg.precision, state.device)
         gpt.check_sequence_parallel(cfg, state.num_processes)
-    except (config.ConfigError, ImportError) as e:
-        _fail(str(e))
+    except config.ConfigError as e:
+        config.usage_error(_prog[0], str(e))
+    resume_problem = resume_option_problem(cfg.resume, "--resume")
+    if resume_problem:
+        config.usage_error(_prog[0], resume_problem)
     out_dir = Path(cfg.out_dir)
 
     with starting_run(out_dir, state, _fail) as run:  # a failure before run.begin() leaves no file in out_dir
+        if state.device.type == "cuda":
+            log.info("%s", allocator_note)
         transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
@@ -159,7 +169,7 @@ def main(argv=None, prog: str = "gpt_long.py") -> dict:
         summary = finished_earlier(trainer, result, log, final_expected=cfg.save)
         if summary is None:
             # ---- save: the final model and summary.json
-            val_loss = result.pop("eval_loss", math.nan)
+            val_loss = result.pop("eval_loss", None)  # None (null in summary.json): no validation ran
             summary = {
                 **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
                 "packing": "documents" if documents else "stream", "precision": setup.precision,
@@ -225,7 +235,8 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     if cfg.packing == "documents":
         _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
               "--packing stream, or --no-patch")
-    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart (%s), so documents "
+                "attend across each other; --packing documents refuses to run instead", impl, why)
     return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
@@ -260,17 +271,18 @@ def _loop_config(cfg) -> LoopConfig:
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.precision.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
-        steps_flag="--steps", resume_flag="--resume",
+        steps_flag="--steps", resume_flag="--resume", final_model=cfg.save,
     )
 
 
-def _log_done(summary: dict, val_loss: float, impl: str, out_dir: Path) -> None:
+def _log_done(summary: dict, val_loss: float | None, impl: str, out_dir: Path) -> None:
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
-        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
+        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %s | peak mem %s (%s)%s"
         " | attention %s%s | checkpoint %s | %s",
         summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
-        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        summary["train_loss"], "n/a" if val_loss is None else f"{val_loss:.4f}", metrics.format_bytes(mem),
+        summary.get("peak_memory_kind", ""),
         f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
         impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
         logs.run_files(out_dir),

@@ -213,9 +213,8 @@ def _cache_key(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> s
     for key in ("format", "max_length", "text_field", "text_pair_field", "label_field", "instruction_field",
                 "input_field", "response_field", "prompt_template", "prompt_template_with_input", "train_on_prompt"):
         h.update(f"|{key}={getattr(d, key)!r}".encode())
-    for f in data_files(spec):
-        st = f.stat()
-        h.update(f"|{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for f in data_files(spec):  # contents, not mtimes: an edit that keeps the mtime (cp -p, rsync -t) is seen
+        h.update(f"|{f.resolve()}|{data.sha256_file(f)}".encode())
     return h.hexdigest()[:16]
 
 

@@ -268,7 +268,7 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     from transformers import AutoModelForCausalLM
 
     if cfg.model_path or cfg.model_config:
-        model = load_causal_lm(AutoModelForCausalLM, cfg.model_path, cfg.model_config)
+        model = load_causal_lm(AutoModelForCausalLM, cfg.model_path, cfg.model_config, option="model_path")
     else:
         model = load_causal_lm(AutoModelForCausalLM, None, None, config=_preset_config(cfg, tokenizer))
     config = model.config

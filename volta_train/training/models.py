@@ -70,17 +70,23 @@ def max_positions(model_config) -> int | None:
     return limit
 
 
-def load_causal_lm(cls, path: str | None, config_path: str | None = None, config=None):
-    """A model of ``cls`` (a transformers Auto class) with stock SDPA attention, the one way both recipes load one:
-    the pretrained directory ``path`` (its weights in fp32, local files only; ``config`` replaces its config.json), or
-    random weights from ``config`` or the config.json at ``config_path`` (seeded by the caller)."""
+def load_causal_lm(cls, path: str | None, config_path: str | None = None, config=None, option: str = "model.path"):
+    """A model of ``cls`` (a transformers Auto class) with stock SDPA attention and fp32 weights, the one way both
+    recipes load one: the pretrained directory ``path`` (safetensors only: pickled weights are refused naming
+    ``option``; local files only; ``config`` replaces its config.json), or random weights from ``config`` or the
+    config.json at ``config_path`` (seeded by the caller). fp32 whatever the config's dtype says (Llama-3 configs
+    say bfloat16): mixed precision computes in fp16/bf16 and keeps these as the master weights; under ZeRO-3
+    DeepSpeed stores its own copy."""
+    import torch
+
     if path:
-        return cls.from_pretrained(path, config=config, attn_implementation="sdpa", dtype="float32",
+        check_safetensors_weights(path, option)
+        return cls.from_pretrained(path, config=config, attn_implementation="sdpa", dtype=torch.float32,
                                    local_files_only=True)
     if config is None:
         config = read_model_config(config_path)
     config._attn_implementation = "sdpa"
-    return cls.from_config(config, attn_implementation="sdpa")
+    return cls.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def layers_and_hidden(model_config) -> tuple[int, int]:
@@ -88,3 +94,25 @@ def layers_and_hidden(model_config) -> tuple[int, int]:
     GPT-2's ``n_layer``/``n_embd``."""
     c = model_config
     return getattr(c, "num_hidden_layers", None) or c.n_layer, getattr(c, "hidden_size", None) or c.n_embd
+
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # torch.save files: unpickling one can run code
+
+
+def check_safetensors_weights(path: str | Path, option: str) -> None:
+    """ConfigError naming the file when the model directory ``path`` holds its weights only as pickles
+    (``pytorch_model.bin`` & co.), which are never loaded, with the one-line command that converts them."""
+    path = Path(path)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickled = sorted({f for pattern in PICKLED_WEIGHTS for f in path.glob(pattern) if f.is_file()})
+    if not pickled:
+        return
+    files = ", ".join(str(f) for f in pickled)
+    names = [str(f) for f in pickled]
+    convert = (f"import torch; from safetensors.torch import save_file; sd = {{k: v for f in {names!r} for k, v in "
+               "torch.load(f, weights_only=True).items()}; save_file({k: v.clone().contiguous() for k, v in "
+               f"sd.items()}}, {str(path / 'model.safetensors')!r})")
+    raise ConfigError(f"{option} {path}: its weights are pickled ({files}), and pickled weights are not loaded (a "
+                      f"pickle can run code); convert them to safetensors once, where you trust the file: "
+                      f"python -c \"{convert}\"")

@@ -41,3 +41,11 @@ def resolve(p: PrecisionConfig, device_type: str) -> PrecisionConfig:
     on_gpu = device_type == "cuda"
     return dataclasses.replace(p, mixed_precision=auto_precision("fp16" if on_gpu else "no",
                                                                  "cuda" if on_gpu else "cpu"))
+
+
+def check_device(p: PrecisionConfig, device) -> None:
+    """Refuse precision.mixed_precision bf16 on a GPU without bfloat16 arithmetic (a V100), naming what would be
+    accepted (:func:`.distributed.check_mixed_precision`)."""
+    from .distributed import check_mixed_precision
+
+    check_mixed_precision(p.mixed_precision, device, "precision.mixed_precision")

@@ -90,6 +90,7 @@ class LoopConfig:
     allow_missing_rng: bool = False  # resume from a checkpoint without this process's generator states
     steps_flag: str = "--steps"  # how the recipe's user sets steps and resume, for messages
     resume_flag: str = "--resume"
+    final_model: bool = True  # the recipe saves a final model (out_dir/final) at the end of a completed run
 
 
 class Trainer:
@@ -126,6 +127,8 @@ class Trainer:
         self.out_dir = Path(loop.out_dir)
         self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
         self._stop_reason: str | None = None
+        self._finished = False  # resume auto found out_dir's finished run (no checkpoint): nothing to train
+        self._finishing = False  # past the last step: SIGTERM lets the run finish (its final save is the fastest end)
         device = self.accelerator.device
         self.peak = loop.peak_tflops if loop.peak_tflops else metrics.peak_tflops(device)
 
@@ -137,10 +140,12 @@ class Trainer:
             if self.accelerator.is_main_process:
                 self._set_aside_previous_run()
             return None
-        choice: list = [None, None]  # path, error
+        choice: list = [None, None, None]  # path, error, "finished"
         if self.accelerator.is_main_process:
             try:
                 choice[0] = self._choose_checkpoint(spec)
+                if choice[0] is None and spec == "auto":
+                    choice[2] = "finished" if self._finished_without_checkpoints() else None
             except (checkpoint.CheckpointError, FileNotFoundError) as e:
                 choice[1] = f"{type(e).__name__}|{e}"
         if self.accelerator.num_processes > 1:
@@ -150,14 +155,36 @@ class Trainer:
         if choice[1] is not None:
             kind, message = str(choice[1]).split("|", 1)
             raise (FileNotFoundError if kind == "FileNotFoundError" else checkpoint.CheckpointError)(message)
+        self._finished = choice[2] is not None
         return Path(choice[0]) if choice[0] is not None else None
+
+    def _finished_without_checkpoints(self) -> bool:
+        """resume auto, and out_dir holds no checkpoint: True when it holds this very run, finished (summary.json
+        completed at this run's steps with the same settings, its final model whole); otherwise an earlier run there
+        (a final model or summary.json) is set aside as :meth:`_set_aside_previous_run` does, never overwritten."""
+        if not ((self.out_dir / "final").exists() or (self.out_dir / "summary.json").exists()):
+            return False
+        problems = finished_run_problems(self.out_dir, self.loop.steps, self.loop.final_model)
+        try:
+            saved = json.loads((self.out_dir / "summary.json").read_text(encoding="utf-8")).get("settings")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if not problems and saved == self.settings:
+            return True
+        if not problems:
+            changed = [k for k in self.settings if not isinstance(saved, dict) or saved.get(k) != self.settings[k]]
+            problems = [f"it was run with other settings ({', '.join(changed) or 'not recorded'})"]
+        self._set_aside_previous_run(f"{self.loop.resume_flag} auto: {self.out_dir} holds an earlier run and no "
+                                     f"checkpoint to continue it from ({'; '.join(problems)})")
+        return False
 
     PREVIOUS_RUN_FILES = (checkpoint.CHECKPOINTS, "final", "summary.json", "train.csv", "eval.csv", "loss.png",
                           "tensorboard")
 
-    def _set_aside_previous_run(self) -> None:
-        """Starting over (resume never) in an out_dir that holds an earlier run: its checkpoints, final model,
-        summary and metrics move to ``out_dir/previous-run-N`` so that the two runs never mix."""
+    def _set_aside_previous_run(self, why: str = "") -> None:
+        """Starting over (resume never, or resume auto without a checkpoint) in an out_dir that holds an earlier
+        run: its checkpoints, final model, summary and metrics move to ``out_dir/previous-run-N`` so that the two
+        runs never mix (``why``: the log line's reason)."""
         found = [self.out_dir / name for name in self.PREVIOUS_RUN_FILES if (self.out_dir / name).exists()]
         steps = [p.name for p in sorted(self.checkpoint_root.glob("step-*"))] if self.checkpoint_root.is_dir() else []
         if not steps and not (self.out_dir / "final").exists() and not (self.out_dir / "summary.json").exists():
@@ -170,6 +197,10 @@ class Trainer:
             target.mkdir()
             for path in found:
                 os.replace(path, target / path.name)
+        if why:
+            logger.warning("%s: moved %s to %s, starting over (delete it once it is not needed)", why,
+                           ", ".join(p.name for p in found), target)
+            return
         logger.warning("%s never: %s held an earlier run (%s); moved %s to %s (delete it once it is not needed)",
                        self.loop.resume_flag, self.out_dir, ", ".join(steps) if steps else "no checkpoints",
                        ", ".join(p.name for p in found), target)
@@ -220,7 +251,8 @@ class Trainer:
                 if checkpoint.complete_checkpoints(root) or any(root.glob("step-*")):
                     return checkpoint.select_resume(root, allow_missing_rng=allow)
         if not (path / checkpoint.COMPLETE).is_file():
-            raise FileNotFoundError(f"resume {spec!r}: not a complete checkpoint directory")
+            raise FileNotFoundError(resume_option_problem(spec, self.loop.resume_flag) or
+                                    f"resume {spec!r}: not a complete checkpoint directory")
         problems, notes = checkpoint.verify_checkpoint(path)
         if allow:
             problems = [p for p in problems if "random-generator state" not in p]
@@ -233,7 +265,10 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         self._stop_reason = "SIGTERM"
-        logger.warning("SIGTERM: stopping after this step with a checkpoint")
+        if self._finishing:
+            logger.warning("SIGTERM after the last step: finishing the final evaluation, model and summary.json first")
+        else:
+            logger.warning("SIGTERM: stopping after this step with a checkpoint")
 
     def _agree(self, started: float, nonfinite: torch.Tensor) -> tuple[bool, str | None]:
         """(a non-finite value on any process, the stop reason all processes agree on): one all-reduce per step
@@ -268,7 +303,7 @@ class Trainer:
             record = {**summary, "steps": done, "planned_steps": self.loop.steps, "completed": False,
                       "failed": True, "reason": reason, "stopped": "non-finite values", "last_checkpoint":
                       str(last) if last else None, "checkpoint": None, "model": None}
-            fsio.write_text_atomic(self.out_dir / "summary.json", json.dumps(record, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(self.out_dir / "summary.json", fsio.strict_json(record), fsync=False)
         raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
@@ -280,6 +315,16 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Resume (or start), train to ``loop.steps`` or a stop, evaluate; returns the summary. SIGTERM is handled
+        throughout: before and during the steps it stops the run at the next step boundary with a checkpoint,
+        after them it lets the final evaluation finish (the recipe then writes the final model and summary.json)."""
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> dict:
         acc, loop = self.accelerator, self.loop
         device = acc.device
         totals = {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}
@@ -300,9 +345,14 @@ class Trainer:
             logger.info("resumed from %s at step %d/%d (%s tokens so far)", path, start_step, loop.steps,
                         f"{totals['tokens']:,}")
 
-        summary_base = {"resumed_from": resumed_from, "start_step": start_step}
+        if self._finished:
+            start_step, state = loop.steps, {}
+            logger.info("%s holds this run, finished (step %d, same settings): nothing to train", self.out_dir,
+                        start_step)
+        summary_base = {"resumed_from": resumed_from, "start_step": start_step, "settings": self.settings}
         if start_step >= loop.steps:  # the recipe checks whether the final model and summary.json are there
-            logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
+            if not self._finished:
+                logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
             mem, mem_kind = metrics.peak_memory(device)
             last_loss = state.get("train_loss")
             return {**summary_base, "steps": start_step, "planned_steps": loop.steps, "tokens": 0, "seconds": 0.0,
@@ -312,7 +362,6 @@ class Trainer:
                     "stopped": None}
 
         writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         batches = self.batches(start_step * loop.grad_accum)
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -433,7 +482,7 @@ class Trainer:
                     logger.warning("stopping at step %d/%d: %s", done, loop.steps, stopped)
                     break
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            self._finishing = True
             bar.close()
 
         seconds = time.perf_counter() - started
@@ -479,6 +528,24 @@ class Trainer:
             f"{('val ' + k) if k == 'loss' else k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in values.items()))
         writer.write("eval", step, values)
         return values
+
+
+def resume_option_problem(spec: str, flag: str = "--resume") -> str | None:
+    """What is wrong with a ``--resume`` value that can be seen before the run begins (a path that does not exist
+    or holds no checkpoint), saying what the option accepts; None when nothing is."""
+    if spec in ("auto", "never", "", None):
+        return None
+    path = Path(spec)
+    accepted = (f"{flag} accepts auto (the newest complete checkpoint in out_dir/checkpoints; none: a fresh start), "
+                "never (start over; an earlier run moves to out_dir/previous-run-N) or a path: a checkpoint "
+                "(out_dir/checkpoints/step-N), a checkpoints directory, or an out_dir that holds one")
+    if not path.exists():
+        return f"{flag} {spec!r}: no such file or directory; {accepted}"
+    if (path / checkpoint.COMPLETE).is_file():
+        return None
+    if path.is_dir() and any(any(root.glob("step-*")) for root in (path, path / checkpoint.CHECKPOINTS)):
+        return None  # a checkpoints directory or an out_dir: verified when the run begins
+    return f"{flag} {spec!r}: neither a complete checkpoint nor a directory of checkpoints; {accepted}"
 
 
 # ---- the end of a recipe's run (gpt_long, finetune): run, or report the run out_dir already finished; save, summarise
@@ -562,7 +629,7 @@ def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, fin
         if summary[final_key]:
             checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
         if accelerator.is_main_process:
-            fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(out_dir / "summary.json", fsio.strict_json(summary), fsync=False)
     except fsio.WriteError as e:
         fail(str(e))
 
@@ -576,10 +643,21 @@ def exit_status(summary: dict) -> int:
 
 
 def begin_run(out_dir: Path, options: dict, is_main: bool) -> None:
-    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written."""
-    if is_main:
+    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written. A write
+    error removes what this call created and raises :class:`fsio.WriteError` naming the file."""
+    if not is_main:
+        return
+    for name in ("summary.json", "config.yaml", "train.csv", "eval.csv"):  # what a SIGKILL mid-write left
+        fsio.remove_stale_temporaries(out_dir / name)
+    created = [p for p in (out_dir / "train.log", out_dir / "config.yaml") if not p.exists()]
+    try:
         logs.commit_log_file()
         logs.write_config(options, out_dir)
+    except fsio.WriteError:
+        logs.discard_log_file()
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def abandon_start(held: list) -> None:
@@ -588,6 +666,21 @@ def abandon_start(held: list) -> None:
     for lock in held:
         if lock is not None:
             lock.discard()
+
+
+class _Sigterm:
+    """SIGTERM outside :meth:`Trainer.run`: before the run begins it stops the run at once (exit
+    :data:`STOPPED_EXIT`, nothing left behind); once training has begun (the final model and summary.json are being
+    written) it lets them finish, the fastest way to a resumable state."""
+
+    def __init__(self):
+        self.training = False
+
+    def __call__(self, signum, frame):  # noqa: ARG002
+        if not self.training:
+            logger.warning("SIGTERM before the first step: stopping (nothing was written; rerun to start)")
+            raise SystemExit(STOPPED_EXIT)
+        logger.warning("SIGTERM after the last step: finishing the final model and summary.json first")
 
 
 def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], str]) -> dict:
@@ -605,31 +698,48 @@ def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], 
 class _Start:
     """The run :func:`starting_run` opens; :meth:`begin` marks its start."""
 
-    def __init__(self, out_dir: Path, is_main: bool):
+    def __init__(self, out_dir: Path, is_main: bool, sigterm: _Sigterm, fail: Callable[[str], None]):
         self.out_dir, self.is_main, self.begun = out_dir, is_main, False
+        self._sigterm, self._fail = sigterm, fail
 
     def begin(self, options: dict) -> None:
-        """The run begins (:func:`begin_run`): from here on its files stay, whatever happens."""
-        begin_run(self.out_dir, options, self.is_main)
+        """The run begins (:func:`begin_run`): from here on its files stay, whatever happens, and SIGTERM lets the
+        final model and summary.json be written. A write error ends in ``fail`` (nothing left behind)."""
+        try:
+            begin_run(self.out_dir, options, self.is_main)
+        except fsio.WriteError as e:
+            self._fail(str(e))
         self.begun = True
+        self._sigterm.training = True
 
 
 @contextlib.contextmanager
 def starting_run(out_dir: Path, state, fail: Callable[[str], None]) -> Iterator[_Start]:
     """The frame of every recipe's run: ``out_dir`` locked for it (another run there ends in ``fail``), logging set
-    up with train.log deferred; until ``run.begin(options)`` anything that stops the run (an error, ``sys.exit``)
-    leaves no file behind (:func:`abandon_start`). The locks are released however the block ends."""
+    up with train.log deferred; until ``run.begin(options)`` anything that stops the run (an error, ``sys.exit``,
+    SIGTERM: :class:`_Sigterm`) leaves no file behind (:func:`abandon_start`). The locks are released and the
+    SIGTERM handler restored however the block ends."""
     out_dir = Path(out_dir)
-    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        try:
-            held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
-        except runlock.RunLockError as e:
-            fail(str(e))
-        logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once it begins
-        run = _Start(out_dir, state.is_main_process)
-        try:
-            yield run
-        except BaseException:
-            if not run.begun:
-                abandon_start(held)
-            raise
+    sigterm = _Sigterm()
+    try:
+        previous = signal.signal(signal.SIGTERM, sigterm)
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = None
+    try:
+        with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
+            run = _Start(out_dir, state.is_main_process, sigterm, fail)
+            try:
+                try:
+                    held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes,
+                                                        state.device))
+                except runlock.RunLockError as e:
+                    fail(str(e))
+                logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # once it begins
+                yield run
+            except BaseException:
+                if not run.begun:
+                    abandon_start(held)
+                raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
