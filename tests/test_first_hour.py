@@ -91,7 +91,7 @@ def test_bad_values_and_unknown_configs_exit_2_naming_them(tmp_path, capsys, fre
     assert code == 2 and "beta1 must be a finite number in [0, 1), got 1.5" in str(code)
     code = _exit(_ft_main(), ["--config", "gpt2_instruct", "--train.cpu", "--train.loss-chunk-tokens", "0",
                               "--logging.out-dir", str(out)])
-    assert code == 2 and "train.loss_chunk_tokens must be positive" in str(code)
+    assert code == 2 and "memory.loss_chunk_tokens must be positive" in str(code)
     assert not out.exists()
 
 
