@@ -11,6 +11,9 @@
 #                    directory with configs/finetune/long_context/llama3_2_1b_64k_sp2.yaml: sp=2 at 65,536 tokens
 #                    (2 GPUs), and the same at SHORT tokens (default 8,192) in fp32 on 1 GPU and on 2 (sp=2), whose
 #                    losses must agree;
+#   plain_163k       gpt_long, Llama-3.2-1B shape, 1 GPU without DeepSpeed, every memory feature, 163,840 tokens (with
+#                    fixed allocator segments it ran out of memory with 3.7 GiB reserved but unallocated; the recipes now
+#                    set expandable segments: it must fit, or the report shows why not);
 #   features_32k     gpt_long, Llama-3.2-1B shape, 1 GPU without DeepSpeed, 32,768 tokens: the step time with no memory
 #                    feature (checkpointing and the chunked loss only), then tiled MLP, lean RMSNorm, activation
 #                    offload, each alone, and all three.
@@ -136,6 +139,11 @@ for name in ${RUNS//,/ }; do
         --logging.out-dir "$dest/finetune_short_sp1"
       run finetune_short_sp2 100 2 "${launch[@]}" --config_file "$ACC" --num_processes 2 "${ft[@]}" "${short[@]}" \
         --logging.out-dir "$dest/finetune_short_sp2" ;;
+    plain_163k)
+      run plain_163k 200 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py --model-config "$M1B" \
+        $([ "$smoke" = 1 ] && echo "--seq-len 1024" || echo "--seq-len 163840") --batch-size 1 --grad-accum 1 \
+        --mixed-precision fp16 --packing documents --gradient-checkpointing --activation-offload --tiled-mlp on \
+        --lean-norm on --chunked-loss --steps "$STEPS" "${gpt_quick[@]}" --out-dir "$dest/plain_163k" ;;
     features_32k)
       base=(--model-config "$M1B" "${featlen[@]}" --batch-size 1 --grad-accum 1 --mixed-precision fp16
             --packing documents --gradient-checkpointing --chunked-loss --tiled-mlp off --lean-norm off
@@ -151,7 +159,7 @@ for name in ${RUNS//,/ }; do
         run "features_32k_$variant" 80 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py "${base[@]}" "${extra[@]}" \
           --out-dir "$dest/features_32k_$variant"
       done ;;
-    *) stamp "unknown run $name (accepted: gpt_long_1b, gpt_long_8b_sp2, finetune_sp2, features_32k)" ;;
+    *) stamp "unknown run $name (accepted: gpt_long_1b, gpt_long_8b_sp2, finetune_sp2, plain_163k, features_32k)" ;;
   esac
 done
 
