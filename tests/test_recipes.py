@@ -126,6 +126,7 @@ def test_cpu_smoke(tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_cpu_smoke_accelerate_launch_llama_no_patch(tmp_path):
     """`accelerate launch` with no accelerate config file (1 process), Llama-style model, stock SDPA attention."""
@@ -208,6 +209,7 @@ def test_sigterm_stops_with_a_checkpoint(tmp_path):
     assert checkpoint.find_latest(tmp_path / "out" / "checkpoints").name == f"step-{summary['steps']:08d}"
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_two_processes_ddp_config_on_cpu(tmp_path):
     """configs/accelerate/ddp.yaml with ACCELERATE_USE_CPU=1: two gloo processes, Llama-style, packed documents."""
@@ -228,6 +230,7 @@ def _zero_cmd(tmp_path: Path, accelerate_config: str, out: str, *extra: str) -> 
                        "--batch-size", "4", "--log-interval", "1", *extra, launcher=launcher, out=out)
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes_and_resume(tmp_path):
     """configs/accelerate/zero2.yaml on CPU (DeepSpeed over gloo): 2 processes, a checkpoint, resume exactly."""
@@ -246,6 +249,7 @@ def test_deepspeed_zero2_two_processes_and_resume(tmp_path):
     assert summary["zero_stage"] == 2 and summary["processes"] == 2
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_two_processes(tmp_path):
     """configs/accelerate/zero3_offload.yaml on CPU: ZeRO-3, parameters and optimizer offloaded, final weights

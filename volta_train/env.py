@@ -117,7 +117,7 @@ def transformers_lines() -> list[str]:
     if record["transformers"] == transformers.__version__:
         which = f"census of transformers {record['transformers']}, the installed release"
     else:
-        which = (f"no census of transformers {transformers.__version__}; the newest older one, of "
+        which = (f"no census of transformers {transformers.__version__}; the newest older one, of transformers "
                  f"{record['transformers']}, applies (patch() checks every model the same way on any release; "
                  "the test suite's census checks this one)")
     return [*(versions.standing(package) for package in versions.TESTED),
