@@ -2,7 +2,8 @@
 
 A :class:`KernelVariant` is one NVRTC program (one or more csrc/ files compiled as one translation unit, with
 ``csrc/`` on the include path) and the kernels taken from it (name expressions such as
-``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). Its launch geometry
+``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false, false, false>>"``). Its launch
+geometry
 (dynamic shared memory, threads per block, block sizes) is not computed here: each kernel exports it from its C++
 traits (csrc/launch_geometry.cuh) and :meth:`KernelVariant.geometry` reads it from the compiled cubin. The attention
 kernels' variants are built from the tile tables in :mod:`volta_train.kernels.tiles`, whose
