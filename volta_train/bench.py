@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .dispatch import BACKEND_ENV
+
 PASSES = ("fwd", "bwd", "fwdbwd")
 SDPA_BACKENDS = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
 
@@ -232,7 +234,7 @@ def environment() -> dict[str, str]:
             info["nvrtc"] = f"{library.version_string} ({library.path})"
         except Exception as error:  # noqa: BLE001 - report, the kernel rows say what failed
             info["nvrtc"] = f"not found: {error}"
-    info["VOLTA_TRAIN_BACKEND"] = os.environ.get("VOLTA_TRAIN_BACKEND", "")
+    info[BACKEND_ENV] = os.environ.get(BACKEND_ENV, "")
     return info
 
 
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if any(v <= 0 for v in values):
             print(f"error: {name} must be positive, got {values}", file=sys.stderr)
             return 2
-    os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")  # a kernel that cannot run says why in its row
+    os.environ.setdefault(BACKEND_ENV, "kernel")  # a kernel that cannot run says why in its row
     rows = run_benchmark(args)
     table = write_results(rows, args)
     print(table)
