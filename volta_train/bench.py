@@ -21,7 +21,7 @@ and the relative error ||x - ref|| / ||ref||.
 
 Writes ``bench.md`` (environment and table), ``bench.json`` and ``bench.png`` to ``--out``. Needs a CUDA GPU:
 on a machine without one it stops with exit status 2 (CPU timings of the reference backend would measure
-nothing this benchmark is about). ``benchmarks/bench_attention.py`` adds the developer sweeps (tile shapes, varlen).
+nothing this benchmark is about). ``scripts/bench_attention.py`` adds the varlen comparison; the tile sweeps are ``lab/tile_sweep.py``.
 """
 
 from __future__ import annotations
