@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import resources
+from . import driver
 from .cache import get_or_compile, memoized
 from .nvrtc import CompiledProgram, is_variable_expression, normalize_arch
 
@@ -118,8 +119,6 @@ class KernelVariant:
 
     def load(self, device, arch: int | str) -> LoadedKernel:
         """The first kernel compiled for arch and loaded on device (a torch.device), with its launch geometry."""
-        from . import driver  # (needs torch and libcuda; compiling does not)
-
         function = driver.load_function(self.compile(arch), self.name_expressions[0], device)
         return LoadedKernel(function, self.geometry(arch))
 
