@@ -11,10 +11,23 @@ tests/test_kernel_templates.py checks the declarations against kernel_traits.cuh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 Value = int | bool
+
+
+class Tile(Protocol):
+    """What a variant reads of a tile (tiles.FwdTile, tiles.BwdTile, both dataclasses): its fields and its shape."""
+
+    @property
+    def quad_pair_rows(self) -> int: ...
+    @property
+    def block_m(self) -> int: ...
+    @property
+    def block_n(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -113,15 +126,15 @@ class KernelTemplate:
     name_order: tuple[str, ...]  # the C++ parameters whose parts make the name, in the name's order
     fixed: Mapping[str, Value] = field(default_factory=dict)  # values this kernel always takes
 
-    def values(self, tile: object, **arguments: Value) -> dict[str, Value]:
+    def values(self, tile: Tile, **arguments: Value) -> dict[str, Value]:
         """The template's values for a tile (its fields and shape) and the variant's arguments (which take precedence
         over a tile field of the same name: BwdTile.dq_atomic allows atomics, the variant's argument uses them)."""
-        shape = {"block_m": tile.block_m, "block_n": tile.block_n,  # type: ignore[attr-defined]
-                 "quad_pair_cols": 4 // tile.quad_pair_rows}  # type: ignore[attr-defined]
         clash = sorted(set(arguments) & set(self.fixed))
         if clash:
             raise ValueError(f"{self.kernel}: {clash} are fixed for this kernel ({dict(self.fixed)})")
-        return {**vars(tile), **shape, **arguments, **self.fixed}
+        fields = {f.name: getattr(tile, f.name) for f in dataclasses.fields(tile)}
+        shape = {"block_m": tile.block_m, "block_n": tile.block_n, "quad_pair_cols": 4 // tile.quad_pair_rows}
+        return {**fields, **shape, **arguments, **self.fixed}
 
     def expression(self, values: Mapping[str, Value]) -> str:
         """The NVRTC name expression, e.g. ``flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, ...>>``."""
