@@ -5,12 +5,12 @@
 #   scripts/launch_node.sh ddp gpt_long --config configs/gpt_long/v100_gpt2_small_4k.yaml
 #   NUM_PROCESSES=4 scripts/launch_node.sh zero2 finetune --config configs/finetune/...
 #
-# CONFIG: single_gpu, ddp, zero2, zero3 or zero3_offload (configs/README.md says which for which cluster).
+# CONFIG: one_process, single_gpu, ddp, zero2, zero3 or zero3_offload (configs/README.md says which for which cluster).
 # RECIPE: gpt_long, finetune (recipes/<name>.py) or the path of a script. NUM_PROCESSES: processes (default: one per
-# GPU nvidia-smi lists, 1 without one; single_gpu always 1). Run from anywhere: paths are the repository's.
+# GPU nvidia-smi lists, 1 without one; one_process and single_gpu always 1). Run from anywhere: paths are the repository's.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-configs="single_gpu ddp zero2 zero3 zero3_offload"
+configs="one_process single_gpu ddp zero2 zero3 zero3_offload"
 usage() {
     echo "usage: $0 CONFIG RECIPE [recipe options...]; CONFIG one of: $configs; RECIPE gpt_long, finetune or a script" >&2
     exit 2
@@ -26,7 +26,7 @@ case "$recipe" in
     gpt_long | finetune) recipe="$root/recipes/$recipe.py" ;;
 esac
 [ -f "$recipe" ] || { echo "$0: recipe '$recipe' not found; accepted: gpt_long, finetune or the path of a script" >&2; exit 2; }
-if [ "$config" = single_gpu ]; then
+if [ "$config" = one_process ] || [ "$config" = single_gpu ]; then
     processes=1
 else
     processes="${NUM_PROCESSES:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}"

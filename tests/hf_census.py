@@ -7,7 +7,7 @@ compared at each step. A type is ``ok`` within 1e-4 of the largest reference mag
 difference on the same weights where that is larger), ``refused`` when patch() or the first forward raises naming
 the feature, ``wrong`` when it runs and differs (or the loss is not finite where eager's is), and ``crash`` when
 something else raises (``no-config``: the census's own tiny config does not run eager attention, so says nothing of
-volta_train). ``python tests/hf_census.py`` runs it and writes volta_train/integrations/hf/census.json (what
+volta_train). ``python tests/hf_census.py`` runs it and writes volta_train/integrations/hf/census/<release>.json (what
 ``volta_train.integrations.hf.supported_model_types()`` and ``volta-train env`` report) and the table in
 docs/hf_integration.md; tests/test_hf_census.py runs it in the suite. Where a type differs, ``float64_check`` and
 ``first_step_outliers`` tell an integration bug from float32 rounding (docs/hf_integration.md, "Census").
@@ -39,7 +39,7 @@ MAX_LAYERS = 6
 NOT_TEXT_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "audio_values")
 NOT_TEXT_CONFIGS = ("vision", "audio", "codec", "vq", "image", "speech", "flow", "esmfold")
 DOC = "docs/hf_integration.md"
-RECORD = "volta_train/integrations/hf/census.json"
+RECORD_DIR = "volta_train/integrations/hf/census"  # one <transformers release>.json per release
 BEGIN, END = "<!-- census:begin -->", "<!-- census:end -->"
 
 
@@ -559,11 +559,13 @@ def write_doc(results: list[Result], seconds: float, path: str = DOC) -> None:
         handle.write(text)
 
 
-def write_record(results: list[Result], path: str = RECORD) -> None:
+def write_record(results: list[Result], directory: str = RECORD_DIR) -> None:
     import json
+    import os
 
     import transformers
 
+    path = os.path.join(directory, f"{transformers.__version__}.json")
     record = {"transformers": transformers.__version__,
               "results": {r.model_type: [r.status, r.detail] for r in results}}
     with open(path, "w") as handle:

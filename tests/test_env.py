@@ -76,9 +76,36 @@ def test_report_names_the_kernel_sources_transformers_and_families():
     text = env.report()
     directory = resources.csrc_dir()
     assert f"kernel sources: {directory} (" in text and any(directory.glob("*.cuh"))
-    assert f"transformers {transformers.__version__}; volta_train.patch takes any model" in text
-    assert ", ".join(hf.supported_model_types()) in text
+    assert f"transformers {transformers.__version__}: " in text and "volta_train.patch takes any model" in text
+    record = hf.census()
+    assert f"of {record['transformers']}" in text and f"{len(record['results'])} text model types" in text
+    assert f"{len(hf.supported_model_types())} ok" in text and "the list: docs/hf_integration.md" in text
     assert len(hf.supported_model_types()) >= 11
+
+
+def test_report_places_each_dependency_against_its_tested_range(monkeypatch):
+    from volta_train import versions
+
+    lowest, newest = versions.TESTED["deepspeed"]
+    for version, said in (("0.1.0", f"older than the lowest supported, {lowest}"),
+                          ("99.0.0", f"newer than the newest tested, {newest}"),
+                          (newest, f"within the tested range {lowest} to {newest}")):
+        monkeypatch.setattr(versions, "installed", lambda package, v=version: v)
+        assert f"deepspeed {version}: {said}" in env.report()
+    monkeypatch.setattr(versions, "installed", lambda package: None)
+    assert f"deepspeed: not installed (tested {lowest} to {newest})" in env.report()
+
+
+def test_pyproject_lower_bounds_are_the_lowest_tested():
+    """pyproject.toml's lower bound of each dependency is versions.TESTED's lowest, the release CI runs."""
+    import re
+    from pathlib import Path
+
+    from volta_train import versions
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    for package, (lowest, newest) in versions.TESTED.items():
+        assert re.search(rf'"{package}>={re.escape(lowest)}"', text), (package, lowest)
 
 
 def test_missing_sources_exit_1_saying_why(monkeypatch, tmp_path, capsys):

@@ -38,15 +38,16 @@ def test_launch_node_passes_config_processes_and_options(fake_bin):
     assert result.stdout.split() == [
         "accelerate", "launch", "--config_file", str(ROOT / "configs/accelerate/zero2.yaml"),
         "--num_processes", fake_bin["FAKE_GPUS"], str(ROOT / "recipes/gpt_long.py"), "--steps", "3"]
-    single = _run("launch_node.sh", ["single_gpu", "finetune"], dict(fake_bin, NUM_PROCESSES="5"))
-    assert "--num_processes 1 " in single.stdout
+    for config in ("one_process", "single_gpu"):
+        single = _run("launch_node.sh", [config, "finetune"], dict(fake_bin, NUM_PROCESSES="5"))
+        assert f"{config}.yaml --num_processes 1 " in single.stdout
     chosen = _run("launch_node.sh", ["ddp", "finetune"], dict(fake_bin, NUM_PROCESSES="3"))
     assert "--num_processes 3 " in chosen.stdout
 
 
 @pytest.mark.parametrize("args, expected", [
     (["ddp"], "usage"),
-    (["zero9", "gpt_long"], "accepted: single_gpu ddp zero2 zero3 zero3_offload"),
+    (["zero9", "gpt_long"], "accepted: one_process single_gpu ddp zero2 zero3 zero3_offload"),
     (["multi_node", "gpt_long"], "scripts/launch_multi_node.sh"),
     (["ddp", "no_such_recipe"], "accepted: gpt_long, finetune"),
 ])

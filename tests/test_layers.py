@@ -17,7 +17,7 @@ PACKAGE = ROOT / "volta_train"
 # (layer, modules), bottom first; a module is named relative to volta_train/ ("kernels" is the package and all of
 # its modules, "__init__" the package's own face). A module may import its own layer's modules and lower layers'.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("options", "philox", "resources")),
+    ("foundation", ("options", "philox", "resources", "versions")),
     ("checks and caches", ("validation", "rotary", "kvcache")),
     ("backends", ("kernels", "reference", "cutlass_backward", "sinks", "attn_probs")),
     ("dispatcher", ("dispatch",)),

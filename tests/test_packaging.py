@@ -31,6 +31,7 @@ CSRC = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", "
 CONFIGS = sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").rglob("*")
                  if p.suffix in (".yaml", ".json"))
 SAMPLES = sorted(p.name for p in (ROOT / "data" / "samples").glob("*.jsonl"))
+CENSUS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "volta_train/integrations/hf/census").glob("*.json"))
 RECIPES = ["volta_train/recipes/__init__.py", "volta_train/recipes/gpt_long.py", "volta_train/recipes/finetune.py"]
 
 
@@ -74,7 +75,7 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
     top = f"volta_train-{sdist.name.removesuffix('.tar.gz').split('-')[-1]}"
     for relative in ([f"csrc/{n}" for n in CSRC] + [f"configs/{n}" for n in CONFIGS]
                      + [f"data/samples/{n}" for n in SAMPLES] + RECIPES
-                     + ["recipes/gpt_long.py", "recipes/finetune.py", "LICENSE", "volta_train/py.typed"]
+                     + CENSUS + ["recipes/gpt_long.py", "recipes/finetune.py", "LICENSE", "volta_train/py.typed"]
                      + [f"scripts/{p.name}" for p in sorted((ROOT / "scripts").iterdir()) if p.is_file()]):
         assert f"{top}/{relative}" in names, relative
     wheel = _build("build_wheel", tmp_path / "sdist" / top, tmp_path / "dist")
@@ -83,7 +84,7 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
         metadata = zf.read(f"{top}.dist-info/METADATA").decode()
         entry_points = zf.read(f"{top}.dist-info/entry_points.txt").decode()
     expected = ([f"volta_train/_csrc/{n}" for n in CSRC] + [f"volta_train/_configs/{n}" for n in CONFIGS]
-                + [f"volta_train/_data/samples/{n}" for n in SAMPLES] + RECIPES
+                + [f"volta_train/_data/samples/{n}" for n in SAMPLES] + RECIPES + CENSUS
                 + ["volta_train/py.typed", "volta_train/cli.py", "volta_train/bench.py", f"{top}.dist-info/licenses/LICENSE"])
     missing = [name for name in expected if name not in files]
     assert not missing, missing
@@ -111,7 +112,7 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
 
     report = _run([script, "env"], home, env, timeout=120).stdout  # exit 0: sources here, no GPU -> reference
     assert f"kernel sources: {csrc} ({len(CSRC)} files)" in report
-    assert "volta_train.patch takes any model" in report and "gpt2" in report and "transformers " in report
+    assert "volta_train.patch takes any model" in report and "text model types" in report and "transformers " in report
 
     shorthand = _run([str(python), "-c", "from volta_train.training.distributed import resolve_deepspeed_spec as r;"
                       "print(r('zero2'))"], home, env)

@@ -493,6 +493,26 @@ def test_packed_documents_do_not_see_each_other():
             assert isinstance(ok, bool) and (ok or why)
 
 
+def test_packed_document_check_computes_in_fp32_whatever_the_weights():
+    """A model stored in fp16 or bf16 is checked with fp32 copies of each module's weights, restored afterwards: the
+    decision never rests on 16-bit rounding (the packed and the single row round differently on a GPU)."""
+    from volta_train.training import attention_choice
+
+    tok = data.ByteTokenizer()
+    cfg = gpt.resolve(gpt.GPTTrainConfig(arch="llama", model="nano", seq_len=64, seed=int(torch.randint(9999, ()))),
+                      "cpu")
+    for dtype in (torch.float16, torch.bfloat16):
+        model = gpt.build_model(cfg, tok).to(dtype)
+        before = {n: p.clone() for n, p in model.state_dict().items()}
+        seen = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        assert attention_choice.packed_documents_supported(model) == (True, "")
+        hook.remove()
+        assert seen and set(seen) == {torch.float32}
+        after = model.state_dict()
+        assert all(after[n].dtype == dtype and torch.equal(after[n], t) for n, t in before.items())
+
+
 def test_sharded_batch_sampler_is_a_function_of_the_micro_batch():
     n, bs, world = 50, 4, 2
     samplers = [data.ShardedBatchSampler(n, bs, world, rank, seed=3) for rank in range(world)]

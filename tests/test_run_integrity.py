@@ -157,6 +157,32 @@ def test_a_final_model_without_its_manifest_or_with_a_damaged_file_is_not_finish
     assert "not a completed run of 6 steps" in finished_run_problems(tmp_path, 6, final_expected=False)[0]
 
 
+def _strict(text: str):
+    """json.loads that refuses NaN and Infinity (not JSON; Python's json writes and reads them by default)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_summary_json_is_strict_json_without_validation(tmp_path, fresh_state):
+    """--eval-batches 0 measures no validation loss: summary.json (and final/run.json) say null, not NaN."""
+    out = tmp_path / "out"
+    summary = _gpt(tmp_path, out, "--eval-batches", "0", "--seed", str(int(torch.randint(1 << 16, ()))))
+    written = _strict((out / "summary.json").read_text(encoding="utf-8"))
+    assert written["val_loss"] is None and summary["val_loss"] is None
+    assert written["completed"] and written["steps"] == 4 and written["train_loss"] > 0
+    assert _strict((out / "final" / "run.json").read_text(encoding="utf-8"))["val_loss"] is None
+    assert "val loss n/a" in _log(out)
+
+
+def test_strict_json_writes_null_for_non_finite_numbers():
+    values = torch.randn(3).tolist()
+    record = {"a": float("nan"), "b": [values[0], float("inf"), {"c": -float("inf")}], "d": values[1], "e": None}
+    assert _strict(fsio.strict_json(record)) == {"a": None, "b": [values[0], None, {"c": None}], "d": values[1],
+                                                  "e": None}
+
+
 # ------------------------------------------------------------------------------------------------
 # 2, 3. resumes that would misreport or mix runs; settings recorded with each checkpoint
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import platform
 
 import torch
 
-from . import __version__, resources
+from . import __version__, resources, versions
 from .dispatch import BACKEND_ENV, choose_backend
 from .kernels import CallDescription
 from .options import AttentionOptions
@@ -95,14 +95,8 @@ def source_lines() -> list[str]:
     return [f"kernel sources: {directory} ({len(files)} files)"]
 
 
-def supported_families() -> list[str]:
-    """The model types the census found patched and equal to eager (volta_train.integrations.hf.census)."""
-    from .integrations import hf  # (imports transformers, which env reports on and does not need)
-
-    return list(hf.supported_model_types())
-
-
 def transformers_lines() -> list[str]:
+    """The HF stack against its tested range, and which census table applies (volta_train.integrations.hf.census)."""
     try:
         import transformers
     except ImportError as error:
@@ -114,10 +108,16 @@ def transformers_lines() -> list[str]:
     for status, _ in record["results"].values():
         counts[status] = counts.get(status, 0) + 1
     summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "refused", "wrong"))
-    return [f"transformers {transformers.__version__}; volta_train.patch takes any model transformers declares "
-            "flash-attention capable whose attention goes through its attention interface; census of "
-            f"transformers {record['transformers']} ({len(record['results'])} text model types: {summary}; "
-            "docs/hf_integration.md), ok: " + ", ".join(supported_families())]
+    if record["transformers"] == transformers.__version__:
+        which = f"census of transformers {record['transformers']}, the installed release"
+    else:
+        which = (f"no census of transformers {transformers.__version__}; the newest older one, of "
+                 f"{record['transformers']}, applies (patch() checks every model the same way on any release; "
+                 "the test suite's census checks this one)")
+    return [*(versions.standing(package) for package in versions.TESTED),
+            f"volta_train.patch takes any model transformers declares flash-attention capable whose attention goes "
+            f"through its attention interface; {which}: {len(record['results'])} text model types, {summary} "
+            f"(the list: docs/hf_integration.md, or volta_train.integrations.hf.supported_model_types())"]
 
 
 def problems() -> list[str]:

@@ -8,6 +8,7 @@ package directory; there the root directories win, so that edits to ``csrc/`` ar
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -123,7 +124,9 @@ def resolve_config_option(argv: list[str], family: str) -> list[str]:
         shipped = shipped_config(f"{family}/{stem}.yaml") or shipped_path(value)
         if shipped is None:
             names = config_names(family)
-            raise FileNotFoundError(f"--config {value!r} is neither a file nor a shipped {family} config; shipped: "
+            close = difflib.get_close_matches(stem, names, n=1)
+            raise FileNotFoundError(f"--config {value!r} is neither a file nor a shipped {family} config"
+                                    f"{f' (did you mean {close[0]!r}?)' if close else ''}; shipped: "
                                     f"{', '.join(names) if names else 'none found'}")
         out[index] = str(shipped) if index == i + 1 else f"--config={shipped}"
     return out

@@ -33,8 +33,8 @@ from ..training import (  # noqa: E402
 )
 from ..training import finetune_setup as ft  # noqa: E402
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, resume_option_problem, run_or_fail, run_recipe,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("finetune")
@@ -80,17 +80,21 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "finetune")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(ft.FinetuneConfig, argv, description=__doc__)
     try:
         cfg, notes = shipped_paths(cfg)
         cfg = ft.check(cfg)
         logs.check_tensorboard(cfg.logging.tensorboard, "--logging.tensorboard")
         if cfg.train.loss_chunk_tokens is not None and cfg.train.loss_chunk_tokens <= 0:
-            _fail(f"train.loss_chunk_tokens must be positive (or unset: auto), got {cfg.train.loss_chunk_tokens}")
+            config.usage_error(_prog[0], "train.loss_chunk_tokens must be positive (or unset: auto), got "
+                               f"{cfg.train.loss_chunk_tokens}")
+        resume_problem = resume_option_problem(cfg.checkpoint.resume, "--checkpoint.resume")
+        if resume_problem:
+            config.usage_error(_prog[0], resume_problem)
         return cfg, notes
     except config.ConfigError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     except ImportError as e:
         _fail(str(e))
 
@@ -98,7 +102,7 @@ def _parse(argv=None) -> tuple[ft.FinetuneConfig, list[str]]:
 def main(argv=None, prog: str = "finetune.py") -> dict:
     """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.logging.out_dir)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.logging.out_dir, _fail)
 
 
 def _prepare(cfg, state):
@@ -168,9 +172,11 @@ def _train(cfg, trainer, model, impl, n_params, names, setup, hf_tokenizer) -> d
 def _start(argv, held: list):
     """The checked config and the process state; out_dir locked for this run, logging, threads and seeds set up."""
     cfg, notes = _parse(argv)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     t = cfg.train
     try:
         state = distributed.init_state(t.cpu, t.deepspeed)
+        distributed.check_mixed_precision(_precision(cfg, state), state.device, "train.mixed_precision")
     except config.ConfigError as e:
         _fail(str(e))
     out_dir = Path(cfg.logging.out_dir)
@@ -179,6 +185,8 @@ def _start(argv, held: list):
     except runlock.RunLockError as e:
         _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
+    if state.device.type == "cuda":
+        notes = [allocator_note, *notes]
     transformers.utils.logging.disable_progress_bar()
     threads = t.cpu_threads
     if threads is None and state.device.type != "cuda":
@@ -315,7 +323,7 @@ def _loop_config(cfg, steps: int, warmup: int) -> LoopConfig:
         time_limit_min=t.time_limit_min, out_dir=cfg.logging.out_dir, progress=cfg.logging.progress,
         tensorboard=cfg.logging.tensorboard, peak_tflops=cfg.logging.peak_tflops,
         max_consecutive_skips=t.max_consecutive_skips, allow_missing_rng=cfg.checkpoint.resume_without_rng,
-        steps_flag="--train.steps", resume_flag="--checkpoint.resume",
+        steps_flag="--train.steps", resume_flag="--checkpoint.resume", final_model=cfg.checkpoint.save_final,
     )
 
 

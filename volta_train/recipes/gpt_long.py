@@ -39,8 +39,8 @@ from ..training import (  # noqa: E402
     sequence_parallel,
 )
 from ..training.trainer import (  # noqa: E402
-    LoopConfig, Trainer, end_training, finished_earlier, run_or_fail, run_recipe, save_final_and_summary,
-    trajectory_settings,
+    LoopConfig, Trainer, end_training, finished_earlier, resume_option_problem, run_or_fail, run_recipe,
+    save_final_and_summary, trajectory_settings,
 )
 
 log = logging.getLogger("gpt_long")
@@ -99,14 +99,15 @@ def resolve_packing(cfg, model) -> tuple[bool, str]:
     if cfg.packing == "documents":
         _fail(f"packing documents: attention {impl!r} does not keep packed documents apart ({why}); use "
               "--packing stream, or --no-patch")
-    log.warning("packing auto -> stream: attention %r does not keep packed documents apart yet (%s)", impl, why)
+    log.warning("packing auto -> stream: attention %r does not keep packed documents apart (%s), so documents "
+                "attend across each other; --packing documents refuses to run instead", impl, why)
     return False, f"packing stream (auto: {impl} cannot separate packed documents)"
 
 
 def main(argv=None, prog: str = "gpt_long.py") -> dict:
     """Run the recipe; returns summary.json's contents (:func:`~volta_train.training.trainer.run_recipe`)."""
     _prog[0] = prog
-    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir)
+    return run_recipe(argv, _start, _prepare, _train, lambda cfg: cfg.out_dir, _fail)
 
 
 def _prepare(cfg, state):
@@ -172,7 +173,7 @@ def _train(cfg, trainer, model, impl, n_params, documents, chunked, setup, repli
     if previous is not None:
         return previous
 
-    val_loss = result.pop("eval_loss", math.nan)
+    val_loss = result.pop("eval_loss", None)  # None (null in summary.json): no validation ran
     summary = {
         **result, "val_loss": val_loss, "attention": impl, "parameters": n_params,
         "packing": "documents" if documents else "stream", "precision": setup.precision,
@@ -194,8 +195,9 @@ def _start(argv, held: list):
     try:
         argv = resources.resolve_config_option(sys.argv[1:] if argv is None else list(argv), "gpt_long")
     except FileNotFoundError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
     cfg = config.parse_config(gpt.GPTTrainConfig, argv, description=__doc__)
+    allocator_note = distributed.cuda_allocator_env()  # before anything initialises CUDA
     try:
         logs.check_tensorboard(cfg.tensorboard)
     except ImportError as e:
@@ -203,15 +205,21 @@ def _start(argv, held: list):
     try:
         state = distributed.init_state(cfg.cpu, cfg.deepspeed)
         cfg = gpt.resolve(cfg, state.device.type, state.num_processes)
+        distributed.check_mixed_precision(cfg.mixed_precision, state.device, "mixed_precision")
         gpt.check_sequence_parallel(cfg, state.num_processes)
     except config.ConfigError as e:
-        _fail(str(e))
+        config.usage_error(_prog[0], str(e))
+    resume_problem = resume_option_problem(cfg.resume, "--resume")
+    if resume_problem:
+        config.usage_error(_prog[0], resume_problem)
     out_dir = Path(cfg.out_dir)
     try:  # before anything is written there: one run per out_dir
         held.append(runlock.acquire_for_run(out_dir, state.is_main_process, state.num_processes, state.device))
     except runlock.RunLockError as e:
         _fail(str(e))
     logs.setup_logging(state.is_main_process, out_dir / "train.log", deferred=True)  # written once the run begins
+    if state.device.type == "cuda":
+        log.info("%s", allocator_note)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between log lines
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
@@ -345,17 +353,17 @@ def _loop_config(cfg) -> LoopConfig:
         keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume, time_limit_min=cfg.time_limit_min,
         out_dir=cfg.out_dir, progress=cfg.progress, tensorboard=cfg.tensorboard, peak_tflops=cfg.peak_tflops,
         max_consecutive_skips=cfg.max_consecutive_skips, allow_missing_rng=cfg.resume_without_rng,
-        steps_flag="--steps", resume_flag="--resume",
+        steps_flag="--steps", resume_flag="--resume", final_model=cfg.save,
     )
 
 
-def _log_done(summary: dict, val_loss: float, impl: str, out_dir: Path) -> None:
+def _log_done(summary: dict, val_loss: float | None, impl: str, out_dir: Path) -> None:
     mem = summary.get("peak_memory_bytes", math.nan)
     log.info(
-        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %.4f | peak mem %s (%s)%s"
+        "done: %d steps, %s tokens in %.1f s (%s tok/s) | train loss %.4f | val loss %s | peak mem %s (%s)%s"
         " | attention %s%s | checkpoint %s | %s",
         summary["steps"], f"{summary['tokens']:,}", summary["seconds"], f"{summary['tokens_per_second']:,.0f}",
-        summary["train_loss"], val_loss, metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
+        summary["train_loss"], "n/a" if val_loss is None else f"{val_loss:.4f}", metrics.format_bytes(mem), summary.get("peak_memory_kind", ""),
         f" | {summary['skipped_steps']} fp16 steps skipped" if summary["skipped_steps"] else "",
         impl, f" | stopped early: {summary['stopped']}" if summary.get("stopped") else "", summary["checkpoint"],
         logs.run_files(out_dir),

@@ -8,8 +8,12 @@
   attention function's handling of packed rows) rather than trusting a version
   number: stock ``sdpa``/``eager`` pass through transformers' block-diagonal mask,
   ``volta_train`` needs its integration to detect packed sequences (varlen).
-  A model partitioned by ZeRO-3 (built under ``deepspeed.zero.Init``) runs with
-  each module's weights gathered for its own forward only.
+  The check always computes in fp32, whatever the model's weights are stored in:
+  a model partitioned by ZeRO-3 (built under ``deepspeed.zero.Init``, its weights
+  fp16 with fp16 mixed precision) runs with each module's weights gathered and
+  copied to fp32 for its own forward only, so that fp16 rounding (packed and single
+  rows take different GEMM tilings on a GPU) never decides, and the decision under
+  ZeRO-3 is the one without it. Every process takes process 0's decision.
 """
 
 from __future__ import annotations
@@ -49,8 +53,24 @@ def apply_patch(model, flag: str = "--no-patch") -> str:
 def packed_documents_supported(model, vocab_limit: int = 256) -> tuple[bool, str]:
     """(True, "") when ``model`` keeps documents packed into one row apart (see the module doc), else (False, why).
 
-    Runs two forwards of 24 tokens in fp32 on the model's current device, in eval mode.
+    Runs two forwards of 24 tokens in fp32 on the model's current device, in eval mode; under torch.distributed every
+    process returns process 0's answer (all of them must call this: ZeRO-3 gathers weights collectively).
     """
+    return _agreed(_packed_documents_check(model, vocab_limit))
+
+
+def _agreed(result: tuple[bool, str]) -> tuple[bool, str]:
+    """Process 0's result on every process, so that all of them pack their data the same way."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return result
+    shared = [result]
+    dist.broadcast_object_list(shared, src=0)
+    return tuple(shared[0])
+
+
+def _packed_documents_check(model, vocab_limit: int) -> tuple[bool, str]:
     was_training = model.training
     model.eval()
     try:
@@ -64,7 +84,7 @@ def packed_documents_supported(model, vocab_limit: int = 256) -> tuple[bool, str
         second = torch.randint(0, vocab_limit, (1, 8), generator=gen)
         ids = torch.cat([first, second], 1).to(device)
         positions = torch.cat([torch.arange(16), torch.arange(8)]).unsqueeze(0).to(device)
-        with _gathered_per_module(model):
+        with _fp32_per_module(model):
             try:
                 packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, 16:].float()
             except (NotImplementedError, ValueError) as e:
@@ -80,33 +100,53 @@ def packed_documents_supported(model, vocab_limit: int = 256) -> tuple[bool, str
 
 
 @contextmanager
-def _gathered_per_module(model):
-    """Under ZeRO-3 partitioning (parameters with ``ds_id``, before prepare()): each module's own parameters gathered
-    for the length of its forward, so that at most a module's weights are whole at once. Otherwise nothing."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+def _fp32_per_module(model):
+    """Each module's own parameters and buffers in fp32 for the length of its forward, gathered first under ZeRO-3
+    partitioning (parameters with ``ds_id``, before prepare()), so that at most a module's weights are whole at once.
+    Nothing when every floating parameter and buffer is already an fp32 tensor of its own."""
+    tensors = [*model.parameters(), *model.buffers()]
+    partitioned = any(hasattr(p, "ds_id") for p in tensors)
+    if not partitioned and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point()):
         yield
         return
-    import deepspeed
+    if partitioned:
+        import deepspeed
 
-    gathered = {}
+    entered = {}  # module -> [(gather context or None, [(tensor, its own data)])], one entry per forward in flight
 
-    def gather(module, args):
-        context = deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)))
-        context.__enter__()
-        gathered.setdefault(module, []).append(context)
+    def to_fp32(module, args):
+        context = None
+        if partitioned:
+            context = deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)))
+            context.__enter__()
+        saved = []
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if t.is_floating_point() and t.dtype != torch.float32:
+                saved.append((t, t.data))
+                t.data = t.data.float()
+        entered.setdefault(module, []).append((context, saved))
 
-    def release(module, args, output):
-        gathered[module].pop().__exit__(None, None, None)
+    def restore(module, args, output):
+        _undo(*entered[module].pop())
 
     handles = []
     for module in model.modules():
-        if next(module.parameters(recurse=False), None) is not None:
-            handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(release)]
+        owns = next(module.parameters(recurse=False), None) is not None or \
+            next(module.buffers(recurse=False), None) is not None
+        if owns:
+            handles += [module.register_forward_pre_hook(to_fp32), module.register_forward_hook(restore)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        for contexts in gathered.values():  # a forward that raised: release what it left gathered
-            while contexts:
-                contexts.pop().__exit__(None, None, None)
+        for stack in entered.values():  # a forward that raised: restore and release what it left
+            while stack:
+                _undo(*stack.pop())
+
+
+def _undo(context, saved) -> None:
+    for t, data in reversed(saved):
+        t.data = data
+    if context is not None:
+        context.__exit__(None, None, None)

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from .config import save_yaml
-from .fsio import write_text_atomic, writing
+from .fsio import strict_json, write_text_atomic, writing
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def save_model(accelerator, model, path: str | Path, train_cfg=None, extra: dict
                 if train_cfg is not None:
                     save_yaml(train_cfg, tmp / TRAIN_CONFIG)
                 if extra is not None:
-                    write_text_atomic(tmp / "run.json", json.dumps(extra, indent=2) + "\n", fsync=False)
+                    write_text_atomic(tmp / "run.json", strict_json(extra), fsync=False)
                 _fsync_tree(tmp)
                 write_manifest(tmp, int((extra or {}).get("steps", 0) or 0))
             except BaseException:

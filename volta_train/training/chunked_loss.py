@@ -431,8 +431,9 @@ def resolve(requested: bool, model: nn.Module, chunk_tokens: int | None = None) 
     ok, why = supported(model)
     if not ok:
         return False, f"loss: the model's own, not chunked: {why}"
-    vocab = unwrap(model).get_output_embeddings().weight.shape[0]
-    chunk = chunk_tokens or chunk_size(vocab, ANY_TOKEN_COUNT)
+    weight = unwrap(model).get_output_embeddings().weight
+    vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 leaves a partitioned weight empty, its shape there
+    chunk = chunk_size(vocab, ANY_TOKEN_COUNT, chunk_tokens)
     return True, (f"loss: chunked linear + cross-entropy, chunks of up to {chunk:,} tokens x {vocab:,} words (no whole "
                   "[tokens, vocab] logits)")
 

@@ -23,10 +23,11 @@ import dataclasses
 import difflib
 import json
 import math
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -35,12 +36,59 @@ class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type or inconsistent values."""
 
 
+USAGE_EXIT = 2  # a usage error's exit status, argparse's: a bad flag, a bad YAML value, an unknown --config
+
+
+class UsageStatus(int):
+    """The exit status :data:`USAGE_EXIT` carrying its message: ``str()`` of it is the message, so code that reads
+    ``SystemExit.code`` as text (as for the recipes' other errors) still reads it."""
+
+    message: str
+
+    def __new__(cls, message: str):
+        status = super().__new__(cls, USAGE_EXIT)
+        status.message = message
+        return status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def usage_error(prog: str, message: str) -> NoReturn:
+    """``prog: error: message`` on stderr and exit :data:`USAGE_EXIT`, as argparse does for a bad flag."""
+    text = f"{prog}: error: {message}"
+    print(text, file=sys.stderr)
+    raise SystemExit(UsageStatus(text))
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose "unrecognized arguments" error suggests the closest flag (``--stpes``: did you mean
+    ``--steps``?)."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            hints = []
+            for arg in message[len(prefix):].split():
+                flag = arg.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith("-") else []
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+            if hints:
+                message += f" ({'; '.join(hints)})"
+        super().error(message)
+
+
 class _UniqueKeySafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently). Merge
+    keys (``<<: *defaults``) stay valid: the mapping's own keys override the merged ones, as YAML defines."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # flattened by SafeLoader's construct_mapping
+                continue
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -220,7 +268,7 @@ def from_flat(cls, values: dict[str, Any], prefix: str = ""):
 
 def build_parser(cls, description: str) -> argparse.ArgumentParser:
     """--config plus one flag per option; flags not given on the command line stay out of the namespace."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description=description, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -175,6 +175,8 @@ def load_tokenizer(spec: str | None):
 
 def _source_files(path: Path) -> list[Path]:
     if path.is_file():
+        if path.stat().st_size == 0:
+            raise ValueError(f"data file {path} is empty (0 bytes): give a file that holds text, or {SYNTHETIC!r}")
         return [path]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
@@ -234,18 +236,18 @@ def _file_documents(files: list[Path]):
 
 
 def corpus_key(source: str, tokenizer, synthetic_bytes: int = 0, seed: int = 0) -> tuple[str, str]:
-    """(a short human-readable name, a hash of everything the tokens depend on)."""
+    """(a short human-readable name, a hash of everything the tokens depend on): for files, their paths and the
+    sha256 of their contents (not their mtimes, which ``cp -p``, ``rsync -t`` or ``tar x`` keep across an edit)."""
     h = hashlib.sha256(f"{tokenizer.name}|{tokenizer.eos_token_id}".encode())
     if source == SYNTHETIC:
         h.update(f"|synthetic|v{GENERATOR_VERSION}|{synthetic_bytes}|{seed}".encode())
         return f"synthetic-{synthetic_bytes / 1e6:g}MB-seed{seed}", h.hexdigest()[:16]
     for f in _source_files(Path(source)):
-        st = f.stat()
-        h.update(f"|{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+        h.update(f"|{f.resolve()}|{sha256_file(f)}".encode())
     return Path(source).stem or "corpus", h.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -270,7 +272,7 @@ def cache_problem(path: Path) -> str | None:
     actual = path.stat().st_size
     if actual != size:
         return f"{actual:,} bytes, {check.name} says {size:,} (truncated or overwritten)"
-    if _sha256(path) != digest:
+    if sha256_file(path) != digest:
         return f"its contents differ from the sha256 in {check.name} (corrupted)"
     return None
 
@@ -281,6 +283,7 @@ def cached(path: Path, build: Callable[[], object], save: Callable[[object, obje
     ``save(value, file)`` through :func:`fsio.atomic_file` (nothing is left on a write error, which names the
     path and the free space) and a check file, then read back. A damaged file is rebuilt with a warning naming it."""
     path = Path(path)
+    fsio.remove_stale_temporaries(path)
     if path.exists():
         problem = cache_problem(path)
         if problem is None:
@@ -294,7 +297,7 @@ def cached(path: Path, build: Callable[[], object], save: Callable[[object, obje
         path.parent.mkdir(parents=True, exist_ok=True)
     with fsio.atomic_file(path, f"the {what}") as f:
         save(value, f)
-    check = json.dumps({"bytes": path.stat().st_size, "sha256": _sha256(path)}) + "\n"
+    check = json.dumps({"bytes": path.stat().st_size, "sha256": sha256_file(path)}) + "\n"
     fsio.write_text_atomic(cache_check_path(path), check)
     return read(path)
 
@@ -327,6 +330,8 @@ def load_tokens(
         pieces = []
         for doc in docs:
             pieces += [tokenizer.encode(doc).astype(dtype, copy=False), eos]
+        if not any(piece.size for piece in pieces[::2]):
+            raise ValueError(f"data source {source} holds no text (its files are empty or hold only blank lines)")
         built.append(True)
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 

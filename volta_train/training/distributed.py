@@ -42,6 +42,25 @@ logger = logging.getLogger(__name__)
 from ..resources import configs_dir, shipped_config
 
 
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # PyTorch reads either (the second from 2.9)
+EXPANDABLE = "expandable_segments:True"
+
+
+def cuda_allocator_env() -> str:
+    """PyTorch's CUDA allocator set to expandable segments (one growing mapping per stream rather than fixed blocks
+    that fragment: at long lengths a step ran out of memory with 3.7 GiB reserved but unallocated), unless the user
+    set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF. The allocator reads it once, when CUDA initialises, so the
+    recipes call this first; where CUDA is already up the setting is applied to it directly. Returns the log line."""
+    for name in ALLOC_CONF_NAMES:
+        if name in os.environ:
+            return f"CUDA allocator: {name}={os.environ[name]} (your setting, kept)"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+    if torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    return (f"CUDA allocator: PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} (set by the recipe: long sequences fragment fixed "
+            "segments; set the variable yourself to choose otherwise)")
+
+
 def deepspeed_from_env() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -207,6 +226,19 @@ def _share_rng_of_rank0() -> None:
     torch.set_rng_state(states[0])
     if torch.cuda.is_available():
         torch.cuda.set_rng_state(states[1])
+
+
+def check_mixed_precision(precision: str, device: torch.device, option: str) -> None:
+    """Refuse bf16 mixed precision on a GPU without bfloat16 arithmetic (V100, sm_70), naming ``option`` and what
+    would be accepted (at start, before the model is built or a file written)."""
+    if precision != "bf16" or device.type != "cuda":
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"{option} bf16: {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no bfloat16 arithmetic; use "
+            f"fp16 (fp32 master weights, dynamic loss scaling; what a bfloat16 model config or checkpoint trains in "
+            f"here) or no (fp32)")
 
 
 def param_numel(p: torch.Tensor) -> int:

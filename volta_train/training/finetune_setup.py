@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from . import activation_offload, chunked_loss, data, rms_norm, tiled_mlp
 from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
-from .models import padded_vocab, read_model_config
+from .models import check_safetensors_weights, padded_vocab, read_model_config
 from .optim import OPTIMIZERS, SCHEDULES
 
 logger = logging.getLogger(__name__)
@@ -467,9 +467,8 @@ def _cache_key(spec: str, cfg: FinetuneConfig, tokenizer, names: list[str]) -> s
     for key in ("format", "max_length", "text_field", "text_pair_field", "label_field", "instruction_field",
                 "input_field", "response_field", "prompt_template", "prompt_template_with_input", "train_on_prompt"):
         h.update(f"|{key}={getattr(d, key)!r}".encode())
-    for f in data_files(spec):
-        st = f.stat()
-        h.update(f"|{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for f in data_files(spec):  # contents, not mtimes: an edit that keeps the mtime (cp -p, rsync -t) is seen
+        h.update(f"|{f.resolve()}|{data.sha256_file(f)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -659,6 +658,7 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
 
     m = cfg.model
     if m.path:
+        check_safetensors_weights(m.path, "model.path")
         model_config = AutoConfig.from_pretrained(m.path, local_files_only=True)
     else:
         model_config = read_model_config(m.config)
@@ -687,7 +687,7 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
         model = cls.from_pretrained(m.path, config=model_config, attn_implementation="sdpa", dtype="float32",
                                     local_files_only=True)
     else:
-        model = cls.from_config(model_config, attn_implementation="sdpa")
+        model = cls.from_config(model_config, attn_implementation="sdpa", dtype=torch.float32)  # see gpt.build_model
     if cfg.task == "causal_lm":
         model.loss_type = "ForCausalLM"
     if m.gradient_checkpointing:

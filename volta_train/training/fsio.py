@@ -10,8 +10,13 @@ rename, so a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
+import logging
+import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 
@@ -75,7 +80,55 @@ def atomic_file(path: str | os.PathLike, what: str = "", mode: str = "wb", fsync
             raise
 
 
+def strict_json(record) -> str:
+    """``record`` as indented JSON that any parser reads: a NaN or infinite float (no value: a loss never measured,
+    a memory peak not known) becomes null, where Python's json would write the non-JSON ``NaN``."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(record), indent=2, allow_nan=False) + "\n"
+
+
 def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = True) -> None:
     """``text`` to ``path`` through :func:`atomic_file`; errors name ``path``."""
     with atomic_file(path, mode="w", fsync=fsync) as f:
         f.write(text)
+
+
+STALE_TEMPORARY_S = 60  # a temporary untouched this long whose writer is gone is a leftover of a killed write
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> None:
+    """Remove the temporary files of ``path`` (:func:`temporary_name`) left by a write that was killed: their
+    process is not running here and they have not changed for :data:`STALE_TEMPORARY_S` seconds (a writer on another
+    host sharing the directory keeps writing its own)."""
+    path = Path(path)
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            pid = int(tmp.name[len(path.name) + 2:-4])
+            age = time.time() - tmp.stat().st_mtime
+        except (ValueError, OSError):
+            continue
+        if age < STALE_TEMPORARY_S or _running(pid):
+            continue
+        try:
+            tmp.unlink()
+        except OSError:
+            continue
+        logging.getLogger(__name__).warning("removed %s, left by an interrupted write of %s", tmp, path.name)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return pid > 0

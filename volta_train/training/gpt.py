@@ -18,7 +18,7 @@ from pathlib import Path
 from . import activation_offload, rms_norm, sequence_parallel, tiled_mlp
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
 from .distributed import deepspeed_from_env
-from .models import auto_precision, padded_vocab, read_model_config
+from .models import auto_precision, check_safetensors_weights, padded_vocab, read_model_config
 from .models import layers_and_hidden
 
 # Model shapes (n_layer, n_head, n_embd); head_dim is 64 from "tiny" up. The GPT-2 names are GPT-2's sizes;
@@ -302,16 +302,20 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     Preset or ``model_config``: random weights (seeded by the caller). ``model_path``: the saved weights.
     Raises ConfigError when the model cannot hold the run's sequences or tokens.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     if cfg.model_path:
+        check_safetensors_weights(cfg.model_path, "model_path")
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model_path, attn_implementation="sdpa", dtype="float32", local_files_only=True,
         )
     else:
         config = read_model_config(cfg.model_config) if cfg.model_config else _preset_config(cfg, tokenizer)
         config._attn_implementation = "sdpa"
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        # fp32 weights whatever the config's dtype says (Llama-3 configs say bfloat16): mixed precision computes in
+        # fp16/bf16 and keeps these as the master weights; under ZeRO-3 DeepSpeed stores its own copy
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     config = model.config
     config.use_cache = False
     if getattr(config, "model_type", None) == "llama" and cfg.attn_pdrop and not cfg.model_path:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .fsio import writing
+from .fsio import write_text_atomic, writing
 from .plots import plot_run
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -94,21 +95,34 @@ def commit_log_file() -> None:
     later one."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
-        handler.path.parent.mkdir(parents=True, exist_ok=True)
-        with writing(handler.path):
-            file_handler = logging.FileHandler(handler.path, mode="a", encoding="utf-8")
+        with writing(handler.path, "the run's log"):  # written here, so that a full disk raises (logging would not)
+            handler.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(handler.path, "a", encoding="utf-8") as f:
+                f.writelines(handler.format(record) + "\n" for record in handler.records)
+            file_handler = RunLogFile(handler.path, mode="a", encoding="utf-8")
         file_handler.setFormatter(handler.formatter)
-        for record in handler.records:
-            file_handler.handle(record)
         root.removeHandler(handler)
         root.addHandler(file_handler)
 
 
+class RunLogFile(logging.FileHandler):
+    """A run's train.log once the run has begun (:func:`discard_log_file` closes it). A write that fails later (a
+    full disk) gives one line on stderr, not logging's traceback per record, and the log goes on on stderr only."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        logging.getLogger().removeHandler(self)
+        sys.stderr.write(f"cannot write the run's log {self.baseFilename}: {type(error).__name__}: {error}; later "
+                         "lines go to stderr only\n")
+
+
 def discard_log_file() -> None:
-    """The run stopped before it began: its pending log file is never written."""
+    """The run stopped before it began: its pending log file is never written (or, when :func:`commit_log_file`
+    already opened it, it is closed)."""
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, PendingLogFile)]:
+    for handler in [h for h in root.handlers if isinstance(h, (PendingLogFile, RunLogFile))]:
         root.removeHandler(handler)
+        handler.close()
 
 
 def log_config(logger: logging.Logger, options: dict, out_dir: str | Path, is_main: bool, write: bool = True) -> Path:
@@ -131,10 +145,9 @@ def write_config(options: dict, out_dir: str | Path) -> Path:
     import yaml
 
     path = Path(out_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
     with writing(path):
-        path.write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100),
-                        encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, yaml.safe_dump(options, sort_keys=False, default_flow_style=False, width=100), fsync=False)
     return path
 
 
@@ -211,19 +224,26 @@ class MetricsWriter:
         if start_step == 0:
             path.unlink()
             return
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+        except (OSError, ValueError, csv.Error) as e:  # not text (a damaged disk block, a binary file)
+            kept = path.with_name(path.name + ".damaged")
+            path.replace(kept)
+            logging.getLogger(__name__).warning(
+                "%s is unreadable (%s: %s): moved to %s; a new %s starts at step %d", path, type(e).__name__,
+                str(e)[:200], kept.name, path.name, start_step + 1)
+            return
         if not rows:
             path.unlink()
             return
         header, body = rows[0], rows[1:]
         keep = [r for r in body if r and r[0].isdigit() and int(r[0]) <= start_step]
-        tmp = path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(keep)
-        tmp.replace(path)
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(header)
+        writer.writerows(keep)
+        write_text_atomic(path, text.getvalue(), fsync=False)  # a full disk names the file and leaves it whole
         self.columns[name] = header
 
     def write(self, name: str, step: int, values: dict[str, float | int | None]) -> None:

@@ -47,3 +47,25 @@ def layers_and_hidden(model_config) -> tuple[int, int]:
     GPT-2's ``n_layer``/``n_embd``."""
     c = model_config
     return getattr(c, "num_hidden_layers", None) or c.n_layer, getattr(c, "hidden_size", None) or c.n_embd
+
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # torch.save files: unpickling one can run code
+
+
+def check_safetensors_weights(path: str | Path, option: str) -> None:
+    """ConfigError naming the file when the model directory ``path`` holds its weights only as pickles
+    (``pytorch_model.bin`` & co.), which are never loaded, with the one-line command that converts them."""
+    path = Path(path)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickled = sorted({f for pattern in PICKLED_WEIGHTS for f in path.glob(pattern) if f.is_file()})
+    if not pickled:
+        return
+    files = ", ".join(str(f) for f in pickled)
+    names = [str(f) for f in pickled]
+    convert = (f"import torch; from safetensors.torch import save_file; sd = {{k: v for f in {names!r} for k, v in "
+               "torch.load(f, weights_only=True).items()}; save_file({k: v.clone().contiguous() for k, v in "
+               f"sd.items()}}, {str(path / 'model.safetensors')!r})")
+    raise ConfigError(f"{option} {path}: its weights are pickled ({files}), and pickled weights are not loaded (a "
+                      f"pickle can run code); convert them to safetensors once, where you trust the file: "
+                      f"python -c \"{convert}\"")

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 PLOT_NAME = "loss.png"
+MARKED_POINTS = 50  # series of up to this many points get a dot on each
 
 
 def _column(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
@@ -35,6 +36,11 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if (row.get("step") or "").isdigit()]
 
 
+def _markers(steps: list[int]) -> dict:
+    """A dot on each point of a short series (a line through one or two points is invisible or misleading)."""
+    return {"marker": "o", "markersize": 4} if len(steps) <= MARKED_POINTS else {}
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
     """Draw ``run_dir/loss.png`` (or ``out``) from the run's CSV files; returns the PNG's path.
 
@@ -50,7 +56,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     loss_ax, lr_ax, speed_ax = fig.subplots(1, 3)
     steps, values = _column(train, "loss")
     if steps:
-        loss_ax.plot(steps, values, label="train", color="tab:blue")
+        loss_ax.plot(steps, values, label="train", color="tab:blue", **_markers(steps))
     steps, values = _column(evals, "loss")
     if steps:
         loss_ax.plot(steps, values, "o-", label="validation", color="tab:orange")
@@ -59,7 +65,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | No
     for ax, key, label in ((lr_ax, "lr", "learning rate"), (speed_ax, "tokens_per_s", "tokens/s")):
         steps, values = _column(train, key)
         if steps:
-            ax.plot(steps, values, color="tab:green" if key == "lr" else "tab:purple")
+            ax.plot(steps, values, color="tab:green" if key == "lr" else "tab:purple", **_markers(steps))
         ax.set_ylabel(label)
     for ax in (loss_ax, lr_ax, speed_ax):
         ax.set_xlabel("optimizer step")

@@ -1,9 +1,10 @@
 """One run per output directory: an exclusive ``flock`` on ``<out_dir>/run.lock`` for the run's whole life.
 
 The main process (global rank 0) takes the lock before anything is written into ``out_dir``
-and keeps the file open until the run ends; the kernel drops the lock when the process exits,
-however it exits (``SIGKILL`` included), so a stale lock file never blocks a later run. The
-file holds the holder's pid, host and start time, which a refused run prints. The other
+and keeps the file open until the run ends, when it removes the file (a normal end, an error, a
+signal); the kernel drops the lock when the process exits, however it exits (``SIGKILL`` included,
+which leaves the file), so a stale lock file never blocks a later run. The file holds the holder's
+pid, host and start time, which a refused run prints. The other
 processes of a multi-process run take no lock: they learn the main process's outcome through
 one all-reduce, and all of them stop when it failed (none waits on a lock or a barrier).
 
@@ -49,11 +50,19 @@ class RunLock:
                 break
         missing = [d for d in (self.out_dir, *self.out_dir.parents) if not d.exists()]
         lock_existed = self.path.exists()
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise RunLockError(f"cannot create the lock file {self.path}: {e}") from None
+        while True:  # a holder that ends removes the file: lock the file that is at the path now
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise RunLockError(f"cannot create the lock file {self.path}: {e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                break  # in use (or no flock here): reported below
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # locked a file its holder had just removed
         self.created = missing + ([] if lock_existed else [self.path])
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,9 +84,13 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        """Remove the lock file (while still holding it: no other run can hold it in between) and unlock."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
             try:
+                if _same_file(fd, self.path):
+                    with contextlib.suppress(OSError):
+                        self.path.unlink()
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
@@ -86,9 +99,6 @@ class RunLock:
         """Release, and remove what :meth:`acquire` created (the lock file, then out_dir and its parents when they
         are empty): for a run that stopped before it began, so that it leaves nothing behind."""
         owned = self.fd is not None
-        if owned and self.path in self.created:
-            with contextlib.suppress(OSError):
-                self.path.unlink()  # while still locked: no other run holds it in between
         self.release()
         if owned:
             for directory in self.created:
@@ -107,6 +117,13 @@ class RunLock:
         self.release()
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
 def _read(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0).decode("utf-8", errors="replace") or "{}")
@@ -122,7 +139,8 @@ def _describe(info: dict) -> str:
 
 
 def holder(out_dir: str | os.PathLike) -> dict:
-    """What ``out_dir``'s lock file says about its (last) holder; {} when there is none."""
+    """What ``out_dir``'s lock file says about its holder; {} when there is none (no run holds it, or the file
+    is empty)."""
     path = Path(out_dir) / LOCK_FILE
     try:
         return json.loads(path.read_text(encoding="utf-8") or "{}")

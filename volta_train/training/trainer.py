@@ -89,6 +89,7 @@ class LoopConfig:
     allow_missing_rng: bool = False  # resume from a checkpoint without this process's generator states
     steps_flag: str = "--steps"  # how the recipe's user sets steps and resume, for messages
     resume_flag: str = "--resume"
+    final_model: bool = True  # the recipe saves a final model (out_dir/final) at the end of a completed run
 
 
 class Trainer:
@@ -123,6 +124,8 @@ class Trainer:
         self.out_dir = Path(loop.out_dir)
         self.checkpoint_root = self.out_dir / checkpoint.CHECKPOINTS
         self._stop_reason: str | None = None
+        self._finished = False  # resume auto found out_dir's finished run (no checkpoint): nothing to train
+        self._finishing = False  # past the last step: SIGTERM lets the run finish (its final save is the fastest end)
         device = self.accelerator.device
         self.peak = loop.peak_tflops if loop.peak_tflops else metrics.peak_tflops(device)
 
@@ -134,10 +137,12 @@ class Trainer:
             if self.accelerator.is_main_process:
                 self._set_aside_previous_run()
             return None
-        choice: list = [None, None]  # path, error
+        choice: list = [None, None, None]  # path, error, "finished"
         if self.accelerator.is_main_process:
             try:
                 choice[0] = self._choose_checkpoint(spec)
+                if choice[0] is None and spec == "auto":
+                    choice[2] = "finished" if self._finished_without_checkpoints() else None
             except (checkpoint.CheckpointError, FileNotFoundError) as e:
                 choice[1] = f"{type(e).__name__}|{e}"
         if self.accelerator.num_processes > 1:
@@ -147,14 +152,36 @@ class Trainer:
         if choice[1] is not None:
             kind, message = str(choice[1]).split("|", 1)
             raise (FileNotFoundError if kind == "FileNotFoundError" else checkpoint.CheckpointError)(message)
+        self._finished = choice[2] is not None
         return Path(choice[0]) if choice[0] is not None else None
+
+    def _finished_without_checkpoints(self) -> bool:
+        """resume auto, and out_dir holds no checkpoint: True when it holds this very run, finished (summary.json
+        completed at this run's steps with the same settings, its final model whole); otherwise an earlier run there
+        (a final model or summary.json) is set aside as :meth:`_set_aside_previous_run` does, never overwritten."""
+        if not ((self.out_dir / "final").exists() or (self.out_dir / "summary.json").exists()):
+            return False
+        problems = finished_run_problems(self.out_dir, self.loop.steps, self.loop.final_model)
+        try:
+            saved = json.loads((self.out_dir / "summary.json").read_text(encoding="utf-8")).get("settings")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if not problems and saved == self.settings:
+            return True
+        if not problems:
+            changed = [k for k in self.settings if not isinstance(saved, dict) or saved.get(k) != self.settings[k]]
+            problems = [f"it was run with other settings ({', '.join(changed) or 'not recorded'})"]
+        self._set_aside_previous_run(f"{self.loop.resume_flag} auto: {self.out_dir} holds an earlier run and no "
+                                     f"checkpoint to continue it from ({'; '.join(problems)})")
+        return False
 
     PREVIOUS_RUN_FILES = (checkpoint.CHECKPOINTS, "final", "summary.json", "train.csv", "eval.csv", "loss.png",
                           "tensorboard")
 
-    def _set_aside_previous_run(self) -> None:
-        """Starting over (resume never) in an out_dir that holds an earlier run: its checkpoints, final model,
-        summary and metrics move to ``out_dir/previous-run-N`` so that the two runs never mix."""
+    def _set_aside_previous_run(self, why: str = "") -> None:
+        """Starting over (resume never, or resume auto without a checkpoint) in an out_dir that holds an earlier
+        run: its checkpoints, final model, summary and metrics move to ``out_dir/previous-run-N`` so that the two
+        runs never mix (``why``: the log line's reason)."""
         found = [self.out_dir / name for name in self.PREVIOUS_RUN_FILES if (self.out_dir / name).exists()]
         steps = [p.name for p in sorted(self.checkpoint_root.glob("step-*"))] if self.checkpoint_root.is_dir() else []
         if not steps and not (self.out_dir / "final").exists() and not (self.out_dir / "summary.json").exists():
@@ -167,6 +194,10 @@ class Trainer:
             target.mkdir()
             for path in found:
                 os.replace(path, target / path.name)
+        if why:
+            logger.warning("%s: moved %s to %s, starting over (delete it once it is not needed)", why,
+                           ", ".join(p.name for p in found), target)
+            return
         logger.warning("%s never: %s held an earlier run (%s); moved %s to %s (delete it once it is not needed)",
                        self.loop.resume_flag, self.out_dir, ", ".join(steps) if steps else "no checkpoints",
                        ", ".join(p.name for p in found), target)
@@ -216,7 +247,8 @@ class Trainer:
                 if checkpoint.complete_checkpoints(root) or any(root.glob("step-*")):
                     return checkpoint.select_resume(root, allow_missing_rng=allow)
         if not (path / checkpoint.COMPLETE).is_file():
-            raise FileNotFoundError(f"resume {spec!r}: not a complete checkpoint directory")
+            raise FileNotFoundError(resume_option_problem(spec, self.loop.resume_flag) or
+                                    f"resume {spec!r}: not a complete checkpoint directory")
         problems, notes = checkpoint.verify_checkpoint(path)
         if allow:
             problems = [p for p in problems if "random-generator state" not in p]
@@ -229,7 +261,10 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         self._stop_reason = "SIGTERM"
-        logger.warning("SIGTERM: stopping after this step with a checkpoint")
+        if self._finishing:
+            logger.warning("SIGTERM after the last step: finishing the final evaluation, model and summary.json first")
+        else:
+            logger.warning("SIGTERM: stopping after this step with a checkpoint")
 
     def _agree(self, started: float, nonfinite: torch.Tensor) -> tuple[bool, str | None]:
         """(a non-finite value on any process, the stop reason all processes agree on): one all-reduce per step
@@ -264,7 +299,7 @@ class Trainer:
             record = {**summary, "steps": done, "planned_steps": self.loop.steps, "completed": False,
                       "failed": True, "reason": reason, "stopped": "non-finite values", "last_checkpoint":
                       str(last) if last else None, "checkpoint": None, "model": None}
-            fsio.write_text_atomic(self.out_dir / "summary.json", json.dumps(record, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(self.out_dir / "summary.json", fsio.strict_json(record), fsync=False)
         raise TrainingFailed(message)
 
     def _save(self, step: int, totals: dict) -> None:
@@ -276,6 +311,16 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Resume (or start), train to ``loop.steps`` or a stop, evaluate; returns the summary. SIGTERM is handled
+        throughout: before and during the steps it stops the run at the next step boundary with a checkpoint,
+        after them it lets the final evaluation finish (the recipe then writes the final model and summary.json)."""
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> dict:
         acc, loop = self.accelerator, self.loop
         device = acc.device
         totals = {"tokens": 0, "flops": 0.0, "seconds": 0.0, "skipped_steps": 0}
@@ -296,9 +341,14 @@ class Trainer:
             logger.info("resumed from %s at step %d/%d (%s tokens so far)", path, start_step, loop.steps,
                         f"{totals['tokens']:,}")
 
-        summary_base = {"resumed_from": resumed_from, "start_step": start_step}
+        if self._finished:
+            start_step, state = loop.steps, {}
+            logger.info("%s holds this run, finished (step %d, same settings): nothing to train", self.out_dir,
+                        start_step)
+        summary_base = {"resumed_from": resumed_from, "start_step": start_step, "settings": self.settings}
         if start_step >= loop.steps:  # the recipe checks whether the final model and summary.json are there
-            logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
+            if not self._finished:
+                logger.info("the checkpoint is at the last step (%d): nothing to train", start_step)
             mem, mem_kind = metrics.peak_memory(device)
             last_loss = state.get("train_loss")
             return {**summary_base, "steps": start_step, "planned_steps": loop.steps, "tokens": 0, "seconds": 0.0,
@@ -308,7 +358,6 @@ class Trainer:
                     "stopped": None}
 
         writer = logs.MetricsWriter(self.out_dir, acc.is_main_process, start_step, loop.tensorboard)
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         batches = self.batches(start_step * loop.grad_accum)
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -429,7 +478,7 @@ class Trainer:
                     logger.warning("stopping at step %d/%d: %s", done, loop.steps, stopped)
                     break
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            self._finishing = True
             bar.close()
 
         seconds = time.perf_counter() - started
@@ -475,6 +524,24 @@ class Trainer:
             f"{('val ' + k) if k == 'loss' else k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in values.items()))
         writer.write("eval", step, values)
         return values
+
+
+def resume_option_problem(spec: str, flag: str = "--resume") -> str | None:
+    """What is wrong with a ``--resume`` value that can be seen before the run begins (a path that does not exist
+    or holds no checkpoint), saying what the option accepts; None when nothing is."""
+    if spec in ("auto", "never", "", None):
+        return None
+    path = Path(spec)
+    accepted = (f"{flag} accepts auto (the newest complete checkpoint in out_dir/checkpoints; none: a fresh start), "
+                "never (start over; an earlier run moves to out_dir/previous-run-N) or a path: a checkpoint "
+                "(out_dir/checkpoints/step-N), a checkpoints directory, or an out_dir that holds one")
+    if not path.exists():
+        return f"{flag} {spec!r}: no such file or directory; {accepted}"
+    if (path / checkpoint.COMPLETE).is_file():
+        return None
+    if path.is_dir() and any(any(root.glob("step-*")) for root in (path, path / checkpoint.CHECKPOINTS)):
+        return None  # a checkpoints directory or an out_dir: verified when the run begins
+    return f"{flag} {spec!r}: neither a complete checkpoint nor a directory of checkpoints; {accepted}"
 
 
 # ---- the end of a recipe's run (gpt_long, finetune): run, or report the run out_dir already finished; save, summarise
@@ -558,7 +625,7 @@ def save_final_and_summary(accelerator, model, out_dir: Path, summary: dict, fin
         if summary[final_key]:
             checkpoint.save_model(accelerator, model, out_dir / "final", cfg, extra=summary, tokenizer=tokenizer)
         if accelerator.is_main_process:
-            fsio.write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n", fsync=False)
+            fsio.write_text_atomic(out_dir / "summary.json", fsio.strict_json(summary), fsync=False)
     except fsio.WriteError as e:
         fail(str(e))
 
@@ -572,10 +639,21 @@ def exit_status(summary: dict) -> int:
 
 
 def begin_run(out_dir: Path, options: dict, is_main: bool) -> None:
-    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written."""
-    if is_main:
+    """The run begins: train.log gets the lines logged so far (and every later one), config.yaml is written. A write
+    error removes what this call created and raises :class:`fsio.WriteError` naming the file."""
+    if not is_main:
+        return
+    for name in ("summary.json", "config.yaml", "train.csv", "eval.csv"):  # what a SIGKILL mid-write left
+        fsio.remove_stale_temporaries(out_dir / name)
+    created = [p for p in (out_dir / "train.log", out_dir / "config.yaml") if not p.exists()]
+    try:
         logs.commit_log_file()
         logs.write_config(options, out_dir)
+    except fsio.WriteError:
+        logs.discard_log_file()
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def abandon_start(held: list) -> None:
@@ -584,6 +662,21 @@ def abandon_start(held: list) -> None:
     for lock in held:
         if lock is not None:
             lock.discard()
+
+
+class _Sigterm:
+    """SIGTERM outside :meth:`Trainer.run`: before the run begins it stops the run at once (exit
+    :data:`STOPPED_EXIT`, nothing left behind); once training has begun (the final model and summary.json are being
+    written) it lets them finish, the fastest way to a resumable state."""
+
+    def __init__(self):
+        self.training = False
+
+    def __call__(self, signum, frame):  # noqa: ARG002
+        if not self.training:
+            logger.warning("SIGTERM before the first step: stopping (nothing was written; rerun to start)")
+            raise SystemExit(STOPPED_EXIT)
+        logger.warning("SIGTERM after the last step: finishing the final model and summary.json first")
 
 
 def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], str]) -> dict:
@@ -598,20 +691,37 @@ def trajectory_settings(options: dict, exclude: set[str], flag: Callable[[str], 
     return flat
 
 
-def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable) -> dict:
+def run_recipe(argv, start: Callable, prepare: Callable, train: Callable, out_dir_of: Callable,
+               fail: Callable[[str], None] | None = None) -> dict:
     """The steps of every recipe: ``start(argv, held)`` parses options and locks out_dir, ``prepare(cfg, state)``
-    builds everything before the first step (a failure there leaves no files), then the run begins and
-    ``train(cfg, trainer, *parts)`` returns summary.json's contents. A run that stopped before its planned steps
-    with a checkpoint (SIGTERM, a time limit) exits with :data:`STOPPED_EXIT` once that is written."""
-    with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
-        cfg, state = start(argv, held)
-        try:
-            trainer, parts = prepare(cfg, state)
-        except BaseException:
-            abandon_start(held)
-            raise
-        begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
-        summary = train(cfg, trainer, *parts)
+    builds everything before the first step and the run begins (train.log, config.yaml): a failure or SIGTERM up to
+    there leaves no files (a write error ends in ``fail(message)``). Then ``train(cfg, trainer, *parts)`` returns
+    summary.json's contents. A run that stopped before its planned steps with a checkpoint (SIGTERM, a time limit)
+    exits with :data:`STOPPED_EXIT` once that is written."""
+    sigterm = _Sigterm()
+    try:
+        previous = signal.signal(signal.SIGTERM, sigterm)
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = None
+    try:
+        with runlock.held_locks() as held:  # out_dir's lock (main process), released however the run ends
+            try:
+                cfg, state = start(argv, held)
+                trainer, parts = prepare(cfg, state)
+                begin_run(Path(out_dir_of(cfg)), config.to_dict(cfg), state.is_main_process)
+            except fsio.WriteError as e:
+                abandon_start(held)
+                if fail is None:
+                    raise
+                fail(str(e))
+            except BaseException:
+                abandon_start(held)
+                raise
+            sigterm.training = True
+            summary = train(cfg, trainer, *parts)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if exit_status(summary):
         raise SystemExit(exit_status(summary))
     return summary

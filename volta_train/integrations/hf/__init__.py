@@ -39,7 +39,7 @@ from .base import (
     installed_transformers,
     release,
 )
-from .families import FAMILIES, REFUSED, SPECIAL, Family, census, supported_model_types
+from .families import FAMILIES, REFUSED, SPECIAL, Family, census, census_releases, supported_model_types
 from .masks import Packing, padding_mask
 from .patching import PatchRecord, patch, register, unpatch
 
@@ -47,6 +47,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "FAMILIES",
     "census",
+    "census_releases",
     "supported_model_types",
     "Family",
     "MASK_INTERFACE_SINCE",

@@ -13,7 +13,7 @@ A family-specific :class:`Family` exists only where a family needs one
 (:data:`SPECIAL`: GPT-2's default scale and its encoder-mask bug of some releases,
 Falcon's ALiBi, GPT-Neo's local windows, PEGASUS-X's decoder causality). Modules that
 compute attention themselves run on volta_train where transformers has a
-flash-attention class for them (Falcon, GPT-Neo) or volta_train replaces them
+flash-attention class for them (GPT-Neo; Falcon up to transformers 5.24) or volta_train replaces them
 (PEGASUS-X's global-local encoder attention): :func:`own_attention_modules`, swapped by
 :mod:`.swaps`. Other models whose modeling code computes attention itself are refused
 with the reason, found by inspection.
@@ -95,9 +95,9 @@ def _gpt2_check(model: nn.Module, modules: list[nn.Module]) -> None:
 def _falcon_check(model: nn.Module, modules: list[nn.Module]) -> None:
     if getattr(model.config, "alibi", False):
         raise NotImplementedError(
-            "falcon: ALiBi position bias (config.alibi=True) is added to the attention scores in eager and sdpa; "
-            "transformers' Falcon flash-attention class, which volta_train runs, has no ALiBi. Use "
-            "attn_implementation='sdpa' or 'eager' for this model"
+            "falcon: ALiBi position bias (config.alibi=True) is added to the attention mask in eager and sdpa; "
+            "transformers' Falcon flash-attention path (its own class up to 5.24, the attention interface from "
+            "5.25), which volta_train runs, has no ALiBi. Use attn_implementation='sdpa' or 'eager' for this model"
         )
 
 
@@ -177,7 +177,8 @@ def flash_class_of(cls: type) -> type | None:
 
     ``cls`` itself when its forward calls ``_flash_attention_forward``, else a direct subclass in its modeling module
     that does: the class a model picks at construction for ``attn_implementation="flash_attention_2"``, with the
-    same weights (Falcon's ``FalconFlashAttention2``, GPT-Neo's ``GPTNeoFlashAttention2``).
+    same weights (GPT-Neo's ``GPTNeoFlashAttention2``; Falcon's ``FalconFlashAttention2`` up to transformers 5.24, where
+    Falcon's attention calls the interface from 5.25 on).
     """
     if getattr(cls, SWAPPED, None) is not None:
         return None
@@ -361,23 +362,45 @@ FAMILIES = _Families()
 # ---- per-module features --------------------------------------------------------------------------------
 
 
-CENSUS_FILE = "census.json"
-"""Beside this module: the census of tests/hf_census.py (every text model type a transformers release declares
-flash-attention capable, patched and compared with eager), the one source of what README, docs/hf_integration.md and
-``volta-train env`` say is supported."""
+CENSUS_DIR = "census"
+"""Beside this module: one table per transformers release, ``<release>.json``, written by tests/hf_census.py (every text
+model type that release declares flash-attention capable, patched and compared with eager); the one source of what
+README, docs/hf_integration.md and ``volta-train env`` say is supported."""
+
+
+def census_releases() -> list[str]:
+    """The transformers releases a census table is recorded for, oldest first."""
+    from importlib import resources
+
+    names = [p.name for p in resources.files(__package__).joinpath(CENSUS_DIR).iterdir() if p.name.endswith(".json")]
+    return sorted((name.removesuffix(".json") for name in names), key=release)
 
 
 @functools.lru_cache(maxsize=None)
-def census() -> dict[str, Any]:
-    """The last census: {"transformers": version, "results": {model_type: [status, detail]}}."""
+def census(transformers_release: str | None = None) -> dict[str, Any]:
+    """A census table: ``{"transformers": release, "results": {model_type: [status, detail]}}``.
+
+    ``transformers_release`` None: the installed release's table where one is recorded, else the newest recorded
+    release older than the installed one (the oldest when all are newer). ``record["transformers"]`` says which.
+    """
     from importlib import resources
 
-    return json.loads(resources.files(__package__).joinpath(CENSUS_FILE).read_text())
+    recorded = census_releases()
+    if transformers_release is None:
+        installed = release(base.installed_transformers())
+        older = [r for r in recorded if release(r) <= installed]
+        transformers_release = older[-1] if older else recorded[0]
+    elif transformers_release not in recorded:
+        raise ValueError(f"transformers_release={transformers_release!r}: no census table is recorded for it; "
+                         f"recorded: {', '.join(recorded)}")
+    path = resources.files(__package__).joinpath(CENSUS_DIR, f"{transformers_release}.json")
+    return json.loads(path.read_text())
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """The model types the census found patched and equal to eager attention (``ok``), on its transformers
-    release; patch() itself takes any model that passes :func:`why_not_model` and :func:`check_model`."""
+    """The model types the census found patched and equal to eager attention (``ok``), in the table :func:`census`
+    picks for the installed release; patch() itself takes any model that passes :func:`why_not_model` and
+    :func:`check_model`."""
     return tuple(sorted(t for t, (status, _) in census()["results"].items() if status == "ok"))
 
 

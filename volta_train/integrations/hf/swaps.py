@@ -2,7 +2,7 @@
 
 Two kinds, found by :func:`~.families.own_attention_modules`:
 
-* Modules with a flash-attention class of transformers' own (Falcon, GPT-Neo: ``FalconFlashAttention2``,
+* Modules with a flash-attention class of transformers' own (GPT-Neo, and Falcon up to 5.24: ``FalconFlashAttention2``,
   ``GPTNeoFlashAttention2``, which a model picks at construction for ``attn_implementation="flash_attention_2"``;
   same weights as the module's class). The module gets a subclass of that flash class whose
   ``_flash_attention_forward`` is :func:`.attention.flash_attention_forward`; the rest of its forward (projections,
