@@ -266,9 +266,9 @@ def test_deepspeed_zero3_cpu_offload_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_bench_train_smoke(tmp_path):
-    """benchmarks/bench_train.py --smoke: every attention, two lengths, the max-length search, table + JSON + PNG."""
+    """scripts/bench_train.py --smoke: every attention, two lengths, the max-length search, table + JSON + PNG."""
     out = tmp_path / "bench"
-    proc = _run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--smoke", "--out", str(out)], tmp_path)
+    proc = _run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--smoke", "--out", str(out)], tmp_path)
     results = json.loads((out / "bench_train.json").read_text())
     rows = results["runs"]
     assert {r["attention"] for r in rows} == {"volta_train", "sdpa", "eager"} if _patch_supports("gpt2") else True
@@ -283,7 +283,7 @@ def test_bench_train_smoke(tmp_path):
 def test_bench_train_interleaved_losses(tmp_path):
     """--interleave-losses: both losses on one model, steps alternating; medians, their ratio, the table and JSON."""
     out = tmp_path / "bench"
-    _run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--models", "nano:320", "--seq-lens", "32",
+    _run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--models", "nano:320", "--seq-lens", "32",
           "--steps", "3", "--warmup", "1", "--tokens-per-step", "64", "--cpu", "--attention", "sdpa",
           "--interleave-losses", "--out", str(out)], tmp_path)
     (result,) = json.loads((out / "bench_train_interleaved.json").read_text())

@@ -15,67 +15,40 @@ Public API::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
-    from .flash_attn_compat import install_flash_attn
-    from .integrations.hf import patch, unpatch
-    from .interface import (
-        flash_attn_func,
-        flash_attn_kvpacked_func,
-        flash_attn_qkvpacked_func,
-        flash_attn_varlen_func,
-        flash_attn_varlen_kvpacked_func,
-        flash_attn_varlen_qkvpacked_func,
-        flash_attn_with_kvcache,
-        kernel_head_dim,
-    )
-
-_INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-              "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
-              "kernel_head_dim")
-_PADDING = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_with_kvcache",
-    "kernel_head_dim",
-    "unpad_input",
-    "pad_input",
-    "index_first_axis",
-    "index_put_first_axis",
-    "patch",
-    "unpatch",
-    "install_flash_attn",
-    "__version__",
-]
+# The public names and the module each comes from, loaded on first use: the API imports torch (so `volta-train` and
+# the recipes can set OpenMP's environment before it loads), patch/unpatch import transformers, which is slow.
+_PUBLIC = {
+    "flash_attn_func": "interface",
+    "flash_attn_varlen_func": "interface",
+    "flash_attn_qkvpacked_func": "interface",
+    "flash_attn_kvpacked_func": "interface",
+    "flash_attn_varlen_qkvpacked_func": "interface",
+    "flash_attn_varlen_kvpacked_func": "interface",
+    "flash_attn_with_kvcache": "interface",
+    "kernel_head_dim": "interface",
+    "unpad_input": "bert_padding",
+    "pad_input": "bert_padding",
+    "index_first_axis": "bert_padding",
+    "index_put_first_axis": "bert_padding",
+    "patch": "integrations.hf",
+    "unpatch": "integrations.hf",
+    "install_flash_attn": "flash_attn_compat",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
-def __getattr__(name: str):
-    # Loaded on first use: the API imports torch (so `volta-train` and the recipes can set OpenMP's environment
-    # before it loads), patch/unpatch import transformers, which is slow.
-    if name in _INTERFACE:
-        from . import interface
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'volta_train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
-        return getattr(interface, name)
-    if name in _PADDING:
-        from . import bert_padding
 
-        return getattr(bert_padding, name)
-    if name in ("patch", "unpatch"):
-        from .integrations import hf
-
-        return getattr(hf, name)
-    if name == "install_flash_attn":
-        from .flash_attn_compat import install_flash_attn
-
-        return install_flash_attn
-    raise AttributeError(f"module 'volta_train' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import chunked_loss, data
+from . import activation_offload, chunked_loss, data, rms_norm, tiled_mlp
 from .config import ConfigError, check_number, check_optimization, field, section
 from .data import ByteTokenizer
 from .models import check_safetensors_weights, padded_vocab, read_model_config
@@ -692,8 +692,6 @@ def build_model(cfg: FinetuneConfig, tokenizer, names: list[str]):
         model.loss_type = "ForCausalLM"
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from . import activation_offload, rms_norm, tiled_mlp
-
     tiled = tiled_mlp.configure(model, m.tiled_mlp, cfg.train.batch_size * cfg.data.max_length, m.tiled_mlp_tokens)
     rms_norm.configure(model, m.lean_norm, bool(tiled))
     if m.activation_offload:

@@ -15,7 +15,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import activation_offload, rms_norm, sequence_parallel, tiled_mlp
 from .config import ConfigError, check_number, check_optimization, field, resolve_auto
+from .distributed import deepspeed_from_env
 from .models import auto_precision, check_safetensors_weights, padded_vocab, read_model_config
 from .models import layers_and_hidden
 
@@ -238,9 +240,6 @@ def check(cfg: GPTTrainConfig, processes: int | None = None) -> None:
 def check_sequence_parallel(cfg: GPTTrainConfig, processes: int | None = None) -> None:
     """sequence_parallel_size against the preset's heads (a model from model_config/model_path is checked once
     built), the number of processes when known, and DeepSpeed."""
-    from . import sequence_parallel
-    from .distributed import deepspeed_from_env
-
     sp = cfg.sequence_parallel_size
     needs_deepspeed = sp > 1 and not (cfg.deepspeed or deepspeed_from_env())
     deepspeed_note = (f"sequence_parallel_size {sp} runs under DeepSpeed-Ulysses: set deepspeed (zero3, a JSON file, "
@@ -331,8 +330,6 @@ def build_model(cfg: GPTTrainConfig, tokenizer):
     model.loss_type = "ForCausalLM"  # what these models use anyway; saying so silences transformers' warning
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from . import activation_offload, rms_norm, tiled_mlp
-
     tiled = tiled_mlp.configure(model, cfg.tiled_mlp, cfg.batch_size * -(-cfg.seq_len // cfg.sequence_parallel_size),
                                 cfg.tiled_mlp_tokens)
     rms_norm.configure(model, cfg.lean_norm, bool(tiled))
