@@ -15,30 +15,40 @@ Public API::
 
 from __future__ import annotations
 
+import ast
 import importlib
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# The public names, each written once: imported here for type checkers and IDEs, and at run time loaded on first use
+# (the API imports torch, so `volta-train` and the recipes can set OpenMP's environment before it loads;
+# patch/unpatch import transformers, which is slow). _PUBLIC reads this block back: name -> module.
+if TYPE_CHECKING:
+    from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+    from .flash_attn_compat import install_flash_attn
+    from .integrations.hf import patch, unpatch
+    from .interface import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        flash_attn_with_kvcache,
+        kernel_head_dim,
+    )
 
 __version__ = "0.1.0"
 
-# The public names and the module each comes from, loaded on first use: the API imports torch (so `volta-train` and
-# the recipes can set OpenMP's environment before it loads), patch/unpatch import transformers, which is slow.
-_PUBLIC = {
-    "flash_attn_func": "interface",
-    "flash_attn_varlen_func": "interface",
-    "flash_attn_qkvpacked_func": "interface",
-    "flash_attn_kvpacked_func": "interface",
-    "flash_attn_varlen_qkvpacked_func": "interface",
-    "flash_attn_varlen_kvpacked_func": "interface",
-    "flash_attn_with_kvcache": "interface",
-    "kernel_head_dim": "interface",
-    "unpad_input": "bert_padding",
-    "pad_input": "bert_padding",
-    "index_first_axis": "bert_padding",
-    "index_put_first_axis": "bert_padding",
-    "patch": "integrations.hf",
-    "unpatch": "integrations.hf",
-    "install_flash_attn": "flash_attn_compat",
-}
+
+def _public_names() -> dict[str, str]:
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+
+
+_PUBLIC = _public_names()
 
 __all__ = [*_PUBLIC, "__version__"]
 
