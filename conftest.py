@@ -1,7 +1,6 @@
 """Test-suite wide (tests/ and lab/tests/): one kernel cache per run, gpu-marked tests skipped without a CUDA GPU,
-and the tests that launch several processes kept on one pytest-xdist worker."""
+and the tests marked launches_processes kept on one pytest-xdist worker."""
 
-import inspect
 import os
 import shutil
 import tempfile
@@ -32,26 +31,18 @@ def pytest_unconfigure(config):
             del os.environ[CACHE_DIR_ENV]
 
 
-# Tests that start several training processes through `accelerate launch`, whose rendezvous port defaults to 29500:
-# under pytest-xdist (README's `-n 2 --dist loadgroup`) they share one worker, so that two never race for that port.
-_LAUNCHES_PROCESSES = ("ACCELERATE", "--num_processes", "_zero_cmd", "processes=2", "processes=4")
-
-
-def _launches_processes(item) -> bool:
-    if item.path.name == "test_sequence_parallel.py":
-        return True
-    try:
-        source = inspect.getsource(item.function)
-    except (OSError, TypeError):
-        return False
-    return any(token in source for token in _LAUNCHES_PROCESSES)
+# Tests that start several training processes through `accelerate launch` (or gloo groups of their own) carry the
+# `launches_processes` mark: under pytest-xdist (README's `-n 2 --dist loadgroup`) they share one worker, so that two
+# never race for accelerate's rendezvous port (29500).
+LAUNCHES_PROCESSES = "launches_processes"
 
 
 def pytest_collection_modifyitems(config, items):
+    """The one GPU-skip hook (tests/ and lab/tests/): gpu-marked tests skip without a CUDA GPU."""
     has_gpu = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-        if _launches_processes(item):
+        if LAUNCHES_PROCESSES in item.keywords:
             item.add_marker(pytest.mark.xdist_group("launches-processes"))

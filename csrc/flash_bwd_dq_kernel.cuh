@@ -8,6 +8,7 @@
 // and writes dQ * softmax_scale. It shares the forward's warp tile (warp_tile.cuh): geometry, operands and
 // both products.
 #pragma once
+#include "block_info.cuh"
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
 #include "launch_geometry.cuh"
@@ -96,12 +97,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     using L = DqLayout<KT>;
     using Layout = FwdFragmentLayout<KT>;
     const AttentionParams& prm = bp.fwd;
-    const int bh = prm.m_blocks_fastest ? (int)blockIdx.y : (int)blockIdx.x;
-    const int m_block = prm.num_m_blocks - 1 - (int)(prm.m_blocks_fastest ? blockIdx.x : blockIdx.y);
-    const int head = bh % prm.nheads, batch = bh / prm.nheads;
-    const SequenceExtent seq(prm, batch);
-    const int m0 = m_block * KT::kBlockM;
-    if (m0 >= seq.seqlen_q) return;
+    const QueryBlockInfo<KT> blk(prm);
+    if (blk.empty()) return;
+    const int head = blk.head, batch = blk.batch, m0 = blk.m0;
+    const SequenceExtent& seq = blk.seq;
     const int kv_head = head / prm.heads_per_kv;
     const VisibleKeys vis(prm, seq);
     const int tid = threadIdx.x;
@@ -110,12 +109,12 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     half_bits* kt_tile = reinterpret_cast<half_bits*>(smem + L::kOffKt);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + L::kOffV);
 
-    const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
-    const half_bits* do_base = bp.dout + batch * bp.do_batch_stride + seq.q_start * bp.do_row_stride + head * bp.do_head_stride;
-    const half_bits* k_base = prm.k + batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
-    const half_bits* v_base = prm.v + batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
-    const float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
-    const float* dsum_base = bp.dsum + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+    const half_bits* q_base = blk.query_rows(prm.q, prm.q_batch_stride, prm.q_row_stride, prm.q_head_stride);
+    const half_bits* do_base = blk.query_rows(bp.dout, bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride);
+    const half_bits* k_base = blk.key_rows(prm.k, prm.k_batch_stride, prm.k_row_stride, prm.k_head_stride, batch, kv_head);
+    const half_bits* v_base = blk.key_rows(prm.v, prm.v_batch_stride, prm.v_row_stride, prm.v_head_stride, batch, kv_head);
+    const float* lse_base = blk.row_vector(prm.lse, prm.lse_batch_stride, prm.lse_head_stride);
+    const float* dsum_base = blk.row_vector(bp.dsum, prm.lse_batch_stride, prm.lse_head_stride);
 
     // Q pre-scaled by scale * log2 e under FP16-ACC (as in the forward); dO with scale 1 (exact).
     QOperand<KT> q, dout;
@@ -145,10 +144,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     const DropoutRng rng(prm.seed, prm.offset, prm.dropout_threshold, (u32)(batch * prm.nheads + head));
     const float score_scale = KT::kAccumF16 ? 1.f : prm.scale_log2;
 
-    const int cta_row_end = min(m0 + KT::kBlockM, seq.seqlen_q);
-    const int n_begin = vis.first_key(m0) / KT::kBlockN;
-    const int key_end = vis.end_key(cta_row_end);
-    const int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    const KeyBlockRange keys = visible_key_blocks<KT>(vis, m0, seq.seqlen_q);
+    const int cta_row_end = keys.row_end, n_begin = keys.begin, n_end = keys.end;
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int key0 = n_block * KT::kBlockN;
         __syncthreads();  // the previous block's tiles are no longer read (and Q / dO tiles are written)
@@ -170,6 +167,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
     // dQ * softmax_scale through shared memory, 16-byte rows
     __syncthreads();
     half_bits* stage = reinterpret_cast<half_bits*>(smem);
+    // (written out: through QueryBlockInfo::query_rows here, ptxas schedules the kernel differently)
     half_bits* dq_base = bp.dq + batch * bp.dq_batch_stride + seq.q_start * bp.dq_row_stride + head * bp.dq_head_stride;
     const FwdWarpGeometry<KT> gs((tid & ~31) | staging_lane(g.lane), m0);  // whose fragments this lane stores
 #pragma unroll

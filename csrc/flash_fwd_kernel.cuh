@@ -13,6 +13,7 @@
 //             scores cannot overflow); each key block's P V partial is added into fp32 O, and the
 //             softmax statistics stay fp32, so long sequences cannot overflow the output.
 #pragma once
+#include "block_info.cuh"
 #include "dropout.cuh"
 #include "kernel_traits.cuh"
 #include "launch_geometry.cuh"
@@ -275,24 +276,19 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     half_bits* k_tile = reinterpret_cast<half_bits*>(smem);
     half_bits* v_tile = reinterpret_cast<half_bits*>(smem + KT::kTileBytes);
 
-    // Blocks are issued x fastest. Full attention: (query blocks, batch * heads), so the CTAs running together
-    // share K and V in L2. Causal: (batch * heads, query blocks), so every (batch, head) gets its last query
-    // block (the longest) in the first waves and the short ones fill the tail.
-    const int bh = prm.m_blocks_fastest ? (int)blockIdx.y : (int)blockIdx.x;
-    const int m_block = prm.num_m_blocks - 1 - (int)(prm.m_blocks_fastest ? blockIdx.x : blockIdx.y);
-    const int head = bh % prm.nheads, batch = bh / prm.nheads;
-    const SequenceExtent seq(prm, batch);
-    const int m0 = m_block * KT::kBlockM;
-    if (m0 >= seq.seqlen_q) return;
+    const QueryBlockInfo<KT> blk(prm);
+    if (blk.empty()) return;
+    const int bh = blk.bh, head = blk.head, batch = blk.batch, m0 = blk.m0;
+    const SequenceExtent& seq = blk.seq;
     const int kv_head = head / prm.heads_per_kv;
     const VisibleKeys vis(prm, seq);
 
-    const half_bits* q_base = prm.q + batch * prm.q_batch_stride + seq.q_start * prm.q_row_stride + head * prm.q_head_stride;
+    const half_bits* q_base = blk.query_rows(prm.q, prm.q_batch_stride, prm.q_row_stride, prm.q_head_stride);
     const int kv_batch = kv_batch_of(prm, batch);
-    const half_bits* k_base = prm.k + kv_batch * prm.k_batch_stride + seq.k_start * prm.k_row_stride + kv_head * prm.k_head_stride;
-    const half_bits* v_base = prm.v + kv_batch * prm.v_batch_stride + seq.k_start * prm.v_row_stride + kv_head * prm.v_head_stride;
-    half_bits* o_base = prm.o + batch * prm.o_batch_stride + seq.q_start * prm.o_row_stride + head * prm.o_head_stride;
-    float* lse_base = prm.lse + batch * prm.lse_batch_stride + head * prm.lse_head_stride + seq.q_start;
+    const half_bits* k_base = blk.key_rows(prm.k, prm.k_batch_stride, prm.k_row_stride, prm.k_head_stride, kv_batch, kv_head);
+    const half_bits* v_base = blk.key_rows(prm.v, prm.v_batch_stride, prm.v_row_stride, prm.v_head_stride, kv_batch, kv_head);
+    half_bits* o_base = blk.query_rows(prm.o, prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride);
+    float* lse_base = blk.row_vector(prm.lse, prm.lse_batch_stride, prm.lse_head_stride);
 
     const int tid = threadIdx.x;
     const FwdWarpGeometry<KT> g(tid, m0);
@@ -301,10 +297,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_fwd_k
     FwdAccumulators<KT> acc;
     acc.init();
 
-    const int cta_row_end = min(m0 + KT::kBlockM, seq.seqlen_q);
-    int n_begin = vis.first_key(m0) / KT::kBlockN;
-    const int key_end = vis.end_key(cta_row_end);
-    int n_end = key_end > vis.first_key(m0) ? (key_end + KT::kBlockN - 1) / KT::kBlockN : n_begin;
+    const KeyBlockRange keys = visible_key_blocks<KT>(vis, m0, seq.seqlen_q);
+    const int cta_row_end = keys.row_end;
+    int n_begin = keys.begin, n_end = keys.end;
     split_key_blocks(prm, n_begin, n_end);
 
     // A CTA whose rows see no key (seqlen_q > seqlen_k under causal or a window) writes zeros and lse = +inf

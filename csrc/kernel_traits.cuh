@@ -1,5 +1,6 @@
 // Compile-time tile shapes of the kernels and their shared-memory layouts: FwdKernelTraits (the forward, dQ and
-// decoding kernels) and BwdKernelTraits (the dK/dV kernel).
+// decoding kernels) and BwdKernelTraits (the dK/dV kernel). Their template parameters are declared for the host in
+// volta_train/kernels/templates.py (names, order, types, defaults; tests/test_kernel_templates.py holds the two alike).
 //
 // The forward: a CTA owns kBlockM query rows of one (batch, head) and walks the key blocks of kBlockN keys.
 // Each warp owns kRowsPerWarp consecutive rows. Inside a warp the four quad-pairs of every

@@ -5,7 +5,7 @@
     python lab/long_context_probe.py --variants baseline,tiled,offload,tiled+offload --memory-gb 16
     python lab/long_context_probe.py --smoke               # CPU, tiny model, seconds: the code path only
 
-The training step is benchmarks/bench_train.py's (imported, not copied): fp32 weights, fp16 autocast with GradScaler,
+The training step is scripts/bench_train.py's (imported, not copied): fp32 weights, fp16 autocast with GradScaler,
 gradient clipping, fused AdamW, the chunked loss, activation checkpointing; the process's CUDA memory is capped
 with torch.cuda.set_per_process_memory_fraction (bench_train._set_cap). Each probe runs ``--probe-steps`` steps
 (default 2): the first step allocates AdamW's state only in optimizer.step(), after the backward has freed the
@@ -67,8 +67,8 @@ ATTENTION = "long_context_probe_block_local"
 
 
 def _bench_train():
-    """benchmarks/bench_train.py as a module."""
-    path = ROOT / "benchmarks" / "bench_train.py"
+    """scripts/bench_train.py as a module."""
+    path = ROOT / "scripts" / "bench_train.py"
     spec = importlib.util.spec_from_file_location("bench_train", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_train"] = module

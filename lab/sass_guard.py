@@ -9,8 +9,9 @@ Compiles, with the local NVRTC (no GPU needed), every variant the dispatcher can
   ``shipped_combine_variants``) in each group.
 
 and writes a JSON mapping ``<group>/<variant name>/<name expression>`` to the sha256 of that kernel's executable
-code (the bytes of the cubin's ``.text.<mangled name>`` ELF section) and, for reference, of the whole cubin.
-``--compare BEFORE.json`` reports which kernels are identical and which differ.
+code (the bytes of the cubin's ``.text.<mangled name>`` ELF section), its mangled name and, for reference, the sha256
+of the whole cubin. ``--compare BEFORE.json`` reports which kernels are identical and which differ; a variant whose
+one name expression was respelled (the same instantiation written another way) is matched by its variant name.
 
     python lab/sass_guard.py --out /tmp/before.json
     # ... change csrc/ ...
@@ -91,6 +92,7 @@ def fingerprint(variant: KernelVariant, arch: int) -> dict[str, dict[str, str]]:
             "text_sha256": hashlib.sha256(text).hexdigest(),
             "text_bytes": len(text),
             "cubin_sha256": hashlib.sha256(program.cubin).hexdigest(),
+            "mangled": mangled,
         }
     return result
 
@@ -115,20 +117,53 @@ def collect(jobs: int, only: str | None = None, decode: bool = False) -> dict[st
     return kernels
 
 
+def _variant_key(key: str) -> str:
+    """``<group>/<variant name>`` of a ``<group>/<variant name>/<name expression>`` key."""
+    return "/".join(key.split("/", 2)[:2])
+
+
+def _paired(before: dict, after: dict, group: str) -> list[tuple[str, str | None, str | None]]:
+    """(label, before key, after key) of group's kernels: the same key, or, where a variant's one name expression was
+    respelled (e.g. defaulted template arguments written out), the same variant name on both sides."""
+    def by_variant(kernels: dict) -> dict[str, list[str]]:
+        index: dict[str, list[str]] = {}
+        for key in kernels:
+            if key.startswith(group + "/"):
+                index.setdefault(key.split("/", 2)[1], []).append(key)
+        return index
+
+    old, new = by_variant(before), by_variant(after)
+    pairs = []
+    for variant in sorted(set(old) | set(new)):
+        keys_before, keys_after = old.get(variant, []), new.get(variant, [])
+        if len(keys_before) == 1 and len(keys_after) == 1:
+            pairs.append((keys_after[0], keys_before[0], keys_after[0]))
+            continue
+        for key in sorted(set(keys_before) | set(keys_after)):
+            pairs.append((key, key if key in before else None, key if key in after else None))
+    return pairs
+
+
 def compare(before: dict, after: dict) -> int:
     """Print the comparison; return the number of kernels that differ or are missing on one side."""
     problems = 0
     for group, _, _ in GROUPS:
-        keys = sorted(k for k in set(before) | set(after) if k.startswith(group + "/"))
-        same = [k for k in keys if k in before and k in after and before[k]["text_sha256"] == after[k]["text_sha256"]]
-        cubin_same = [k for k in same if before[k]["cubin_sha256"] == after[k]["cubin_sha256"]]
-        print(f"{group}: {len(same)} of {len(keys)} kernels with identical code ({len(cubin_same)} whole cubins identical)")
-        for key in keys:
-            if key not in before or key not in after:
-                print(f"  only {'after' if key in after else 'before'}: {key}")
+        pairs = _paired(before, after, group)
+        both = [(label, b, a) for label, b, a in pairs if b is not None and a is not None]
+        same = [(b, a) for _, b, a in both if before[b]["text_sha256"] == after[a]["text_sha256"]]
+        cubin_same = [1 for b, a in same if before[b]["cubin_sha256"] == after[a]["cubin_sha256"]]
+        respelled = sum(b != a for _, b, a in both)
+        print(f"{group}: {len(same)} of {len(pairs)} kernels with identical code ({len(cubin_same)} whole cubins "
+              f"identical{f'; {respelled} name expressions respelled, matched by variant name' if respelled else ''})")
+        for label, b, a in pairs:
+            if b is None or a is None:
+                print(f"  only {'after' if a is not None else 'before'}: {label}")
                 problems += 1
-            elif before[key]["text_sha256"] != after[key]["text_sha256"]:
-                print(f"  differs: {key} ({before[key]['text_bytes']} -> {after[key]['text_bytes']} bytes of code)")
+            elif "mangled" in before[b] and "mangled" in after[a] and before[b]["mangled"] != after[a]["mangled"]:
+                print(f"  another instantiation: {label} ({before[b]['mangled']} -> {after[a]['mangled']})")
+                problems += 1
+            elif before[b]["text_sha256"] != after[a]["text_sha256"]:
+                print(f"  differs: {label} ({before[b]['text_bytes']} -> {after[a]['text_bytes']} bytes of code)")
                 problems += 1
     return problems
 
@@ -152,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: NVRTC {before.get('nvrtc')} before, {document['nvrtc']} now: differences may be the compiler's")
         before_kernels = before["kernels"]
         if args.only:
-            before_kernels = {k: v for k, v in before_kernels.items() if k in kernels}
+            variants = {_variant_key(k) for k in kernels}
+            before_kernels = {k: v for k, v in before_kernels.items() if _variant_key(k) in variants}
         return 1 if compare(before_kernels, kernels) else 0
     return 0
 

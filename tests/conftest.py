@@ -9,8 +9,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+SEED_ENV = "VOLTA_TRAIN_TEST_SEED"
+
+
 @pytest.fixture
-def rng():
-    """A fresh, unseeded generator per test: inputs differ run to run (the seed is printed on failure)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed)  # rng.initial_seed() reproduces a failure
+def rng(request):
+    """A seeded generator per test, fresh inputs each run: the seed is random unless VOLTA_TRAIN_TEST_SEED gives it,
+    and is printed (pytest shows it with a failure), so ``VOLTA_TRAIN_TEST_SEED=<seed> pytest <test>`` reproduces it."""
+    seed = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little"))
+    print(f"{request.node.nodeid}: rng seed {seed} ({SEED_ENV}={seed} reproduces it)")
+    return torch.Generator().manual_seed(seed)

@@ -953,7 +953,7 @@ def test_varlen_paged_api_runs_the_kernel_without_gradients(case, monkeypatch):
 def _bench_decode():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -78,7 +78,7 @@ def test_report_names_the_kernel_sources_transformers_and_families():
     assert f"kernel sources: {directory} (" in text and any(directory.glob("*.cuh"))
     assert f"transformers {transformers.__version__}: " in text and "volta_train.patch takes any model" in text
     record = hf.census()
-    assert f"of {record['transformers']}" in text and f"{len(record['results'])} text model types" in text
+    assert f"of transformers {record['transformers']}" in text and f"{len(record['results'])} text model types" in text
     assert f"{len(hf.supported_model_types())} ok" in text and "the list: docs/hf_integration.md" in text
     assert len(hf.supported_model_types()) >= 11
 

@@ -301,6 +301,7 @@ MODEL_TYPES = {"gpt2_instruct": "gpt2", "bert_sentiment": "bert", "llama_text_pa
                "roberta_pairs": "roberta"}
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_shipped_config_runs(tmp_path, name):

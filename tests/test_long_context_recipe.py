@@ -50,6 +50,7 @@ def test_tiled_mlp_and_offload_keep_the_loss_trajectory(tmp_path, monkeypatch):
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(plain, checkpointed)), (plain, checkpointed)
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
     """Two gloo processes, ZeRO-3 (weights gathered per tile by DeepSpeed's hooks), Ulysses sp=2, checkpointing: tiled =
@@ -76,6 +77,7 @@ def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses["off"], losses["on"])), losses
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 @pytest.mark.parametrize("zero, sp", [("zero2", 1), ("zero3", 2)])
 def test_activation_offload_under_zero_and_ulysses(tmp_path, zero, sp):

@@ -31,7 +31,7 @@ CHILD_TESTS = (
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("launches-processes")  # its recipe runs use accelerate's default rendezvous port
+@pytest.mark.launches_processes  # its recipe runs use accelerate's default rendezvous port
 def test_hf_and_recipe_tests_pass_on_the_lowest_supported_releases(tmp_path):
     python = make_venv(tmp_path / "venv")
     wanted = [f"{package}=={lowest}" for package, (lowest, _) in versions.TESTED.items()]

@@ -75,7 +75,8 @@ def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
     top = f"volta_train-{sdist.name.removesuffix('.tar.gz').split('-')[-1]}"
     for relative in ([f"csrc/{n}" for n in CSRC] + [f"configs/{n}" for n in CONFIGS]
                      + [f"data/samples/{n}" for n in SAMPLES] + RECIPES
-                     + CENSUS + ["recipes/gpt_long.py", "recipes/finetune.py", "LICENSE", "volta_train/py.typed"]):
+                     + CENSUS + ["recipes/gpt_long.py", "recipes/finetune.py", "LICENSE", "volta_train/py.typed"]
+                     + [f"scripts/{p.name}" for p in sorted((ROOT / "scripts").iterdir()) if p.is_file()]):
         assert f"{top}/{relative}" in names, relative
     wheel = _build("build_wheel", tmp_path / "sdist" / top, tmp_path / "dist")
     with zipfile.ZipFile(wheel) as zf:

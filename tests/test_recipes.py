@@ -126,6 +126,7 @@ def test_cpu_smoke(tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_cpu_smoke_accelerate_launch_llama_no_patch(tmp_path):
     """`accelerate launch` with no accelerate config file (1 process), Llama-style model, stock SDPA attention."""
@@ -208,6 +209,7 @@ def test_sigterm_stops_with_a_checkpoint(tmp_path):
     assert checkpoint.find_latest(tmp_path / "out" / "checkpoints").name == f"step-{summary['steps']:08d}"
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_two_processes_ddp_config_on_cpu(tmp_path):
     """configs/accelerate/ddp.yaml with ACCELERATE_USE_CPU=1: two gloo processes, Llama-style, packed documents."""
@@ -228,6 +230,7 @@ def _zero_cmd(tmp_path: Path, accelerate_config: str, out: str, *extra: str) -> 
                        "--batch-size", "4", "--log-interval", "1", *extra, launcher=launcher, out=out)
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_deepspeed_zero2_two_processes_and_resume(tmp_path):
     """configs/accelerate/zero2.yaml on CPU (DeepSpeed over gloo): 2 processes, a checkpoint, resume exactly."""
@@ -246,6 +249,7 @@ def test_deepspeed_zero2_two_processes_and_resume(tmp_path):
     assert summary["zero_stage"] == 2 and summary["processes"] == 2
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_two_processes(tmp_path):
     """configs/accelerate/zero3_offload.yaml on CPU: ZeRO-3, parameters and optimizer offloaded, final weights
@@ -262,9 +266,9 @@ def test_deepspeed_zero3_cpu_offload_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_bench_train_smoke(tmp_path):
-    """benchmarks/bench_train.py --smoke: every attention, two lengths, the max-length search, table + JSON + PNG."""
+    """scripts/bench_train.py --smoke: every attention, two lengths, the max-length search, table + JSON + PNG."""
     out = tmp_path / "bench"
-    proc = _run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--smoke", "--out", str(out)], tmp_path)
+    proc = _run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--smoke", "--out", str(out)], tmp_path)
     results = json.loads((out / "bench_train.json").read_text())
     rows = results["runs"]
     assert {r["attention"] for r in rows} == {"volta_train", "sdpa", "eager"} if _patch_supports("gpt2") else True
@@ -279,7 +283,7 @@ def test_bench_train_smoke(tmp_path):
 def test_bench_train_interleaved_losses(tmp_path):
     """--interleave-losses: both losses on one model, steps alternating; medians, their ratio, the table and JSON."""
     out = tmp_path / "bench"
-    _run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--models", "nano:320", "--seq-lens", "32",
+    _run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--models", "nano:320", "--seq-lens", "32",
           "--steps", "3", "--warmup", "1", "--tokens-per-step", "64", "--cpu", "--attention", "sdpa",
           "--interleave-losses", "--out", str(out)], tmp_path)
     (result,) = json.loads((out / "bench_train_interleaved.json").read_text())

@@ -26,6 +26,8 @@ import torch
 from volta_train.training import config, gpt, sequence_parallel
 from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
 
+pytestmark = pytest.mark.launches_processes  # its recipe runs and gloo groups share one xdist worker
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
 WORKER = ROOT / "tests" / "sp_worker.py"

@@ -113,6 +113,7 @@ def test_finetune_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_pat
     _check(partitioned, seen, whole, seen_whole, 3)
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [["--arch", "llama", "--n-kv-head", "2"], ["--arch", "gpt2", "--no-patch"]],
                          ids=["llama-volta", "gpt2-sdpa"])

@@ -18,7 +18,8 @@ from volta_train.training import chunked_loss, config, data, distributed, gpt
 
 def decision(argv: list[str], state, tokenizer, zero3: bool) -> dict:
     cfg = gpt.resolve(config.parse_config(gpt.GPTTrainConfig, argv), "cpu", state.num_processes)
-    init = distributed.zero3_init_config(mixed_precision=cfg.precision.mixed_precision, grad_accum=1, batch_size=1,
+    section = getattr(cfg, "precision", cfg)  # the option sits in a precision section where the recipes have one
+    init = distributed.zero3_init_config(mixed_precision=section.mixed_precision, grad_accum=1, batch_size=1,
                                          grad_clip=1.0, deepspeed_spec="zero3") if zero3 else None
     with distributed.partitioned_build(init):
         model = gpt_long._build_model(cfg, state, tokenizer)

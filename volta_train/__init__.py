@@ -15,8 +15,14 @@ Public API::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ast
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+# The public names, each written once: imported here for type checkers and IDEs, and at run time loaded on first use
+# (the API imports torch, so `volta-train` and the recipes can set OpenMP's environment before it loads;
+# patch/unpatch import transformers, which is slow). _PUBLIC reads this block back: name -> module.
 if TYPE_CHECKING:
     from .bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
     from .flash_attn_compat import install_flash_attn
@@ -32,50 +38,27 @@ if TYPE_CHECKING:
         kernel_head_dim,
     )
 
-_INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-              "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
-              "kernel_head_dim")
-_PADDING = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_with_kvcache",
-    "kernel_head_dim",
-    "unpad_input",
-    "pad_input",
-    "index_first_axis",
-    "index_put_first_axis",
-    "patch",
-    "unpatch",
-    "install_flash_attn",
-    "__version__",
-]
+
+def _public_names() -> dict[str, str]:
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
 
 
-def __getattr__(name: str):
-    # Loaded on first use: the API imports torch (so `volta-train` and the recipes can set OpenMP's environment
-    # before it loads), patch/unpatch import transformers, which is slow.
-    if name in _INTERFACE:
-        from . import interface
+_PUBLIC = _public_names()
 
-        return getattr(interface, name)
-    if name in _PADDING:
-        from . import bert_padding
+__all__ = [*_PUBLIC, "__version__"]
 
-        return getattr(bert_padding, name)
-    if name in ("patch", "unpatch"):
-        from .integrations import hf
 
-        return getattr(hf, name)
-    if name == "install_flash_attn":
-        from .flash_attn_compat import install_flash_attn
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'volta_train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
-        return install_flash_attn
-    raise AttributeError(f"module 'volta_train' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

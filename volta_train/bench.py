@@ -21,7 +21,7 @@ and the relative error ||x - ref|| / ||ref||.
 
 Writes ``bench.md`` (environment and table), ``bench.json`` and ``bench.png`` to ``--out``. Needs a CUDA GPU:
 on a machine without one it stops with exit status 2 (CPU timings of the reference backend would measure
-nothing this benchmark is about). ``benchmarks/bench_attention.py`` adds the developer sweeps (tile shapes, varlen).
+nothing this benchmark is about). ``scripts/bench_attention.py`` adds the varlen comparison; the tile sweeps are ``lab/tile_sweep.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import volta_train
+
+from .dispatch import BACKEND_ENV
+from .kernels import nvrtc
+from .options import AttentionOptions
+from .reference import reference_backward, reference_forward
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 SDPA_BACKENDS = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
@@ -77,8 +84,6 @@ def make_inputs(batch, seqlen, heads, d, sets, requires_grad, device="cuda", dty
 
 def volta_fn(pass_name, causal, accum):
     """Forward: accum is the forward accumulation; backward passes: the backward's (bwd_accum)."""
-    import volta_train
-
     def run(q, k, v):
         if pass_name == "fwd":
             return volta_train.flash_attn_func(q, k, v, causal=causal, accum=accum)
@@ -152,9 +157,6 @@ def measure(fn, batch, seqlen, heads, d, pass_name, args):
 
 def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device="cuda") -> dict[str, float]:
     """Errors of ``forward`` (fp16 in) against volta_train's float64 reference on a [1, seqlen, heads, d] slice."""
-    from .options import AttentionOptions
-    from .reference import reference_backward, reference_forward
-
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(1, seqlen, heads, d, device=device, generator=gen).half() for _ in range(4))
     params = AttentionOptions(softmax_scale=d ** -0.5, causal=causal)
@@ -218,10 +220,6 @@ def run_benchmark(args) -> list[dict]:
 
 def environment() -> dict[str, str]:
     """What the numbers were measured on."""
-    import volta_train
-
-    from .kernels import nvrtc
-
     info = {"volta_train": volta_train.__version__, "python": platform.python_version(), "torch": torch.__version__,
             "torch_cuda": str(torch.version.cuda), "cudnn": str(torch.backends.cudnn.version())}
     if torch.cuda.is_available():
@@ -232,7 +230,7 @@ def environment() -> dict[str, str]:
             info["nvrtc"] = f"{library.version_string} ({library.path})"
         except Exception as error:  # noqa: BLE001 - report, the kernel rows say what failed
             info["nvrtc"] = f"not found: {error}"
-    info["VOLTA_TRAIN_BACKEND"] = os.environ.get("VOLTA_TRAIN_BACKEND", "")
+    info[BACKEND_ENV] = os.environ.get(BACKEND_ENV, "")
     return info
 
 
@@ -361,7 +359,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if any(v <= 0 for v in values):
             print(f"error: {name} must be positive, got {values}", file=sys.stderr)
             return 2
-    os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")  # a kernel that cannot run says why in its row
+    os.environ.setdefault(BACKEND_ENV, "kernel")  # a kernel that cannot run says why in its row
     rows = run_benchmark(args)
     table = write_results(rows, args)
     print(table)

@@ -22,6 +22,11 @@ import sys
 # Before anything loads torch (and OpenMP): see volta_train/recipes/gpt_long.py. Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# (none of these loads torch: each subcommand imports the torch-loading modules it runs, after the line above)
+from . import __version__  # noqa: E402
+from .resources import configs_dir  # noqa: E402
+from .training.plots import plot_run  # noqa: E402
+
 COMMANDS = {
     "env": "what volta_train sees here: torch, GPU, kernel sources, NVRTC, cache, backend, transformers",
     "train": "pretrain a GPT on long sequences (the gpt_long recipe); all its options follow",
@@ -39,8 +44,6 @@ def _plot(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's out_dir (holds train.csv)")
     parser.add_argument("--out", help="PNG to write (default RUN_DIR/loss.png)")
     args = parser.parse_args(argv)
-    from .training.plots import plot_run
-
     try:
         path = plot_run(args.run_dir, args.out)
     except FileNotFoundError as error:
@@ -73,8 +76,6 @@ def _configs(argv: list[str]) -> int:
     parser.add_argument("family", nargs="?", choices=["accelerate", "deepspeed", "gpt_long", "finetune"],
                         help="only this directory")
     args = parser.parse_args(argv)
-    from .resources import configs_dir
-
     root = configs_dir()
     for family in [args.family] if args.family else ["accelerate", "deepspeed", "gpt_long", "finetune"]:
         files = sorted(p for p in (root / family).iterdir() if p.suffix in (".yaml", ".json"))
@@ -87,8 +88,6 @@ def _configs(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volta-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"volta_train {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():

@@ -244,8 +244,9 @@ def _paged_varlen_choice(q, k_pages, v_pages, options: AttentionOptions, alibi: 
     if needs_grad:
         return Choice("gather", "an input requires grad: the paged path has no backward; gradients flow through the "
                       "gathered k/v")
-    if options.dropout_p > 0:
-        return Choice("gather", f"dropout_p={options.dropout_p}: the paged path has no dropout")
+    refusal = options.paged_refusal()
+    if refusal is not None:
+        return Choice("gather", refusal)
     policy = backend_policy()
     if policy == "reference":
         return Choice("reference", f"{BACKEND_ENV}=reference: each sequence's pages read by the reference backend")

@@ -23,11 +23,11 @@ import platform
 
 import torch
 
-from . import __version__, resources
+from . import __version__, resources, versions
 from .dispatch import BACKEND_ENV, choose_backend
 from .kernels import CallDescription
 from .options import AttentionOptions
-from .kernels import nvrtc
+from .kernels import driver, nvrtc
 from .kernels.cache import CACHE_DIR_ENV, ENTRY_SUFFIX, LOCK_TIMEOUT_ENV, cache_dir_path
 
 READY, NOT_READY, CPU_ONLY = 0, 1, 3  # exit statuses (see the module doc)
@@ -48,11 +48,9 @@ def gpu_lines() -> list[str]:
 
 
 def driver_version_text() -> str:
-    from .kernels.driver import CudaDriverError, driver_version
-
     try:
-        return "%d.%d" % driver_version()
-    except CudaDriverError as error:
+        return "%d.%d" % driver.driver_version()
+    except driver.CudaDriverError as error:
         return f"unknown ({error})"
 
 
@@ -76,18 +74,16 @@ def nvrtc_problem(arch: int) -> str | None:
 def driver_problem(arch: int) -> str | None:
     """Why the driver cannot load the cubins of the NVRTC chosen for ``arch`` (its CUDA major version is older than
     the NVRTC's), or None (also when either is unknown)."""
-    from .kernels.driver import CudaDriverError, driver_version
-
     try:
         chosen = nvrtc.select_nvrtc(nvrtc.available_nvrtc_libraries(), arch)
-        driver = driver_version()
-    except (nvrtc.NvrtcNotFoundError, CudaDriverError, OSError):
+        supported = driver.driver_version()
+    except (nvrtc.NvrtcNotFoundError, driver.CudaDriverError, OSError):
         return None
-    if chosen.version[0] <= driver[0]:
+    if chosen.version[0] <= supported[0]:
         return None
     return (f"NVRTC {chosen.version_string} ({chosen.path}) makes cubins that this driver "
-            f"(CUDA {driver[0]}.{driver[1]}) cannot load: update the driver, or pip install "
-            f"nvidia-cuda-nvrtc-cu{driver[0]} and set {nvrtc.NVRTC_ENV} to its libnvrtc (docs/kernel_build.md)")
+            f"(CUDA {supported[0]}.{supported[1]}) cannot load: update the driver, or pip install "
+            f"nvidia-cuda-nvrtc-cu{supported[0]} and set {nvrtc.NVRTC_ENV} to its libnvrtc (docs/kernel_build.md)")
 
 
 def source_lines() -> list[str]:
@@ -101,13 +97,11 @@ def source_lines() -> list[str]:
 
 def transformers_lines() -> list[str]:
     """The HF stack against its tested range, and which census table applies (volta_train.integrations.hf.census)."""
-    from . import versions
-
     try:
         import transformers
     except ImportError as error:
         return [f"transformers: not installed ({error}): volta_train.patch and the recipes need it"]
-    from .integrations import hf
+    from .integrations import hf  # (imports transformers: only once it is known to be there)
 
     record = hf.census()
     counts: dict[str, int] = {}
@@ -117,7 +111,7 @@ def transformers_lines() -> list[str]:
     if record["transformers"] == transformers.__version__:
         which = f"census of transformers {record['transformers']}, the installed release"
     else:
-        which = (f"no census of transformers {transformers.__version__}; the newest older one, of "
+        which = (f"no census of transformers {transformers.__version__}; the newest older one, of transformers "
                  f"{record['transformers']}, applies (patch() checks every model the same way on any release; "
                  "the test suite's census checks this one)")
     return [*(versions.standing(package) for package in versions.TESTED),

@@ -44,6 +44,7 @@ import logging
 import torch
 
 from . import attn_probs, dispatch, kvcache, validation
+from .kernels import forward_head_dim
 
 Window = tuple[int, int]
 logger = logging.getLogger("volta_train")
@@ -203,7 +204,6 @@ def kernel_head_dim(head_dim: int, value_head_dim: int | None = None) -> int | N
     """The head_dim the Volta kernels run a call of this q/k ``head_dim`` (and v ``value_head_dim``) at, q, k and v
     zero-padded to it; None when beyond the kernels (the reference backend runs it, logged once). ValueError when the
     API refuses the head_dim. For integrations that report at setup time what a model's calls will run on."""
-    from .kernels.head_dim import forward_head_dim
 
     for name, dim in (("head_dim", head_dim), ("value_head_dim", value_head_dim)):
         if dim is not None and not validation.MIN_HEAD_DIM <= dim <= validation.MAX_HEAD_DIM:

@@ -42,6 +42,17 @@ class AttentionOptions:
     def window(self) -> tuple[int, int]:
         return self.window_left, self.window_right
 
+    def paged_refusal(self) -> str | None:
+        """Why a call that reads a paged cache cannot run with these options, or None. The paged path runs inference
+        only, without dropout (flash_attn_varlen_func gathers the pages of such a call instead: dispatch)."""
+        return f"dropout_p={self.dropout_p}: the paged path has no dropout" if self.dropout_p > 0 else None
+
+    def check_paged(self) -> None:
+        """Raise ValueError with :meth:`paged_refusal`'s reason (the paged backends' guard)."""
+        reason = self.paged_refusal()
+        if reason is not None:
+            raise ValueError(f"{reason}; accepted: dropout_p=0")
+
     def pack(self) -> tuple[list[float], list[int]]:
         """(floats, ints) in field order, the form the custom ops' schema can carry; str fields as choice indices."""
         floats: list[float] = []

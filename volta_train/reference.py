@@ -320,8 +320,7 @@ def reference_paged_varlen_forward(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens
     cu_seqlens_k[b]) of its pages ``block_table[b]``. One sequence at a time, each reading only its own pages (what
     the decoding kernel does); out [total_q, H, Dv] and lse [H, total_q] as :func:`reference_varlen_forward` gives
     them. No dropout (the paged path runs inference only)."""
-    if params.dropout_p > 0:
-        raise ValueError(f"dropout_p={params.dropout_p}; accepted: 0 (the paged varlen path has no dropout)")
+    params.check_paged()
     out = torch.zeros(q.shape[:2] + (v_pages.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=compute_dtype(q.dtype), device=q.device)
     for index, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):

@@ -1,5 +1,5 @@
 """Where one flash_attn_with_kvcache call spends its time on a GPU: host (Python, checks, launches) or device
-(the split-KV kernel, the combine's ops), for the decoding shapes of benchmarks/bench_decode.py.
+(the split-KV kernel, the combine's ops), for the decoding shapes of scripts/bench_decode.py.
 
     PYTHONPATH=$PWD python3 lab/gpu_checks/decode_profile.py --out DIR
 

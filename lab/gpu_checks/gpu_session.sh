@@ -11,5 +11,5 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 tests=${1:-"tests -m gpu"}
 python3 -m pytest $tests -q -rfE -x --maxfail=10 -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | grep -vE "^(PASSED|SKIPPED)" | tail -60
 if [ -n "${2:-}" ]; then
-  python3 benchmarks/bench_attention.py --out "$out" $2 2>&1 | tee "$out/bench.log" | tail -40
+  python3 scripts/bench_attention.py --out "$out" $2 2>&1 | tee "$out/bench.log" | tail -40
 fi

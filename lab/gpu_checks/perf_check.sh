@@ -19,16 +19,16 @@ attention=(--passes fwd bwd --head-dims 64 128 256 --seqlens 1024 4096 --causal 
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/env.txt"
 stamp "attention, this tree"
-PYTHONPATH=$PWD python3 benchmarks/bench_attention.py "${attention[@]}" --out "$out/attention_new" > "$out/attention_new.log" 2>&1
+PYTHONPATH=$PWD python3 scripts/bench_attention.py "${attention[@]}" --out "$out/attention_new" > "$out/attention_new.log" 2>&1
 stamp "exit $?"
 if [ -n "${OLD_TREE:-}" ]; then
   stamp "attention, $OLD_TREE"
   PYTHONPATH=$PWD/$OLD_TREE VOLTA_TRAIN_CSRC=$PWD/$OLD_TREE/csrc VOLTA_TRAIN_CACHE_DIR=/tmp/volta_train_cache_old \
-    python3 benchmarks/bench_attention.py "${attention[@]}" --out "$out/attention_old" > "$out/attention_old.log" 2>&1
+    python3 scripts/bench_attention.py "${attention[@]}" --out "$out/attention_old" > "$out/attention_old.log" 2>&1
   stamp "exit $?"
 fi
 stamp "decoding"
-PYTHONPATH=$PWD python3 benchmarks/bench_decode.py --seqlens 4096 32768 --batches 1 8 --kv-heads 8 --head-dims 128 \
+PYTHONPATH=$PWD python3 scripts/bench_decode.py --seqlens 4096 32768 --batches 1 8 --kv-heads 8 --head-dims 128 \
   --backends volta-kernel volta-kernel-device-checks sdpa-efficient --out "$out/decode" > "$out/decode.log" 2>&1
 stamp "exit $?"
 harness=${CUTLASS_HARNESS:-.cutlass_build/harness}

@@ -11,6 +11,9 @@
 #                    directory with configs/finetune/long_context/llama3_2_1b_64k_sp2.yaml: sp=2 at 65,536 tokens
 #                    (2 GPUs), and the same at SHORT tokens (default 8,192) in fp32 on 1 GPU and on 2 (sp=2), whose
 #                    losses must agree;
+#   plain_163k       gpt_long, Llama-3.2-1B shape, 1 GPU without DeepSpeed, every memory feature, 163,840 tokens (with
+#                    fixed allocator segments it ran out of memory with 3.7 GiB reserved but unallocated; the recipes now
+#                    set expandable segments: it must fit, or the report shows why not);
 #   features_32k     gpt_long, Llama-3.2-1B shape, 1 GPU without DeepSpeed, 32,768 tokens: the step time with no memory
 #                    feature (checkpointing and the chunked loss only), then tiled MLP, lean RMSNorm, activation
 #                    offload, each alone, and all three.
@@ -96,11 +99,13 @@ M1B=configs/finetune/models/llama3_2_1b
 C1B=configs/gpt_long/llama3_2_1b_393k_zero3_offload.yaml
 C8B=configs/gpt_long/llama3_1_8b_262k_sp2_zero3_offload.yaml
 CFT=configs/finetune/long_context/llama3_2_1b_64k_sp2.yaml
+ACC=configs/accelerate/zero3_offload.yaml  # the accelerate config of the multi-process runs (DeepSpeed, as they name)
 shape1b=() shape8b=() ftlen=() featlen=(--seq-len 32768) pretrain=(--model-config "$M1B")
 if [ "$smoke" = 1 ]; then
   small=(--model-config configs/finetune/models/tiny_llama --seq-len 1024)
   shape1b=("${small[@]}") shape8b=("${small[@]}" --activation-offload-keep 0) featlen=(--seq-len 512) pretrain=(--model-config
-    configs/finetune/models/tiny_llama) ftlen=(--data.max-length 1024 --train.cpu --train.cpu-threads 1)
+    configs/finetune/models/tiny_llama) ftlen=(--data.max-length 1024 --train.cpu --train.cpu-threads 1
+    --precision.mixed-precision no)
   SHORT=256
   M1B=configs/finetune/models/tiny_llama
 fi
@@ -111,7 +116,7 @@ for name in ${RUNS//,/ }; do
       run gpt_long_1b 200 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py --config "$C1B" "${shape1b[@]}" \
         --steps "$STEPS" "${gpt_quick[@]}" --out-dir "$dest/gpt_long_1b" ;;
     gpt_long_8b_sp2)
-      run gpt_long_8b_sp2 300 2 "${launch[@]}" --config_file configs/accelerate/zero3_offload.yaml --num_processes 2 \
+      run gpt_long_8b_sp2 300 2 "${launch[@]}" --config_file "$ACC" --num_processes 2 \
         recipes/gpt_long.py --config "$C8B" "${shape8b[@]}" --steps "$STEPS" "${gpt_quick[@]}" \
         --out-dir "$dest/gpt_long_8b_sp2" ;;
     finetune_sp2)
@@ -126,14 +131,19 @@ for name in ${RUNS//,/ }; do
       ft=(recipes/finetune.py --config "$CFT" --model.path "$work/pretrained/final" --data.train "$work/corpus.jsonl"
           --data.eval-fraction 0 --data.cache-dir "$work/cache" --train.steps "$STEPS" --checkpoint.interval 0
           --checkpoint.no-save-final --checkpoint.resume never --logging.no-progress)
-      run finetune_sp2 220 2 "${launch[@]}" --num_processes 2 "${ft[@]}" "${ftlen[@]}" \
+      run finetune_sp2 220 2 "${launch[@]}" --config_file "$ACC" --num_processes 2 "${ft[@]}" "${ftlen[@]}" \
         --logging.out-dir "$dest/finetune_sp2"
       short=(--data.max-length "$SHORT" --precision.mixed-precision no --train.steps 2
              $([ "$smoke" = 1 ] && echo "--train.cpu --train.cpu-threads 1"))
-      run finetune_short_sp1 100 1 "${launch[@]}" --num_processes 1 "${ft[@]}" "${short[@]}" --parallel.sequence-parallel-size 1 \
+      run finetune_short_sp1 100 1 "${launch[@]}" --config_file "$ACC" --num_processes 1 "${ft[@]}" "${short[@]}" --parallel.sequence-parallel-size 1 \
         --logging.out-dir "$dest/finetune_short_sp1"
-      run finetune_short_sp2 100 2 "${launch[@]}" --num_processes 2 "${ft[@]}" "${short[@]}" \
+      run finetune_short_sp2 100 2 "${launch[@]}" --config_file "$ACC" --num_processes 2 "${ft[@]}" "${short[@]}" \
         --logging.out-dir "$dest/finetune_short_sp2" ;;
+    plain_163k)
+      run plain_163k 200 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py --model-config "$M1B" \
+        $([ "$smoke" = 1 ] && echo "--seq-len 1024" || echo "--seq-len 163840") --batch-size 1 --grad-accum 1 \
+        --mixed-precision fp16 --packing documents --gradient-checkpointing --activation-offload --tiled-mlp on \
+        --lean-norm on --chunked-loss --steps "$STEPS" "${gpt_quick[@]}" --out-dir "$dest/plain_163k" ;;
     features_32k)
       base=(--model-config "$M1B" "${featlen[@]}" --batch-size 1 --grad-accum 1 --mixed-precision fp16
             --packing documents --gradient-checkpointing --chunked-loss --tiled-mlp off --lean-norm off
@@ -149,7 +159,7 @@ for name in ${RUNS//,/ }; do
         run "features_32k_$variant" 80 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py "${base[@]}" "${extra[@]}" \
           --out-dir "$dest/features_32k_$variant"
       done ;;
-    *) stamp "unknown run $name (accepted: gpt_long_1b, gpt_long_8b_sp2, finetune_sp2, features_32k)" ;;
+    *) stamp "unknown run $name (accepted: gpt_long_1b, gpt_long_8b_sp2, finetune_sp2, plain_163k, features_32k)" ;;
   esac
 done
 

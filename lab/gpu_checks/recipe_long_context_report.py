@@ -76,7 +76,8 @@ def collect(run: Path, launcher_log: Path | None) -> dict:
         lines = text.splitlines()
         # the recipe's own one-line error, else the last exception line, else anything that says why
         found = [l for l in lines if ": error: " in l] or \
-            [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", l)] or \
+            [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", l)
+             and "ChildFailedError" not in l] or \
             [l for l in lines if re.search(r"out of memory|Killed|Terminated", l)]
         error = (found[-1] if found else "no summary.json (cut off or failed: see the log)")[:300]
     return {

@@ -18,15 +18,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """gpu-marked tests skip without a CUDA GPU (as in tests/conftest.py, for ``pytest lab/tests`` alone); tests that
-    need the pipe model run only when asked for: the repository's own suite needs nothing outside it."""
-    import pytest
-    import torch
-
-    if not torch.cuda.is_available():
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    """Tests that need the pipe model run only when asked for: the repository's own suite needs nothing outside it
+    (gpu-marked tests skip without a GPU by the repository's conftest.py)."""
     if config.getoption("--v100model"):
         return
     kept = [item for item in items if "v100model" not in item.keywords]

@@ -187,11 +187,10 @@ def forward_paged_varlen(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, block_
     (SplitKvParams ``cu_seqlens_q`` with ``block_table``; the key counts go to it as ``seqused_k``, computed on the
     device). ``max_seqlen_q``: at least every sequence's query count; ``longest``: at least every key count (the
     split rule's key range). Masks are bottom-right aligned per sequence, as in the varlen forward. fp32 accumulation,
-    no dropout (the caller's options must have dropout_p 0: ``support.unsupported_reason`` of a ``paged_varlen``
-    call). Hooks as in :func:`forward_with_kvcache`.
+    no dropout (``AttentionOptions.paged_refusal``: dispatch gathers the pages of such a call). Hooks as in
+    :func:`forward_with_kvcache`.
     """
-    if options.dropout_p > 0:  # (support.unsupported_reason refuses it first)
-        raise ValueError(f"dropout_p={options.dropout_p}; accepted: 0 (the decoding kernel has no dropout)")
+    options.check_paged()
     total_q, nheads, head_dim = q.shape
     device = q.device
     d = head_dims.require(head_dim, head_dims.forward_head_dim(head_dim))

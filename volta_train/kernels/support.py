@@ -9,6 +9,7 @@ import torch
 
 from ..options import AttentionOptions
 from . import head_dim as head_dims
+from . import nvrtc, tiles
 
 MIN_ARCH = 70  # sm_70 (Volta): mma.sync.m8n8k4 and nothing newer
 ALIGN_BYTES = 16  # the kernels move K, V, Q and O in 16-byte vectors
@@ -83,11 +84,9 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
 
 @functools.lru_cache(maxsize=None)
 def _compiler_problem(arch: int) -> str | None:
-    from .nvrtc import NvrtcNotFoundError, find_nvrtc
-
     try:
-        find_nvrtc(arch)
-    except NvrtcNotFoundError as error:
+        nvrtc.find_nvrtc(arch)
+    except nvrtc.NvrtcNotFoundError as error:
         return str(error)
     return None
 
@@ -102,8 +101,6 @@ def unsupported_reason(call: CallDescription) -> str | None:
     that of q, pages a multiple of the decoding tile's key block (else flash_attn_varlen_func gathers the pages and
     runs the varlen forward).
     """
-    from .tiles import SUPPORTED_HEAD_DIMS, decode_tile
-
     if call.device.type != "cuda":
         return f"input is on {call.device.type}: the Volta kernel needs a CUDA GPU"
     if call.dtype != torch.float16:
@@ -114,12 +111,12 @@ def unsupported_reason(call: CallDescription) -> str | None:
     if call.value_head_dim is not None and (call.kvcache or paged_varlen):
         return f"v_cache's head_dim {call.value_head_dim} differs from q's {call.head_dim}: the decoding kernel runs one"
     if call.kernel_head_dim is None:
-        return (f"head_dim {call.widest_head_dim}: the Volta kernels run head_dim 1 to {max(SUPPORTED_HEAD_DIMS)} (a "
+        return (f"head_dim {call.widest_head_dim}: the Volta kernels run head_dim 1 to {max(tiles.SUPPORTED_HEAD_DIMS)} (a "
                 "larger tile does not fit the V100's 96 KiB of shared memory per block)")
     if paged_varlen:
         if call.options.accum != "fp32":
             return f"accum={call.options.accum!r}: the decoding kernel that reads pages accumulates in fp32 only"
-        block_n = decode_tile(call.kernel_head_dim, call.arch).block_n
+        block_n = tiles.decode_tile(call.kernel_head_dim, call.arch).block_n
         if call.page_block_size % block_n:
             return (f"page_block_size {call.page_block_size}: the decoding kernel reads key blocks of {block_n} "
                     "within one page")

@@ -1,5 +1,6 @@
 """Tile tables of the Volta kernels: the tile of each head_dim, mask, accumulation mode and target, and the NVRTC
-variant (volta_train/kernels/variants.py) that instantiates it.
+variant (volta_train/kernels/variants.py) that instantiates it. A variant's name expression and name are derived from
+the kernel templates' declaration (volta_train/kernels/templates.py).
 
 The sm_70 tables come from the V100 estimate (lab/v100_estimate.py), the sm_80+ ones from sweeps on an H100; the
 figures behind each choice are in docs/performance.md. A variant's shared memory and block size are not computed
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .nvrtc import normalize_arch
+from .templates import DECODE_KERNEL, DKDV_KERNEL, DQ_KERNEL, FWD_KERNEL, KernelTemplate
 from .variants import KernelVariant
 
 SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
@@ -18,7 +20,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 
 @dataclass(frozen=True, kw_only=True)
 class FwdTile:
-    """Template parameters of FwdKernelTraits (csrc/kernel_traits.cuh): the forward, dQ and decoding kernels' tile."""
+    """The tile's template parameters of FwdKernelTraits (templates.FWD_TRAITS): the forward, dQ and decoding kernels'
+    tile."""
 
     quad_pair_rows: int  # quad-pairs along query rows: 4 (4x1: 8 rows each, all keys), 2 (2x2) or 1 (1x4)
     m_tiles: int  # 8-row tiles per quad-pair
@@ -87,33 +90,26 @@ def fwd_tile(head_dim: int, causal: bool = False, arch: int = 70) -> FwdTile:
     raise ValueError(f"head_dim {head_dim}: the Volta forward kernel supports {SUPPORTED_HEAD_DIMS}")
 
 
-def fwd_name_expression(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> str:
-    flag = lambda b: "true" if b else "false"
-    return (
-        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
-        f"{tile.block_n}, {flag(accum_f16)}, {flag(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
-        f"{flag(tile.q_in_smem)}, {flag(tile.split_masked)}{', true' if softcap else ''}>>"
+def _variant(kernel: KernelTemplate, head_dim: int, tile: FwdTile | BwdTile, **arguments: bool) -> KernelVariant:
+    """One variant of kernel: its name expression and name both derived from the template's declaration."""
+    values = kernel.values(tile, head_dim=head_dim, **arguments)
+    return KernelVariant(
+        name=kernel.variant_name(values),
+        sources=(kernel.source,),
+        name_expressions=(kernel.expression(values),),
+        meta={"head_dim": head_dim, "tile": tile, "accum_f16": values["accum_f16"], "dropout": values["dropout"],
+              "softcap": values["softcap"], "pass": kernel.prefix},
     )
 
 
 def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> KernelVariant:
-    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap)
-    return KernelVariant(
-        name=f"fwd_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
-        f"{'_softcap' if softcap else ''}"
-        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
-        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
-        f"{'_split' if tile.split_masked else ''}",
-        sources=("flash_fwd.cu",),
-        name_expressions=(expression,),
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
-              "pass": "fwd"},
-    )
+    return _variant(FWD_KERNEL, head_dim, tile, accum_f16=accum_f16, dropout=dropout,
+                    softcap=softcap)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BwdTile:
-    """Template parameters of BwdKernelTraits (csrc/kernel_traits.cuh): the dK/dV kernel."""
+    """The tile's template parameters of BwdKernelTraits (templates.BWD_TRAITS): the dK/dV kernel's tile."""
 
     quad_pair_rows: int  # quad-pairs along keys: 2 (2x2, 16 keys per warp) or 1 (1x4, 8 keys per warp)
     warps: int  # per CTA
@@ -251,48 +247,17 @@ def backward_overrides(head_dim: int, arch: int, accum_f16: bool) -> dict:
     return {"tile": bwd_tile(kernel_d, arch, accum_f16), "dq_tile": dq_tile(kernel_d, arch), **padded}
 
 
-def _flag(b: bool) -> str:
-    return "true" if b else "false"
-
-
 def bwd_variant(head_dim: int, tile: BwdTile, accum_f16: bool, dropout: bool, dq_atomic: bool,
                 softcap: bool = False) -> KernelVariant:
-    if tile.out_split > 1:
-        tail = f", {_flag(tile.lean)}, {_flag(softcap)}, {tile.out_split}"
-    else:
-        tail = f", {_flag(tile.lean)}, true" if softcap else (", true" if tile.lean else "")
-    expression = (
-        f"flash_bwd_dkdv_kernel<BwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.warps}, {tile.block_m}, "
-        f"{_flag(accum_f16)}, {_flag(dropout)}, {_flag(dq_atomic)}, {_flag(tile.kv_in_smem)}, "
-        f"{tile.min_blocks_per_sm}, {tile.min_blocks_emulated}{tail}>>"
-    )
-    return KernelVariant(
-        name=f"bwd_dkdv_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
-        f"{'_softcap' if softcap else ''}{'_dqatomic' if dq_atomic else ''}_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_n{tile.block_n}"
-        f"_m{tile.block_m}_w{tile.warps}{'_kvsmem' if tile.kv_in_smem else ''}{'_lean' if tile.lean else ''}"
-        f"{f'_split{tile.out_split}' if tile.out_split > 1 else ''}",
-        sources=("flash_bwd.cu",),
-        name_expressions=(expression,),
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
-              "pass": "bwd_dkdv"},
-    )
+    return _variant(DKDV_KERNEL, head_dim, tile, accum_f16=accum_f16, dropout=dropout,
+                    dq_atomic=dq_atomic, softcap=softcap)
 
 
 def dq_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> KernelVariant:
     """The deterministic path's dQ kernel (shipped with fp32 accumulation in both modes: its dQ sums over every
     key block in registers, where fp16 would cost accuracy for no memory saving)."""
-    expression = fwd_name_expression(head_dim, tile, accum_f16, dropout, softcap).replace("flash_fwd_kernel",
-                                                                                         "flash_bwd_dq_kernel")
-    return KernelVariant(
-        name=f"bwd_dq_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_dropout' if dropout else ''}"
-        f"{'_softcap' if softcap else ''}"
-        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
-        f"{'_qsmem' if tile.q_in_smem else ''}",
-        sources=("flash_bwd.cu",),
-        name_expressions=(expression,),
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": dropout, "softcap": softcap,
-              "pass": "bwd_dq"},
-    )
+    return _variant(DQ_KERNEL, head_dim, tile, accum_f16=accum_f16, dropout=dropout,
+                    softcap=softcap)
 
 
 def dq_by_atomics(tile: BwdTile, deterministic: bool) -> bool:
@@ -352,26 +317,9 @@ def decode_tile(head_dim: int, arch: int = 70) -> FwdTile:
     return _pick(DECODE_TILES_EMULATED if arch >= EMULATED_MMA_ARCH else DECODE_TILES_SM70, head_dim)
 
 
-def decode_name_expression(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f16: bool = False) -> str:
-    return (
-        f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
-        f"{tile.block_n}, {_flag(accum_f16)}, false, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
-        f"{_flag(tile.q_in_smem)}, {_flag(tile.split_masked)}, {_flag(softcap)}, true>>"
-    )
-
-
 def decode_variant(head_dim: int, tile: FwdTile, softcap: bool = False, accum_f16: bool = False) -> KernelVariant:
     """The split-KV decoding kernel of one tile (shipped with fp32 accumulation: accum_f16 is for experiments)."""
-    return KernelVariant(
-        name=f"decode_d{head_dim}_{'f16' if accum_f16 else 'f32'}acc{'_softcap' if softcap else ''}"
-        f"_qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows}_m{tile.block_m}_n{tile.block_n}_w{tile.warps}"
-        f"_occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{'_qsmem' if tile.q_in_smem else ''}"
-        f"{'_split' if tile.split_masked else ''}",
-        sources=("flash_fwd.cu",),
-        name_expressions=(decode_name_expression(head_dim, tile, softcap, accum_f16),),
-        meta={"head_dim": head_dim, "tile": tile, "accum_f16": accum_f16, "dropout": False, "softcap": softcap,
-              "pass": "decode"},
-    )
+    return _variant(DECODE_KERNEL, head_dim, tile, accum_f16=accum_f16, softcap=softcap)
 
 
 COMBINE_ROWS_PER_CTA = 4  # csrc/split_kv_combine.cu kCombineRowsPerCta: one warp per row

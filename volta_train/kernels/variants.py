@@ -2,7 +2,8 @@
 
 A :class:`KernelVariant` is one NVRTC program (one or more csrc/ files compiled as one translation unit, with
 ``csrc/`` on the include path) and the kernels taken from it (name expressions such as
-``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>"``). Its launch geometry
+``"flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false, false, false>>"``). Its launch
+geometry
 (dynamic shared memory, threads per block, block sizes) is not computed here: each kernel exports it from its C++
 traits (csrc/launch_geometry.cuh) and :meth:`KernelVariant.geometry` reads it from the compiled cubin. The attention
 kernels' variants are built from the tile tables in :mod:`volta_train.kernels.tiles`, whose
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import resources
+from . import driver
 from .cache import get_or_compile, memoized
 from .nvrtc import CompiledProgram, is_variable_expression, normalize_arch
 
@@ -117,8 +119,6 @@ class KernelVariant:
 
     def load(self, device, arch: int | str) -> LoadedKernel:
         """The first kernel compiled for arch and loaded on device (a torch.device), with its launch geometry."""
-        from . import driver  # (needs torch and libcuda; compiling does not)
-
         function = driver.load_function(self.compile(arch), self.name_expressions[0], device)
         return LoadedKernel(function, self.geometry(arch))
 

@@ -26,11 +26,16 @@ The rest:
 * :mod:`.distributed`: the Accelerator: one process, DDP or DeepSpeed ZeRO 1-3, fp16 loss scaling.
 * :mod:`.trainer`: the shared loop (accumulation, clipping, logs, evaluation, checkpoints, resume), and the
   frame of a run (out_dir locked, no file left by a run that stops before it begins).
+* :mod:`.sequence_parallel`: DeepSpeed-Ulysses with volta_train's attention, and the shards and loss around it.
+* :mod:`.chunked_loss`, :mod:`.tiled_mlp`, :mod:`.rms_norm`, :mod:`.activation_offload`: the long-context memory
+  savers (the loss without whole logits, the MLP over token tiles, the lean RMSNorm, checkpointed activations in
+  host memory), configured through :mod:`.memory`.
 * :mod:`.checkpoint`: final models (safetensors) and atomic resumable checkpoints, loaded without pickle code.
 * :mod:`.runlock`: one run per output directory (an ``flock`` held for the run's life).
 * :mod:`.fsio`: writes whose errors name the file (disk full), atomic text writes.
 * :mod:`.optim`: optimizers with weight-decay groups, learning-rate schedules as functions of the step.
-* :mod:`.logs`, :mod:`.metrics`: log lines next to a tqdm bar, CSV + TensorBoard; tokens/s, memory, FLOPs, MFU.
+* :mod:`.logs`, :mod:`.metrics`, :mod:`.plots`: log lines next to a tqdm bar, CSV + TensorBoard; tokens/s, memory,
+  FLOPs, MFU; a run's ``loss.png``.
 
 Importing this package does not import transformers or accelerate.
 """

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 import torch
 
+import volta_train
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,12 +35,10 @@ class AttentionSetupError(RuntimeError):
 def apply_patch(model, flag: str = "--no-patch") -> str:
     """Patch ``model``'s attention through volta_train; returns the attention implementation name."""
     try:
-        import volta_train
-
         patch = volta_train.patch
     except ImportError as e:
         raise AttentionSetupError(f"volta_train.patch is unavailable ({e}); run with {flag}") from e
-    from volta_train.integrations import hf
+    from volta_train.integrations import hf  # (imports transformers, which importing training/ does not)
 
     try:
         patch(model)

@@ -51,6 +51,8 @@ DEFAULT_CHUNK_MIB = 1024
 reads and writes the fp32 ``[vocab, hidden]`` weight gradient once, so smaller chunks cost step time
 (docs/performance.md, "Loss memory", gives the measured cost)."""
 
+ANY_TOKEN_COUNT = 1 << 30  # more tokens than any batch holds: chunk_size's answer is then the budget's alone
+
 # config attributes of transformers models that change the logits after the head (Gemma-2 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling): the chunked loss would not be the model's loss
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -431,7 +433,7 @@ def resolve(requested: bool, model: nn.Module, chunk_tokens: int | None = None) 
         return False, f"loss: the model's own, not chunked: {why}"
     weight = unwrap(model).get_output_embeddings().weight
     vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 leaves a partitioned weight empty, its shape there
-    chunk = chunk_size(vocab, 1 << 30, chunk_tokens)
+    chunk = chunk_size(vocab, ANY_TOKEN_COUNT, chunk_tokens)
     return True, (f"loss: chunked linear + cross-entropy, chunks of up to {chunk:,} tokens x {vocab:,} words (no whole "
                   "[tokens, vocab] logits)")
 

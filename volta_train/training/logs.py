@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .fsio import write_text_atomic, writing
+from .plots import plot_run
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
@@ -273,8 +274,6 @@ class MetricsWriter:
         """Redraw ``loss.png`` from the CSV files; None (and one warning) when it cannot be drawn."""
         if not (self.enabled and self.plot):
             return None
-        from .plots import plot_run
-
         try:
             return plot_run(self.out_dir)
         except Exception as e:  # noqa: BLE001 - a picture must never stop a run

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ... import interface
 from . import base
 from .base import MIN_TRANSFORMERS, TransformersVersionError, UnsupportedModelError, release
 
@@ -419,8 +420,6 @@ def head_dim_of(module: nn.Module) -> tuple[int, str] | None:
 def check_head_dim(model_type: Any, head_dim: int, source: str, value_head_dim: int | None = None) -> int | None:
     """The kernel head_dim the calls of this head_dim run at (None: the reference backend); ValueError naming the
     model_type when the attention API refuses it."""
-    from ... import interface
-
     try:
         return interface.kernel_head_dim(head_dim, value_head_dim)
     except ValueError as error:

@@ -2,8 +2,8 @@
 """Decoding benchmark: flash_attn_with_kvcache on the Volta split-KV kernel against PyTorch SDPA and volta_train's
 reference backend (needs a CUDA GPU).
 
-    python benchmarks/bench_decode.py                  # N 1k-32k, batch 1 and 8, 32 heads on 8 and 32 KV heads, d 64/128
-    python benchmarks/bench_decode.py --seqlens 4096 --batches 1 --kv-heads 8 --head-dims 128 --backends volta-kernel
+    python scripts/bench_decode.py                  # N 1k-32k, batch 1 and 8, 32 heads on 8 and 32 KV heads, d 64/128
+    python scripts/bench_decode.py --seqlens 4096 --batches 1 --kv-heads 8 --head-dims 128 --backends volta-kernel
 
 One query token per sequence (seqlen_q 1), ``--heads`` query heads, a KV cache of exactly N keys per sequence (every
 sequence N long, cache_seqlens = N), attention over the cache only (``--append`` also appends one token per call, as a

@@ -1,14 +1,14 @@
 """End-to-end training-step benchmark: tokens/s, peak memory and the longest trainable sequence.
 
-    python benchmarks/bench_train.py                                  # GPU: small+medium, 1k-32k, all attentions
-    python benchmarks/bench_train.py --models small --seq-lens 4096,16384 --attention volta_train,sdpa
-    python benchmarks/bench_train.py --memory-gb 32                   # also: longest trainable sequence in 32 GB
-    python benchmarks/bench_train.py --smoke                          # CPU, tiny models, seconds (the test runs this)
+    python scripts/bench_train.py                                  # GPU: small+medium, 1k-32k, all attentions
+    python scripts/bench_train.py --models small --seq-lens 4096,16384 --attention volta_train,sdpa
+    python scripts/bench_train.py --memory-gb 32                   # also: longest trainable sequence in 32 GB
+    python scripts/bench_train.py --smoke                          # CPU, tiny models, seconds (the test runs this)
     # the loss study (issue 15): chunked vs unchunked loss, real vocabularies, 32 and 16 GiB
-    python benchmarks/bench_train.py --models medium:50304,llama1b:128256 --attention sdpa --loss unchunked,chunked \
+    python scripts/bench_train.py --models medium:50304,llama1b:128256 --attention sdpa --loss unchunked,chunked \
         --seq-lens 4096 --tokens-per-step 4096 --memory-gb 32,16 --gradient-checkpointing-search
     # the fair step-time comparison of the two losses: one model, steps alternating, plus GPU kernel time
-    python benchmarks/bench_train.py --models small:50304,llama1b:128256 --attention sdpa --seq-lens 4096 \
+    python scripts/bench_train.py --models small:50304,llama1b:128256 --attention sdpa --seq-lens 4096 \
         --tokens-per-step 4096 --steps 20 --warmup 4 --interleave-losses
 
 One measurement = a full training step as the recipe runs it: fp16 autocast forward and

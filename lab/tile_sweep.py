@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
-"""Attention benchmark, with the developer sweeps: the Volta kernel against PyTorch's attention backends.
+"""Tile-shape sweeps of the Volta kernels on a CUDA GPU: forward or backward TFLOP/s of candidate tiles, the
+measurements behind the sm_80+ tile tables (volta_train/kernels/tiles.py; docs/performance.md).
 
-    python benchmarks/bench_attention.py                       # = volta-train bench --passes fwd (volta_train/bench.py)
-    python benchmarks/bench_attention.py --pass bwd            # backward
-    python benchmarks/bench_attention.py --sweep               # forward tile-shape sweep of the Volta kernel
-    python benchmarks/bench_attention.py --sweep --pass bwd    # backward tile-shape sweep
-    python benchmarks/bench_attention.py --varlen-max 512 2048 # packed (varlen) against padded, fwd + bwd
+    python lab/tile_sweep.py                                  # forward tile candidates, head_dim 64/128, N 1k-8k
+    python lab/tile_sweep.py --pass bwd                       # backward tile candidates
+    python lab/tile_sweep.py --tiles 2,1,4,32,1,4,1 --head-dims 64 --causal true
 
-The benchmark itself (FLOP count, timing, accuracy, environment, table/JSON/PNG) is volta_train/bench.py, what
-`volta-train bench` runs; this script adds the tile sweeps and the varlen comparison. Writes to --out.
+The shapes, timing and FLOP count are volta_train/bench.py's (the user benchmark, scripts/bench_attention.py).
+Writes sweep_<pass>.md, .json and .png to --out.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-import volta_train
 from volta_train import bench
-from volta_train.options import AttentionOptions
-from volta_train.bench import flops, make_inputs, measure, time_ms, with_backward
+from volta_train.bench import flops, measure
+from volta_train.dispatch import BACKEND_ENV
 from volta_train.kernels import launch, tiles
+from volta_train.options import AttentionOptions
 
 try:
     from tqdm import tqdm
@@ -33,14 +32,12 @@ except ImportError:  # pragma: no cover
     tqdm = lambda x, **_: x  # noqa: E731
 
 
-def volta_fn(pass_name, causal, accum, tile=None):
-    """The Volta forward with a given tile shape (a sweep candidate), else volta_train's API (bench.volta_fn)."""
-    if pass_name == "fwd" and tile is not None:
-        def run(q, k, v):
-            params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
-            return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], dataclasses.replace(params, accum=accum), None, tile=tile)
-        return run
-    return bench.volta_fn(pass_name, causal, accum)
+def forward_on_tile(causal: bool, accum: str, tile: tiles.FwdTile):
+    """The Volta forward run on a given tile (a sweep candidate) through the launcher's tile override."""
+    def run(q, k, v):
+        params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal, accum=accum)
+        return launch.forward(q, k, v, None, None, q.shape[1], k.shape[1], params, None, tile=tile)
+    return run
 
 
 def run_bwd_sweep(args) -> list[dict]:
@@ -83,39 +80,6 @@ def run_bwd_sweep(args) -> list[dict]:
     return rows
 
 
-def run_varlen(args) -> list[dict]:
-    """Packed (varlen) against padded attention, forward + backward, lengths uniform in [1, max]."""
-    rows = []
-    gen = torch.Generator().manual_seed(0)
-    cases = [(d, m, c) for d in args.head_dims for m in args.varlen_max for c in args.causal]
-    for d, max_len, causal in tqdm(cases, desc="varlen"):
-        heads = args.hidden // d
-        batch = max(2, args.tokens // max_len)
-        lengths = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
-        total = sum(lengths)
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).cuda()
-        ideal = sum(n * n for n in lengths) / (batch * max_len * max_len)
-
-        def packed_inputs():
-            return [tuple(torch.randn(total, heads, d, device="cuda", dtype=torch.float16).requires_grad_()
-                          for _ in range(3)) for _ in range(args.input_sets)]
-
-        def padded_inputs():
-            return make_inputs(batch, max_len, heads, d, args.input_sets, True)
-
-        varlen_fn = with_backward(lambda q, k, v: volta_train.flash_attn_varlen_func(
-            q, k, v, cu, cu, max_len, max_len, causal=causal))
-        padded_fn = with_backward(lambda q, k, v: volta_train.flash_attn_func(q, k, v, causal=causal))
-        results = {}
-        for name, fn, make in (("varlen", varlen_fn, packed_inputs), ("padded", padded_fn, padded_inputs)):
-            torch.cuda.empty_cache()
-            results[name] = time_ms(fn, make(), args.warmup, args.repeats)
-        rows.append(dict(backend="volta fwd+bwd", head_dim=d, seqlen=max_len, causal=causal, batch=batch,
-                         tokens=total, ms=results["varlen"], padded_ms=results["padded"],
-                         speedup=results["padded"] / results["varlen"], ideal_speedup=1.0 / ideal))
-    return rows
-
-
 def run_sweep(args) -> list[dict]:
     T = tiles.FwdTile
     if args.tiles:
@@ -135,9 +99,9 @@ def run_sweep(args) -> list[dict]:
         heads, batch = args.hidden // d, max(1, args.tokens // n)
         try:
             tiles.fwd_variant(d, tile, accum == "fp16", False)
-        except Exception as error:  # invalid shape for this head_dim
+        except Exception:  # invalid shape for this head_dim
             continue
-        ms, peak, note = measure(volta_fn("fwd", causal, accum, tile), batch, n, heads, d, "fwd", args)
+        ms, peak, note = measure(forward_on_tile(causal, accum, tile), batch, n, heads, d, "fwd", args)
         fl = flops("fwd", batch, heads, n, n, d, causal)
         rows.append(dict(backend=f"volta-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
                          f"m{tile.block_m} n{tile.block_n} w{tile.warps} mt{tile.m_tiles} "
@@ -149,8 +113,7 @@ def run_sweep(args) -> list[dict]:
 
 
 def markdown(rows: list[dict], args) -> str:
-    columns = ["backend"] + (["tile"] if args.sweep else []) + ["head_dim", "seqlen", "causal", "ms", "tflops",
-                                                                 "peak_mib", "note"]
+    columns = ["backend", "tile", "head_dim", "seqlen", "causal", "ms", "tflops", "peak_mib", "note"]
     lines = [
         f"pass: {args.pass_name}; FLOPs = {'4*B*H*N^2*D' if args.pass_name == 'fwd' else '2.5 * 4*B*H*N^2*D'}"
         f" (half under causal); B*N = {args.tokens}, H = {args.hidden}/head_dim; median of {args.repeats} after "
@@ -197,43 +160,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     parser = bench.build_parser()
     parser.description = __doc__
-    parser.add_argument("--pass", dest="pass_name", choices=["fwd", "bwd", "fwdbwd"], default=None,
-                        help="one pass (sweeps: fwd or bwd; default fwd)")
-    parser.add_argument("--sweep", action="store_true", help="sweep the Volta tile shapes (--pass fwd or bwd)")
+    parser.add_argument("--pass", dest="pass_name", choices=["fwd", "bwd"], default="fwd", help="the pass to sweep")
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
-                        help="sweep candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
+                        help="candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
                              "[,q_in_smem[,split]]]; backward qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70"
                              "[,min_blocks_emulated[,lean[,out_split]]]]]] (out_split > 1: dQ by the dQ kernel)")
-    parser.add_argument("--varlen-max", type=int, nargs="*", default=[],
-                        help="varlen benchmark: maximum lengths (e.g. 512 2048 8192); lengths uniform in [1, max]")
     parser.set_defaults(seqlens=[1024, 2048, 4096, 8192], passes=["fwd"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU")
-    os.environ.setdefault("VOLTA_TRAIN_BACKEND", "kernel")
+        sys.exit("tile_sweep.py needs a CUDA GPU")
+    os.environ.setdefault(BACKEND_ENV, "kernel")
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.sweep and not args.varlen_max:
-        args.passes = [args.pass_name] if args.pass_name else args.passes  # --passes (default fwd)
-        stem = f"bench_{'_'.join(args.passes)}"
-        print(bench.write_results(bench.run_benchmark(args), args, stem))
-        return
-    args.pass_name = args.pass_name or "fwd"
-    if args.varlen_max:
-        rows = run_varlen(args)
-        stem = "bench_varlen"
-        lines = [f"varlen vs padded, forward + backward; lengths uniform in [1, max]; batch = max(2, {args.tokens} / max);"
-                 f" heads = {args.hidden}/head_dim; ideal speedup = batch * max^2 / sum(len^2); "
-                 f"device: {torch.cuda.get_device_name()}", "",
-                 "| head_dim | max seqlen | causal | batch | tokens | varlen ms | padded ms | speedup | ideal |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['head_dim']} | {r['seqlen']} | {r['causal']} | {r['batch']} | {r['tokens']} | {r['ms']:.2f} | "
-                  f"{r['padded_ms']:.2f} | {r['speedup']:.2f} | {r['ideal_speedup']:.2f} |" for r in rows]
-        (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-        (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-        plot([dict(r, tflops=r["speedup"], backend="speedup over padded") for r in rows], args.out / f"{stem}.png",
-             f"varlen speedup over padded on {torch.cuda.get_device_name()}")
-        print("\n".join(lines))
-        return
     rows = run_bwd_sweep(args) if args.pass_name == "bwd" else run_sweep(args)
     stem = f"sweep_{args.pass_name}"
     table = markdown(rows, args)
