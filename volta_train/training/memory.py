@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from . import activation_offload, chunked_loss, rms_norm, tiled_mlp
 from .config import ConfigError, field
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ def apply(model, m: MemoryConfig, tokens: int) -> None:
     """Turn the features on in a built (not yet wrapped) model, ``tokens`` being what one process holds per
     micro-batch (:func:`tokens_per_process`); each logs one line. A feature that does not fit the model is a
     ConfigError naming its option."""
-    from . import activation_offload, rms_norm, tiled_mlp
-
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
@@ -84,8 +83,6 @@ def loss_mode(m: MemoryConfig, model, causal: bool = True) -> bool:
     False for other tasks."""
     if not causal:
         return False
-    from . import chunked_loss
-
     chunked, note = chunked_loss.resolve(m.chunked_loss, model, m.loss_chunk_tokens)
     log.info("%s", note)
     return chunked

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from . import distributed, sequence_parallel
 from .config import ConfigError, field
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,12 @@ class Parallelism:
 
 
 def uses_deepspeed(p: ParallelConfig) -> bool:
-    from .distributed import deepspeed_from_env
-
-    return bool(p.deepspeed) or deepspeed_from_env()
+    return bool(p.deepspeed) or distributed.deepspeed_from_env()
 
 
 def check(p: ParallelConfig, processes: int | None = None) -> None:
     """Refuse what cannot work before anything runs, naming both options and what would be accepted: offload or
     sequence parallelism without DeepSpeed, a degree that does not divide the processes (heads: :func:`check_heads`)."""
-    from . import sequence_parallel
-
     sp = p.sequence_parallel_size
     try:
         sequence_parallel.check_degree(sp, max(sp, 1), max(sp, 1), processes, option="parallel.sequence_parallel_size")
@@ -88,8 +85,6 @@ def check_heads(p: ParallelConfig, heads: int, kv_heads: int, processes: int | N
                 heads_name: str = "num_attention_heads", kv_name: str = "num_key_value_heads") -> None:
     """parallel.sequence_parallel_size against the model's heads (and the processes): a ConfigError naming the
     degrees that would work."""
-    from . import sequence_parallel
-
     try:
         sequence_parallel.check_degree(p.sequence_parallel_size, heads, kv_heads, processes,
                                        option="parallel.sequence_parallel_size", heads_name=heads_name,
@@ -101,8 +96,6 @@ def check_heads(p: ParallelConfig, heads: int, kv_heads: int, processes: int | N
 def zero3_config(p: ParallelConfig, *, mixed_precision: str, grad_accum: int, batch_size: int,
                  grad_clip: float) -> dict | None:
     """The completed DeepSpeed config a ZeRO-3 model is built under, or None when the run is not ZeRO-3."""
-    from . import distributed
-
     return distributed.zero3_init_config(mixed_precision=mixed_precision, grad_accum=grad_accum,
                                          batch_size=batch_size, grad_clip=grad_clip, deepspeed_spec=p.deepspeed,
                                          zero_offload=p.zero_offload)
@@ -112,8 +105,6 @@ def zero3_config(p: ParallelConfig, *, mixed_precision: str, grad_accum: int, ba
 def partitioned_build(ds_config: dict | None):
     """Build the model inside this: under ZeRO-3 (``ds_config`` from :func:`zero3_config`) each parameter is
     partitioned as it is created, so that no process ever holds the whole model."""
-    from . import distributed
-
     with distributed.partitioned_build(ds_config):
         yield
 
@@ -122,8 +113,6 @@ def accelerator(p: ParallelConfig, model, *, cpu: bool, mixed_precision: str, gr
                 grad_clip: float, loss_scale_init: float, loss_scale_window: int) -> Parallelism:
     """The Accelerator (DeepSpeed config completed, Ulysses' groups planned when sequence_parallel_size > 1).
     Call :func:`prepare` next."""
-    from . import distributed, sequence_parallel
-
     sp = p.sequence_parallel_size
     try:
         from accelerate import PartialState
@@ -144,8 +133,6 @@ def accelerator(p: ParallelConfig, model, *, cpu: bool, mixed_precision: str, gr
 def prepare(par: Parallelism, model, optimizer, seq_len: int):
     """``accelerator.prepare`` (Ulysses registered there when sequence-parallel), then this process's layout and,
     under sequence parallelism, the model's attention installed as Ulysses' core (one log line)."""
-    from . import sequence_parallel
-
     acc = par.setup.accelerator
     with sequence_parallel.kv_heads_alias(model.config):  # DeepSpeed reads num_key_value_heads, which GPT-2 lacks
         model, optimizer = acc.prepare(model, optimizer)

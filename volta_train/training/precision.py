@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .config import check_optimization, field
+from .distributed import check_mixed_precision
 from .models import auto_precision
 
 
@@ -46,6 +47,4 @@ def resolve(p: PrecisionConfig, device_type: str) -> PrecisionConfig:
 def check_device(p: PrecisionConfig, device) -> None:
     """Refuse precision.mixed_precision bf16 on a GPU without bfloat16 arithmetic (a V100), naming what would be
     accepted (:func:`.distributed.check_mixed_precision`)."""
-    from .distributed import check_mixed_precision
-
     check_mixed_precision(p.mixed_precision, device, "precision.mixed_precision")
