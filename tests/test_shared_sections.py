@@ -224,6 +224,7 @@ def _losses(path: Path) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(path.open())]
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_finetune_sp2_repeats_the_one_process_losses(tmp_path):
     one = _finetune(tmp_path, "one")
