@@ -15,7 +15,7 @@ Sources for the rules: NVIDIA developer forums, "Clarification: bank_conflicts m
 LDS.128" (forums.developer.nvidia.com/t/359822: LDS.128 minimum 4 wavefronts of 128 bytes, bank conflicts = the
 wavefronts beyond it) and "Unexpected shared memory bank conflict" (t/77228: the pair rule on CC 7.0-7.5); the
 half-/quarter-warp phases are the usual reading of those (a phase moves at most 128 bytes). They are checked against
-the Nsight Compute counts of docs/bench/smem_conflicts_sm70_tiles_h100.md by lab/tests/test_smem_bank_model.py and
+the Nsight Compute counts of lab/results/smem_conflicts_sm70_tiles_h100.md by lab/tests/test_smem_bank_model.py and
 ``lab/smem_bank_model.py --validate``.
 
 Workload weights: the profiled one (batch 1, 8 heads, seqlen 1024, non-causal, every block full), so every CTA

@@ -24,7 +24,7 @@ v100_estimate.CUTLASS_SM70 also has and exits 1 on a difference.
 
 Writes DIR/cutlass_sm70_sass.md (the table, in the README's columns), DIR/cutlass_sm70_sass.json (rows in
 CUTLASS_SM70's keys) and, per row, sass_cost's full report (DIR/<row>.txt); the build files stay in DIR/build.
-Committed tables: docs/bench/cutlass_sm70_sass_example.md and _harness.md (summarised in docs/performance.md, "V100
+Committed tables: lab/results/cutlass_sm70_sass_example.md and _harness.md (summarised in docs/performance.md, "V100
 estimate against CUTLASS Sm70"). About 1.5 min on 2 cores.
 Tools: $NVCC or nvcc (13), ptxas 12.x and cuobjdump 12.x as sass_cost finds them (~/.cache/v100tools:
 shared/tools/v100model/setup_tools.sh), CUTLASS as bench_cutlass_sm70.py finds it.

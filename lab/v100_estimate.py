@@ -18,7 +18,7 @@ space there: ``split_bwd_tiles``), for candidate dQ kernel tiles where the shipp
    ``must`` view (blocks that run on every iteration);
 3. **conflicts**: split the model's shared-memory cycles into loads (LDS) and stores (STS, ATOMS) from its
    instruction counts and widths, multiply each by the measured wavefronts per ideal wavefront of that kernel
-   (``docs/bench/smem_conflicts_sm70_tiles_h100.md``: the sm_70 tiles run on an H100, whose 32 banks of 4 bytes
+   (``lab/results/smem_conflicts_sm70_tiles_h100.md``: the sm_70 tiles run on an H100, whose 32 banks of 4 bytes
    are the V100's), and recompute the bound (the largest pipe) and the tensor-core utilisation = tensor cycles /
    bound cycles. Times 125 TFLOP/s this is the *TFLOP/s upper bound on a V100*. A kernel that was not measured
    (a candidate tile) borrows the factors of the measured kernel of the same pass and quad-pair arrangement
@@ -48,8 +48,8 @@ not rerun here: ``CUTLASS_SM70``), with no conflict factor (not measured: confli
 CUTLASS).
 
 Writes DIR/v100_estimate.md and DIR/v100_estimate.json; the cubins go to --cubin-dir (default: a temporary
-directory). The committed results: docs/bench/v100_estimate_sm70*.md, summarised in docs/performance.md;
-the head_dim 256 tile search: ``--filter _d256_`` (docs/bench/v100_estimate_sm70.md, its candidate table).
+directory). The committed results: lab/results/v100_estimate_sm70*.md, summarised in docs/performance.md;
+the head_dim 256 tile search: ``--filter _d256_`` (lab/results/v100_estimate_sm70.md, its candidate table).
 Everything here is an estimate for ranking kernels; what it cannot see is listed in the markdown.
 """
 
@@ -249,7 +249,7 @@ def cutlass_estimate(entry: dict, interval: float = ISSUE_INTERVAL) -> dict:
 
 def conflict_rows(path: Path) -> list[dict]:
     """Per-launch rows {variant, ld_wavefronts, ld_conflicts, st_wavefronts, st_conflicts} of a
-    lab/smem_conflicts.py result: its smem_conflicts.json, or the markdown table (docs/bench/...md)."""
+    lab/smem_conflicts.py result: its smem_conflicts.json, or the markdown table (lab/results/...md)."""
     text = path.read_text()
     if path.suffix == ".json":
         rows = json.loads(text)["rows"]

@@ -87,7 +87,7 @@ def test_expression_lists_every_parameter_in_order(rng):
 
 
 def test_variant_names_keep_their_form():
-    """Names are read by the lab's committed measurements (docs/bench/): their form is fixed."""
+    """Names are read by the lab's committed measurements (lab/results/): their form is fixed."""
     tile = tiles.FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, min_blocks_per_sm=3, q_in_smem=True,
                          split_masked=True)
     assert tiles.fwd_variant(128, tile, False, True, True).name == \

@@ -1,4 +1,4 @@
-"""The sm_70 tile tables that the committed H100 conflict measurement (docs/bench/smem_conflicts_sm70_tiles_h100.md)
+"""The sm_70 tile tables that the committed H100 conflict measurement (lab/results/smem_conflicts_sm70_tiles_h100.md)
 was taken on, before the issue-16 8- and 12-warp tiles replaced several of them: tests that compare the bank model
 with that measurement need the variants it names, whatever the tables ship now."""
 
