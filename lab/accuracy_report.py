@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from volta_train.options import AttentionOptions
 from volta_train.kernels import launch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the float64 oracles
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the float64 oracles
 from oracles import naive_attention, visible_mask
 
 SHAPES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal

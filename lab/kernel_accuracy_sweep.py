@@ -4,7 +4,7 @@
     python lab/kernel_accuracy_sweep.py [--cases 40] [--out DIR]
 
 flash-attn's standard: max |result - float64| <= 2 * max |PyTorch fp16 attention - float64| (+ a floor of 2^-14 of
-max |float64|; tests/oracles.py). For every head_dim, both tile tables ("default": what the dispatcher picks on
+max |float64|; tests/support/oracles.py). For every head_dim, both tile tables ("default": what the dispatcher picks on
 this GPU; "sm70": the V100 table through the tile override) and each (accum, bwd_accum) pair, --cases random calls
 (odd lengths, seqlen_q above and below seqlen_k, causal, local windows, GQA, dropout with the kernel's own mask
 given to the yardstick) give the worst ratio (max-abs over the bound; <= 1 passes) of out, dq, dk and dv, and how
@@ -26,7 +26,7 @@ import torch
 
 from volta_train.options import AttentionOptions
 from volta_train.kernels import launch, tiles
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the float64 oracles
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the float64 oracles
 from oracles import (
     dense_keep_mask, error_vs_yardstick, naive_attention, saved_output_floors, torch_fp16_attention,
 )

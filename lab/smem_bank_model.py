@@ -25,7 +25,7 @@ from volta_train.kernels import tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_MD = ROOT / "docs" / "bench" / "smem_conflicts_sm70_tiles_h100.md"
+DEFAULT_MD = ROOT / "lab" / "results" / "smem_conflicts_sm70_tiles_h100.md"
 GOAL = 1.05
 
 

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests" / "support")]
 import call_matrix  # noqa: E402  (lab/call_matrix.py: the calls that launch every variant)
 
 GOAL = 1.05  # wavefronts per ideal (conflict-free) wavefront, ld and st

@@ -976,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="directory for v100_estimate.md and .json")
     parser.add_argument("--cubin-dir", type=Path, help="cubins + meta.jsonl (kernel_report --cubin-dir); reused "
                         "where present, else compiled into it (default: a new temporary directory)")
-    parser.add_argument("--conflicts", type=Path, default=REPO / "docs" / "bench" / "smem_conflicts_sm70_tiles_h100.md",
+    parser.add_argument("--conflicts", type=Path, default=REPO / "lab" / "results" / "smem_conflicts_sm70_tiles_h100.md",
                         help="lab/smem_conflicts.py result: smem_conflicts.json or its markdown table")
     parser.add_argument("--sass-cost", help="path of shared/tools/v100model/sass_cost.py (default: $V100MODEL, "
                         "else shared/tools/v100model above the repository)")

@@ -1,4 +1,5 @@
-"""The product's tests import the float64 oracles (oracles.py) and helpers beside them."""
+"""The product's tests, by area (api, kernels, hf, training, packaging); support/ holds the float64 oracles, worker
+scripts and helpers they import."""
 
 import os
 import sys
@@ -6,7 +7,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # oracles, workers and helpers
 
 
 SEED_ENV = "VOLTA_TRAIN_TEST_SEED"

@@ -1,5 +1,5 @@
 """The releases of volta_train's dependencies that its tests run on: the lowest supported (pyproject.toml's lower bound,
-run in CI by tests/test_lowest_versions.py) and the newest tested (what a fresh install got when the census table of
+run in CI by tests/packaging/test_lowest_versions.py) and the newest tested (what a fresh install got when the census table of
 that transformers release was recorded). ``volta-train env`` says where the installed ones stand."""
 
 from __future__ import annotations

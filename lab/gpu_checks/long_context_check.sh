@@ -2,7 +2,7 @@
 # Long-context figures of docs/long_context.md in one call on one GPU (H100/H200), at most BUDGET_S seconds
 # (default 530, under 9 minutes), with lab/long_context_probe.py (Llama-3.2-1B shape, 128,256 words, causal SDPA within
 # 4096-token blocks; needs torch and transformers, not DeepSpeed):
-#   0. tests/test_tiled_mlp.py's CUDA dropout test (the tiles' recomputes restore the CUDA RNG state), with pytest;
+#   0. tests/training/test_tiled_mlp.py's CUDA dropout test (the tiles' recomputes restore the CUDA RNG state), with pytest;
 #   1. step time at 16,384 tokens, no memory cap: baseline, tiled, offload, tiled+offload (median of 5 steps after 2);
 #   2. the longest sequence that trains two full steps under a 32 GiB cap: baseline (from 32,768 tokens, bisection
 #      to 8,192), then tiled+offload+optim_offload (from 262,144, bisection to 16,384) in the time left.
@@ -61,7 +61,7 @@ run() {
 # 0. the tiled MLP's CUDA-only path: each tile's recompute restores the CUDA RNG state (dropout masks agree)
 if [ "${CPU_SMOKE:-0}" != 1 ] && $PY -c "import pytest" 2>/dev/null; then
   stamp "gpu test: tiled MLP dropout masks on CUDA"
-  timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_tiled_mlp.py -k "dropout and cuda" \
+  timeout 90 $PY -m pytest -q -p no:cacheprovider tests/training/test_tiled_mlp.py -k "dropout and cuda" \
     > "$work/gpu_test.txt" 2>&1
   stamp "gpu test: exit $? ($(tail -n 1 "$work/gpu_test.txt"))"
 fi
@@ -89,7 +89,7 @@ lines = ["# long_context_check", ""]
 gpu_test = work / "gpu_test.txt"
 if gpu_test.exists():
     text = gpu_test.read_text().strip().splitlines()
-    lines += ["tests/test_tiled_mlp.py -k 'dropout and cuda' (tile recomputes restore the CUDA RNG state): "
+    lines += ["tests/training/test_tiled_mlp.py -k 'dropout and cuda' (tile recomputes restore the CUDA RNG state): "
               + (text[-1] if text else "no output"), ""]
 for name, summary in runs.items():
     lines.append(f"## {name}")

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "lab"), str(ROOT / "tests")]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "lab"), str(ROOT / "tests" / "support")]
 
 
 def pytest_addoption(parser):

@@ -189,7 +189,7 @@ def test_conflict_factors_aggregate_launches_by_wavefronts(tmp_path):
 
 
 def test_conflict_factors_of_the_committed_measurement():
-    factors = ve.conflict_factors(ve.conflict_rows(REPO / "docs" / "bench" / "smem_conflicts_sm70_tiles_h100.md"))
+    factors = ve.conflict_factors(ve.conflict_rows(REPO / "lab" / "results" / "smem_conflicts_sm70_tiles_h100.md"))
     ld, st = factors["bwd_dkdv_d64_f32acc_qp1x4_n64_m64_w8"]
     assert ld == pytest.approx(8_950_959 / (8_950_959 - 4_609_199))  # one launch: its wf/ideal, 2.062
     assert st == pytest.approx(572_069 / (572_069 - 23_205))

@@ -6,7 +6,7 @@
 built on them (``FWD_KERNEL``, ``DQ_KERNEL``, ``DECODE_KERNEL``, ``DKDV_KERNEL``) says which values it fixes and the
 order of its name's parts. ``KernelTemplate.expression`` and ``.variant_name`` derive the NVRTC name expression and the
 variant name from one set of values (volta_train/kernels/tiles.py builds every variant through them);
-tests/test_kernel_templates.py checks the declarations against kernel_traits.cuh.
+tests/kernels/test_kernel_templates.py checks the declarations against kernel_traits.cuh.
 """
 
 from __future__ import annotations

@@ -353,7 +353,7 @@ def gradient_factor(ds_config: dict, sp: int) -> float:
     ``__avg_scatter_grads`` applies no sequence-parallel correction), which makes every gradient ``sp``
     times too small: the factor is then ``sp``. ZeRO-3 with ``reduce_scatter: false`` mixes both paths
     (buckets over ``reduce_bucket_size`` take the reduce-scatter one) and is refused.
-    tests/test_sequence_parallel.py compares the gradients with a single process's under ZeRO-2 and
+    tests/training/test_sequence_parallel.py compares the gradients with a single process's under ZeRO-2 and
     ZeRO-3, so a DeepSpeed release that changes this fails there.
     """
     if sp == 1:

@@ -363,7 +363,7 @@ FAMILIES = _Families()
 
 
 CENSUS_DIR = "census"
-"""Beside this module: one table per transformers release, ``<release>.json``, written by tests/hf_census.py (every text
+"""Beside this module: one table per transformers release, ``<release>.json``, written by tests/support/hf_census.py (every text
 model type that release declares flash-attention capable, patched and compared with eager); the one source of what
 README, docs/hf_integration.md and ``volta-train env`` say is supported."""
 
