@@ -72,6 +72,7 @@ def test_report_tables_medians_loss_agreement_and_feature_costs(tmp_path):
     assert "| activation_offload |" in report and "10% (OVER)" in report and "5% (within)" in report
 
 
+@pytest.mark.launches_processes  # its two-process runs use accelerate's rendezvous port
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_gpt_long_recipes(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "CPU_SMOKE": "1", "STEPS": "2", "FEATURE_STEPS": "2",

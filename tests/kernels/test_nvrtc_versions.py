@@ -69,7 +69,7 @@ def test_representative_sm70_variants_compile_with_nvrtc(version, tmp_path):
         pytest.skip(f"{wheel} is not installed (pip install -e '.[test]' installs it)")
     env = dict(os.environ, **{nvrtc.NVRTC_ENV: wheel})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(ROOT / "tests" / "support"))], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(Path(__file__).resolve().parent))], capture_output=True,
                           text=True, timeout=900, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
