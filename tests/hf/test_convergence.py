@@ -12,8 +12,8 @@ must match.
   loss at every step (fp32 rounding differences, amplified by a few hundred
   optimizer steps, stay below 1e-4 here).
 * CUDA, fp16 autocast with a GradScaler (``gpu``, skipped without CUDA): the
-  patched forward runs the Volta kernel (the backward runs the reference backend
-  for now). Tolerance: |loss difference| <= GPU_LOSS_ATOL + GPU_LOSS_RTOL x loss
+  patched forward and backward run the Volta kernels (the test asserts both
+  backends from the dispatcher's choices). Tolerance: |loss difference| <= GPU_LOSS_ATOL + GPU_LOSS_RTOL x loss
   at every step (Liger-Kernel's half-precision bounds) and GPU_MEAN_ATOL on the
   mean over the last GPU_TAIL steps. The same runs on the CPU in fp16 (reference
   backend both ways, by hand) differ by at most 5e-4.
@@ -333,7 +333,7 @@ def test_convergence_cpu_fp32(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_convergence_cuda_fp16_kernel(name):
-    """The same runs on a CUDA GPU: fp16 autocast + GradScaler; patched forward on the Volta kernel."""
+    """The same runs on a CUDA GPU: fp16 autocast + GradScaler; patched forward and backward on the Volta kernels."""
     case = CASES[name]
     _skip_unless_supported(case)
     data = batches(case, GPU_STEPS)
@@ -341,8 +341,9 @@ def test_convergence_cuda_fp16_kernel(name):
     with mock.patch.object(dispatch, "_log_choice", wraps=dispatch._log_choice) as choices:
         patched = train(case, data, patched=True, device="cuda", fp16=True)
     print(_report(name, stock, patched))
-    forward = {(c.args[0].backend, c.args[0].reason) for c in choices.call_args_list if c.args[1] == "forward"}
-    assert {backend for backend, _ in forward} == {"kernel"}, f"forward backends (backend, reason): {forward}"
+    for pass_name in ("forward", "backward"):
+        ran = {(c.args[0].backend, c.args[0].reason) for c in choices.call_args_list if c.args[1] == pass_name}
+        assert {backend for backend, _ in ran} == {"kernel"}, f"{pass_name} backends (backend, reason): {ran}"
 
     _assert_learned(stock)
     assert all(math.isfinite(loss) for loss in patched.losses)
