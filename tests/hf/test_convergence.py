@@ -3,7 +3,7 @@
 A tiny GPT-2 (padded batches), a tiny Llama with GQA (packed batches, as
 DataCollatorWithFlattening makes them) and a tiny BERT (masked-LM, padded
 batches) train for a few hundred steps from the same seed on the same
-synthetic data, once with stock sdpa attention and once patched. The loss
+synthetic data, once with stock sdpa attention (eager where the release refuses sdpa) and once patched. The loss
 curves must agree at every step, and the trained weights and final logits
 must match.
 
@@ -177,11 +177,15 @@ def _qwen3() -> torch.nn.Module:
 
 
 def _gemma2() -> torch.nn.Module:  # alternating sliding-window / full layers, query_pre_attn_scalar scaling
+    import transformers as tf
+
     config = _decoder_config(
         "Gemma2Config", sliding_window=SEQ // 4, attn_logit_softcapping=None, final_logit_softcapping=None,
         query_pre_attn_scalar=HIDDEN // HEADS,
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    # transformers 5.25 refuses sdpa for Gemma2 (its soft-capping); the stock run is eager there
+    stock = "sdpa" if tf.Gemma2ForCausalLM._supports_sdpa else "eager"
+    return AutoModelForCausalLM.from_config(config, attn_implementation=stock)
 
 
 def _modernbert() -> torch.nn.Module:  # local (bidirectional window) and global layers
