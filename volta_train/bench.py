@@ -3,6 +3,7 @@
     volta-train bench                               # fwd and bwd, head_dim 64/128, N 1k-16k, causal and not
     volta-train bench --passes fwd --seqlens 4096 --head-dims 64 --causal true
     volta-train bench --baselines sdpa-efficient    # fewer PyTorch backends
+    volta-train bench --workload llama3-8b          # a model's attention as it trains (below)
 
 Backends: volta_train's kernel with fp32 and fp16 accumulation (``volta-fp32acc``, ``volta-fp16acc``; for the
 backward pass the accumulation named is ``bwd_accum``), and each PyTorch SDPA backend that runs here
@@ -19,6 +20,14 @@ Accuracy: on a slice of each case (the first sequence, ``--accuracy-heads`` head
 and dQ/dK/dV (bwd) are compared with volta_train's float64 reference; the table gives the largest absolute error
 and the relative error ||x - ref|| / ||ref||.
 
+Workloads (``--workload``): one model's attention as it trains, instead of the grid: ``llama3-8b`` is 32 query and
+8 key/value heads of 128, causal, over one packed row of 32,768 and one of 131,072 tokens whose documents
+(log-uniform lengths in [1,024, row / 2], seeded) attend only within themselves (``flash_attn_varlen_func``). FLOPs
+are the sum over documents of each one's causal count. PyTorch's backends, which have no packed call, run document
+by document with K/V expanded to the query heads (what a model without varlen attention does); on a V100,
+``sdpa-efficient`` is the CUTLASS Sm70 kernel. The accuracy slice is the first document's first 2,048 tokens, one
+key/value group.
+
 Writes ``bench.md`` (environment and table), ``bench.json`` and ``bench.png`` to ``--out``. Needs a CUDA GPU:
 on a machine without one it stops with exit status 2 (CPU timings of the reference backend would measure
 nothing this benchmark is about). ``scripts/bench_attention.py`` adds the varlen comparison; the tile sweeps are ``lab/tile_sweep.py``.
@@ -32,6 +41,7 @@ import os
 import platform
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -172,6 +182,11 @@ def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device
         with torch.no_grad():
             want = reference_backward(dout64, q64, k64, v64, ref_out, lse, params)
         pairs = {name: (g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+    return _errors(pairs)
+
+
+def _errors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Max-abs and relative (norm) error of each (result, float64 reference) pair, and the worst of each."""
     result = {}
     for name, (got_t, want_t) in pairs.items():
         diff = got_t.detach().double() - want_t
@@ -218,6 +233,145 @@ def run_benchmark(args) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One model's attention as it trains: causal, GQA, packed documents in one row per length."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rows: tuple[int, ...]  # tokens of each packed row timed
+    shortest_document: int = 1024
+
+
+WORKLOADS = {"llama3-8b": Workload(heads=32, kv_heads=8, head_dim=128, rows=(32768, 131072))}
+
+
+def document_lengths(total: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    """Lengths of the documents packed into a row of ``total`` tokens: log-uniform in [shortest, longest], seeded,
+    the last one cut to fill the row."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        u = torch.rand((), generator=gen).item()
+        length = int(round(shortest * (longest / shortest) ** u))
+        lengths.append(min(length, total - sum(lengths)))
+    return lengths
+
+
+def packed_flops(pass_name: str, lengths: list[int], heads: int, d: int) -> float:
+    """FLOPs of causal attention over packed documents: each document's own causal count (flops())."""
+    return sum(flops(pass_name, 1, heads, n, n, d, True) for n in lengths)
+
+
+def packed_fn(backend: str, lengths: list[int], pass_name: str, accum: str = "fp32"):
+    """Causal attention over the packed documents ``lengths`` of q [T, H, D], k/v [T, Hkv, D]: volta_train's varlen
+    call, or a PyTorch backend document by document with K/V expanded to the query heads."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    if backend.startswith("volta-"):
+        state: dict = {}
+
+        def run_volta(q, k, v):
+            if state.get("device") != q.device:
+                state["device"] = q.device
+                state["cu"] = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+            key = "accum" if pass_name == "fwd" else "bwd_accum"
+            return volta_train.flash_attn_varlen_func(q, k, v, state["cu"], state["cu"], max(lengths), max(lengths),
+                                                      causal=True, **{key: accum})
+        return run_volta
+    per_document = eager_fn(True) if backend == "eager" else sdpa_fn(True, backend)
+
+    def run_documents(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        outs = [per_document(q[None, a:b], k[None, a:b].repeat_interleave(group, dim=2),
+                             v[None, a:b].repeat_interleave(group, dim=2))[0] for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs)
+    return run_documents
+
+
+def packed_accuracy(forward_for, pass_name: str, workload: Workload, length: int, seed: int = 0,
+                    device="cuda") -> dict[str, float]:
+    """Errors against the float64 reference on one document of ``length`` tokens, one key/value group;
+    ``forward_for(lengths)`` builds the backend's call for those packed lengths."""
+    group = workload.heads // workload.kv_heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d = workload.head_dim
+    q, dout = (torch.randn(length, group, d, device=device, generator=gen).half() for _ in range(2))
+    k, v = (torch.randn(length, 1, d, device=device, generator=gen).half() for _ in range(2))
+    params = AttentionOptions(softmax_scale=d ** -0.5, causal=True)
+    q64, k64, v64, dout64 = (t.double()[None] for t in (q, k, v, dout))
+    with torch.no_grad():
+        ref_out, lse = reference_forward(q64, k64, v64, params)
+    test_in = [t.clone().requires_grad_(pass_name != "fwd") for t in (q, k, v)]
+    out = forward_for([length])(*test_in)
+    if pass_name == "fwd":
+        pairs = {"out": (out, ref_out[0])}
+    else:
+        got = torch.autograd.grad(out, test_in, dout)
+        with torch.no_grad():
+            want = reference_backward(dout64, q64, k64, v64, ref_out, lse, params)
+        pairs = {name: (g, w[0]) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+    return _errors(pairs)
+
+
+def run_workload(args) -> list[dict]:
+    """One row per (pass, packed row length, backend) of the workload ``args.workload``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    work = WORKLOADS[args.workload]
+    names = [f"volta-{accum}acc" for accum in args.accum] + list(args.baselines)
+    rows = []
+    for pass_name, total in tqdm([(p, t) for p in args.passes for t in work.rows], desc=args.workload):
+        lengths = document_lengths(total, work.shortest_document, total // 2)
+        fl = packed_flops(pass_name, lengths, work.heads, work.head_dim)
+        for name in names:
+            accum = name[len("volta-"):-len("acc")] if name.startswith("volta-") else "fp32"
+            row = dict(pass_name=pass_name, backend=name, head_dim=work.head_dim, seqlen=total, causal=True, batch=1,
+                       heads=work.heads, kv_heads=work.kv_heads, documents=len(lengths), flops=fl, ms=None,
+                       tflops=None, peak_mib=None, note=f"{args.workload}: {len(lengths)} documents")
+            scores_bytes = work.heads * max(lengths) ** 2 * 6
+            if name == "eager" and scores_bytes > args.eager_limit_gb * 2**30:
+                rows.append(dict(row, note=row["note"] + f"; skipped: scores over --eager-limit-gb {args.eager_limit_gb:g}"))
+                continue
+            fn = WRAP[pass_name](packed_fn(name, lengths, pass_name, accum))
+            ms, peak, note = _measure_packed(fn, total, work, pass_name, args)
+            row.update(ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak,
+                       note=row["note"] + (f"; {note}" if note else ""))
+            if ms and args.accuracy_heads > 0:
+                try:
+                    row.update(packed_accuracy(lambda ls: packed_fn(name, ls, pass_name, accum), pass_name, work,
+                                               min(lengths[0], 2048)))
+                except (RuntimeError, NotImplementedError) as error:
+                    row["note"] += f"; accuracy: {str(error).splitlines()[0][:80]}"
+            rows.append(row)
+    return rows
+
+
+def _measure_packed(fn, total: int, work: Workload, pass_name: str, args):
+    """measure() for packed inputs q [T, H, D], k/v [T, Hkv, D]."""
+    torch.cuda.empty_cache()
+    try:
+        inputs = []
+        for _ in range(args.input_sets):
+            q = torch.randn(total, work.heads, work.head_dim, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(total, work.kv_heads, work.head_dim, device="cuda", dtype=torch.float16)
+                    for _ in range(2))
+            inputs.append(tuple(t.requires_grad_(pass_name != "fwd") for t in (q, k, v)))
+        if pass_name == "bwd":
+            for q, k, v in inputs:
+                fn(q, k, v)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = time_ms(fn, inputs, args.warmup, args.repeats)
+    except (RuntimeError, NotImplementedError) as error:
+        return None, None, str(error).splitlines()[0][:100]
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20, ""
+
+
 def environment() -> dict[str, str]:
     """What the numbers were measured on."""
     info = {"volta_train": volta_train.__version__, "python": platform.python_version(), "torch": torch.__version__,
@@ -250,11 +404,21 @@ def _cell(row: dict, column: str) -> str:
 def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
     columns = ["pass_name", "backend", "head_dim", "seqlen", "causal", "ms", "tflops", "peak_mib", "max_abs", "rel",
                "note"]
+    if getattr(args, "workload", None):
+        work = WORKLOADS[args.workload]
+        shape = (f"workload {args.workload}: {work.heads} query and {work.kv_heads} key/value heads of {work.head_dim}, "
+                 f"causal, one packed row of seqlen tokens (documents log-uniform in [{work.shortest_document}, "
+                 f"seqlen/2]); FLOPs: the sum over documents of 2*H*L^2*D forward, 2.5x that backward; PyTorch "
+                 f"backends document by document with K/V expanded")
+        slice_text = "the first document's first 2,048 tokens x one key/value group"
+    else:
+        shape = (f"FLOPs: forward 4*B*H*N^2*D, backward 2.5x that, half under causal; B*N = {args.tokens}, "
+                 f"H = {args.hidden}/head_dim")
+        slice_text = f"1 sequence x {args.accuracy_heads} heads"
     lines = ["environment: " + "; ".join(f"{k} {v}" for k, v in env.items() if v), "",
-             f"FLOPs: forward 4*B*H*N^2*D, backward 2.5x that, half under causal; B*N = {args.tokens}, "
-             f"H = {args.hidden}/head_dim; median of {args.repeats} CUDA-event timings after {args.warmup} warm-up "
+             f"{shape}; median of {args.repeats} CUDA-event timings after {args.warmup} warm-up "
              f"runs over {args.input_sets} input sets; errors (max_abs, rel = ||x-ref||/||ref||, worst of out or "
-             f"dQ/dK/dV) against the float64 reference on 1 sequence x {args.accuracy_heads} heads", "",
+             f"dQ/dK/dV) against the float64 reference on {slice_text}", "",
              "| " + " | ".join("pass" if c == "pass_name" else c for c in columns) + " |",
              "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(r, c) for c in columns) + " |" for r in rows]
@@ -326,6 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input-sets", type=int, default=3)
     parser.add_argument("--accuracy-heads", type=int, default=2, help="heads of the accuracy slice (0: no accuracy)")
     parser.add_argument("--eager-limit-gb", type=float, default=24.0, help="skip eager when its scores exceed this")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                        help="time one model's attention as it trains (packed causal rows) instead of the grid")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")),
                         help="directory for bench.md, bench.json, bench.png (default: $OUT or bench_out)")
     return parser
@@ -360,7 +526,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"error: {name} must be positive, got {values}", file=sys.stderr)
             return 2
     os.environ.setdefault(BACKEND_ENV, "kernel")  # a kernel that cannot run says why in its row
-    rows = run_benchmark(args)
+    rows = run_workload(args) if args.workload else run_benchmark(args)
     table = write_results(rows, args)
     print(table)
     print(f"wrote {args.out / 'bench.md'}, {args.out / 'bench.json'}, {args.out / 'bench.png'}")

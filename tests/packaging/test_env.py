@@ -251,6 +251,36 @@ def test_bench_accuracy_catches_a_wrong_backend_and_writes_table_json_png(tmp_pa
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
+def test_bench_workload_packs_documents_counts_their_flops_and_catches_a_wrong_split(tmp_path):
+    from volta_train import bench
+
+    lengths = bench.document_lengths(32768, 1024, 16384, seed=3)
+    assert sum(lengths) == 32768 and lengths == bench.document_lengths(32768, 1024, 16384, seed=3)
+    assert all(n <= 16384 for n in lengths) and all(n >= 1024 for n in lengths[:-1]) and len(lengths) > 2
+    assert bench.packed_flops("bwd", [3, 5], 4, 8) == 2.5 * (2 * 4 * 9 * 8 + 2 * 4 * 25 * 8)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    lengths = [int(n) for n in torch.randint(1, 60, (3,), generator=gen)]
+    q = torch.randn(sum(lengths), 6, 16, generator=gen)
+    k, v = (torch.randn(sum(lengths), 2, 16, generator=gen) for _ in range(2))
+    packed = bench.packed_fn("volta-fp32acc", lengths, "fwd")(q, k, v)  # the reference backend on the CPU
+    per_document = bench.packed_fn("sdpa-math", lengths, "fwd")(q, k, v)
+    across = bench.packed_fn("sdpa-math", [sum(lengths)], "fwd")(q, k, v)  # documents attending to each other
+    assert (packed - per_document).abs().max() < 1e-5 < (packed - across).abs().max()
+    work = bench.Workload(heads=4, kv_heads=1, head_dim=32, rows=(64,))
+    for pass_name in ("fwd", "bwd"):
+        good = bench.packed_accuracy(lambda ls: bench.packed_fn("volta-fp32acc", ls, pass_name), pass_name, work, 77,
+                                     device="cpu")
+        bad = bench.packed_accuracy(lambda ls: bench.packed_fn("sdpa-math", [1, ls[0] - 1], pass_name), pass_name,
+                                    work, 77, device="cpu")
+        assert good["rel"] < 2e-3 and bad["rel"] > 0.1, (good, bad)
+    args = bench.build_parser().parse_args(["--workload", "llama3-8b", "--out", str(tmp_path)])
+    row = dict(pass_name="bwd", backend="volta-fp16acc", head_dim=128, seqlen=32768, causal=True, batch=1, heads=32,
+               kv_heads=8, documents=8, flops=1e12, ms=100.0, tflops=10.0, peak_mib=1.0, note="llama3-8b: 8 documents")
+    table = bench.write_results([row], args)
+    assert "workload llama3-8b: 32 query and 8 key/value heads of 128" in table
+    assert "| bwd | volta-fp16acc | 128 | 32768 | True |" in table
+
+
 def test_plot_command_draws_a_run_and_refuses_an_empty_dir(tmp_path, capsys):
     from volta_train import cli
     from volta_train.training import logs
