@@ -8,7 +8,7 @@ packed for the ops' schema. On a V100 the backward of a call the kernels run at 
 memory-efficient (CUTLASS Sm70) backward where that computes the same (:mod:`volta_train.cutlass_backward`).
 
 ``VOLTA_TRAIN_BACKEND`` picks the policy: ``auto`` (default), ``kernel`` (raise if the kernels cannot run the call)
-or ``reference``. Which backend ran, and why, is logged once per distinct reason.
+or ``reference``. Which backend ran, and why, is logged once per pass and distinct reason.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def choose_backend(call: kernels.CallDescription) -> Choice:
 
 
 def _log_choice(choice: Choice, pass_name: str, on_gpu: bool) -> None:
-    key = (choice.backend, choice.reason)
+    key = (pass_name, choice.backend, choice.reason)  # the backward names its backend too, even for the same reason
     if key in _logged_reasons:
         return
     _logged_reasons.add(key)

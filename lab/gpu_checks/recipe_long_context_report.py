@@ -77,7 +77,7 @@ def collect(run: Path, launcher_log: Path | None) -> dict:
         # the recipe's own one-line error, else the last exception line, else anything that says why
         found = [l for l in lines if ": error: " in l] or \
             [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", l)
-             and "ChildFailedError" not in l] or \
+             and "ChildFailedError" not in l and "CalledProcessError" not in l] or \
             [l for l in lines if re.search(r"out of memory|Killed|Terminated", l)]
         error = (found[-1] if found else "no summary.json (cut off or failed: see the log)")[:300]
     return {
@@ -168,7 +168,9 @@ def main() -> None:
     except ImportError:
         print("no matplotlib: no PNG")
         return
-    done = [r for r in runs.values() if r["tokens_per_second"] and not r["run"].startswith("features_32k")]
+    # runs that finished (a run stopped after a step has a speed but no tokens per step)
+    done = [r for r in runs.values() if r["tokens_per_step"] and r["tokens_per_second"]
+            and not r["run"].startswith("features_32k")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     if done:
         axes[0].bar([r["run"] for r in done], [r["tokens_per_step"] for r in done], color="tab:blue")

@@ -121,6 +121,8 @@ def test_backend_choice_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "_logged_reasons", set())
     with caplog.at_level(logging.INFO, logger="volta_train"):
         for _ in range(3):
-            volta_train.flash_attn_func(*qkv())
-    lines = [r.getMessage() for r in caplog.records if "forward" in r.getMessage()]
-    assert lines == ["volta_train attention forward: reference backend (VOLTA_TRAIN_BACKEND=reference)"]
+            q, k, v = (t.requires_grad_() for t in qkv())
+            volta_train.flash_attn_func(q, k, v).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if "volta_train attention" in r.getMessage()]
+    assert lines == ["volta_train attention forward: reference backend (VOLTA_TRAIN_BACKEND=reference)",
+                     "volta_train attention backward: reference backend (VOLTA_TRAIN_BACKEND=reference)"]
