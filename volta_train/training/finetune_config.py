@@ -143,10 +143,9 @@ class FinetuneConfig:
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints and resume")
     logging: LoggingSection = section(LoggingSection, "logs")
     # the components both recipes share (volta_train/training/memory.py, parallel.py, precision.py)
-    memory: MemoryConfig = section(MemoryConfig, "memory features: checkpointing, tiled MLP, lean RMSNorm, "
-                                                 "activation offload, chunked loss")
-    parallel: ParallelConfig = section(ParallelConfig, "DeepSpeed ZeRO and sequence parallelism")
-    precision: PrecisionConfig = section(PrecisionConfig, "mixed precision and fp16 loss scaling")
+    memory: MemoryConfig = memory.config_section()
+    parallel: ParallelConfig = parallel.config_section()
+    precision: PrecisionConfig = precision.config_section()
 
     RECIPE: ClassVar[str] = "finetune"
     # where these options were before they moved into the shared sections (still read)

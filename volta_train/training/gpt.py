@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from . import memory, parallel, precision
-from .config import ConfigError, check_number, check_optimization, field, resolve_auto, section
+from .config import ConfigError, check_number, check_optimization, field, resolve_auto
 from .memory import MemoryConfig
 from .models import layers_and_hidden, load_causal_lm, padded_vocab, tokenizer_spec
 from .parallel import ParallelConfig
@@ -113,10 +113,9 @@ class GPTTrainConfig:
                                             "H100/H200 989; none elsewhere)")
     save: bool = field(True, "save the final model")
     # the components both recipes share (volta_train/training/memory.py, parallel.py, precision.py)
-    memory: MemoryConfig = section(MemoryConfig, "memory features: checkpointing, tiled MLP, lean RMSNorm, "
-                                                 "activation offload, chunked loss")
-    parallel: ParallelConfig = section(ParallelConfig, "DeepSpeed ZeRO and sequence parallelism")
-    precision: PrecisionConfig = section(PrecisionConfig, "mixed precision and fp16 loss scaling")
+    memory: MemoryConfig = memory.config_section()
+    parallel: ParallelConfig = parallel.config_section()
+    precision: PrecisionConfig = precision.config_section()
 
     RECIPE: ClassVar[str] = "gpt_long"
     # the flat names these options had before they moved into their sections (still read)

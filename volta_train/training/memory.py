@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from . import activation_offload, chunked_loss, rms_norm, tiled_mlp
-from .config import ConfigError, field
+from .config import ConfigError, field, section
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,12 @@ class MemoryConfig:
     chunked_loss: bool = field(True, "causal LM: loss over chunks of tokens, never the whole [tokens, vocab] logits "
                                      "(volta_train/training/chunked_loss.py); false: the model's own loss")
     loss_chunk_tokens: int | None = field(None, "tokens per chunk of the chunked loss (auto: 1 GiB of fp32 logits)")
+
+
+def config_section():
+    """The `memory` section as a field of a recipe's configuration (both recipes embed it)."""
+    return section(MemoryConfig, "memory features: checkpointing, tiled MLP, lean RMSNorm, activation offload, "
+                                 "chunked loss")
 
 
 def check(m: MemoryConfig) -> None:

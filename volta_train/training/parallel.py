@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import distributed, sequence_parallel
-from .config import ConfigError, field
+from .config import ConfigError, field, section
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,11 @@ class ParallelConfig:
     sequence_parallel_size: int = field(1, "DeepSpeed-Ulysses sequence parallelism: processes that share each "
                                            "sequence (1: off); needs DeepSpeed, must divide the attention heads "
                                            "and the number of processes; sequences are padded to a multiple of it")
+
+
+def config_section():
+    """The `parallel` section as a field of a recipe's configuration (both recipes embed it)."""
+    return section(ParallelConfig, "DeepSpeed ZeRO and sequence parallelism")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import check_optimization, field
+from .config import check_optimization, field, section
 from .distributed import check_mixed_precision
 from .models import auto_precision
 
@@ -27,6 +27,11 @@ class PrecisionConfig:
     loss_scale_window: int = field(1000, "fp16: overflow-free steps before the loss scale doubles (GradScaler)")
     max_consecutive_skips: int = field(32, "fp16: stop the run (non-zero exit) after this many optimizer steps in a "
                                            "row skipped for non-finite gradients")
+
+
+def config_section():
+    """The `precision` section as a field of a recipe's configuration (both recipes embed it)."""
+    return section(PrecisionConfig, "mixed precision and fp16 loss scaling")
 
 
 def check(p: PrecisionConfig) -> None:
