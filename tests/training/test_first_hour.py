@@ -13,17 +13,7 @@ from pathlib import Path
 import pytest
 
 from volta_train.training import config, runlock
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+from checkout import ROOT
 
 
 def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
