@@ -36,8 +36,9 @@ ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = launch_env(OMP_WAIT_POLICY="PASSIVE")
     proc = run_retrying_gloo_abort(lambda: subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True,
-                                                          text=True, timeout=timeout, env=launch_env(OMP_WAIT_POLICY="PASSIVE")))
+                                                          text=True, timeout=timeout, env=env))
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n" \
                                  f"--- stderr\n{stderr_tail(proc.stderr)}"
     return proc
