@@ -263,6 +263,7 @@ def _lock_worker(rank: int, out: str, port: int, results, released):
         dist.destroy_process_group()
 
 
+@pytest.mark.launches_processes  # a gloo group of its own
 def test_lock_is_taken_by_the_main_process_only_and_all_stop_together(tmp_path):
     import torch.multiprocessing as mp
 

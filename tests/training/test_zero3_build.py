@@ -19,6 +19,8 @@ from child_process import launch_env, run_retrying_gloo_abort, stderr_tail
 from volta_train.training import logs
 from checkout import ROOT, checkout_env
 
+pytestmark = pytest.mark.launches_processes  # every test here runs two processes through accelerate launch
+
 
 def _check(partitioned, seen, whole, seen_whole, steps: int):
     full = seen_whole[0]["full"]
@@ -111,7 +113,6 @@ def test_finetune_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_pat
     _check(partitioned, seen, whole, seen_whole, 3)
 
 
-@pytest.mark.launches_processes
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [["--arch", "llama", "--n-kv-head", "2"], ["--arch", "gpt2", "--no-patch"]],
                          ids=["llama-volta", "gpt2-sdpa"])
