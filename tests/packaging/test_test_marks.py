@@ -48,8 +48,8 @@ def launching_scripts() -> set[str]:
     found = set()
     for directory in SCRIPT_DIRS:
         for path in directory.rglob("*.sh"):
-            lines = (line for line in path.read_text(encoding="utf-8").splitlines() if not line.lstrip().startswith("#"))
-            if any(LAUNCHER_TEXT.search(line) for line in lines):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            if any(LAUNCHER_TEXT.search(line) for line in lines if not line.lstrip().startswith("#")):
                 found.add(path.name)
     return found
 
