@@ -50,15 +50,15 @@ def spies():
 
 def run(model, ids, mask, forward=None, **kwargs):
     """Logits and parameter gradients of a random projection of the logits at the non-padded positions only
-    (forward: the model or a wrapper of it)."""
+    (forward: the model or a wrapper of it), in float32 whatever the model's dtype, on the model's device."""
     model.zero_grad(set_to_none=True)
     logits = (model if forward is None else forward)(ids, attention_mask=mask, **kwargs).logits
-    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
-    (logits * weights)[keep].sum().backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2)).to(logits.device)
+    (logits.float() * weights)[keep].sum().backward()
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return logits.detach()[keep], grads
+    return logits.detach().float()[keep], grads
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", rtol: float = RTOL) -> None:
