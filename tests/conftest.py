@@ -1,5 +1,6 @@
 """The product's tests, by area (api, kernels, hf, training, packaging); support/ holds the float64 oracles, worker
-scripts and helpers they import."""
+scripts and helpers they import. Fixtures for every area: ``rng`` (fresh, reproducible inputs) and ``fresh_state``
+(accelerate's process-wide state reset around a test)."""
 
 import os
 import sys
@@ -20,3 +21,14 @@ def rng(request):
     seed = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little"))
     print(f"{request.node.nodeid}: rng seed {seed} ({SEED_ENV}={seed} reproduces it)")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def fresh_state():
+    """accelerate's process-wide state (AcceleratorState, PartialState) reset before and after the test, so that an
+    in-process recipe run or Accelerator starts as in a new process and leaves nothing to the next test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)

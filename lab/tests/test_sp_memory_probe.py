@@ -38,6 +38,7 @@ def _launch(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.launches_processes
 @pytest.mark.slow
 def test_llama8b_shape_zero_init_offload_and_retries(tmp_path):
     """The 8B path at tiny widths: it trains full steps (AdamW stepped on every one that trained), the loss of random
@@ -58,7 +59,6 @@ def test_llama8b_shape_zero_init_offload_and_retries(tmp_path):
     assert r["prediction"]["bound_by"] == "--target" and r["memory_model"]["state_bytes_per_parameter"] == 0.0
 
 
-@pytest.mark.launches_processes
 def test_prediction_and_host_memory_arithmetic():
     """The memory model's prediction for the GPT-2-medium-shaped Llama at sp=2 (ZeRO-3, 16 bytes per parameter)
     lands within 2% of the 477,184 tokens measured in 32 GiB (docs/sequence_parallel.md) once Ulysses' all-to-all

@@ -28,6 +28,7 @@ from volta_train.options import AttentionOptions
 from volta_train.kernels import decode, tiles
 from volta_train.kernels.params import KernelParams, SplitKvKernelParams
 from volta_train.kernels.variants import csrc_dir
+from checkout import ROOT
 from oracles import error_vs_yardstick, naive_attention, torch_fp16_attention
 
 # --- the split rule (CPU) ---------------------------------------------------------------------------------------------
@@ -952,8 +953,7 @@ def test_varlen_paged_api_runs_the_kernel_without_gradients(case, monkeypatch):
 
 def _bench_decode():
     import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
+    path = ROOT / "scripts" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -9,7 +9,6 @@ attention really ran through volta_train, on the path the input calls for.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import re
 from types import SimpleNamespace
@@ -49,9 +48,12 @@ from volta_train.integrations.hf import base as hf_base  # noqa: E402
 from volta_train.integrations.hf import masks as hf_masks  # noqa: E402
 from volta_train.integrations.hf.families import GPT2_ENCODER_MASK_FIXED, interface_modules  # noqa: E402
 from volta_train.integrations.hf.patching import _PATCH_ATTR  # noqa: E402
+from hf_compare import (  # noqa: E402
+    BATCH, LENGTHS, SEQ, VOCAB, assert_close, assert_grads_close, padding_mask, run, run_stock_then_patched, spies,
+    tokens,
+)
 
-VOCAB, BATCH, SEQ, LAYERS, HEADS, HIDDEN = 97, 3, 9, 2, 4, 32
-LENGTHS = (SEQ, 6, 3)  # tokens per row when padded
+LAYERS, HEADS, HIDDEN = 2, 4, 32
 WINDOW = 4  # Mistral / Qwen2 sliding window: shorter than SEQ, so it matters
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -136,64 +138,6 @@ def build(family: str, attn: str = "sdpa", seed: int = 0, auto=None, **overrides
     return (auto or default_auto).from_config(config_of(family, **overrides), attn_implementation=attn).eval()
 
 
-def tokens(batch: int = BATCH, seqlen: int = SEQ) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, seqlen), generator=torch.Generator().manual_seed(1))
-
-
-def padding_mask(padding: str, batch: int = BATCH, seqlen: int = SEQ) -> torch.Tensor | None:
-    if padding == "none":
-        return None
-    mask = torch.zeros(batch, seqlen, dtype=torch.long)
-    for row, length in enumerate(LENGTHS[:batch]):
-        if padding == "right":
-            mask[row, :length] = 1
-        else:
-            mask[row, seqlen - length :] = 1
-    return mask
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", rtol: float = 1e-5) -> None:
-    """Equal up to rtol relative to the largest magnitude in `expected` (fp32 sums in a different order)."""
-    scale = expected.abs().max().clamp_min(1e-6)
-    error = (actual - expected).abs().max()
-    assert error <= rtol * scale, f"{what}: max |difference| {error:.3g} > {rtol:g} x max |expected| {scale:.3g}"
-
-
-KEY_BIAS = re.compile(r"(\.key|\.k_lin)\.bias$")  # encoders; with rotary embeddings (k_proj) it matters
-
-
-def assert_grads_close(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-5) -> None:
-    assert grads.keys() == expected.keys()
-    scale = max(g.abs().max() for g in expected.values())
-    for name, reference in expected.items():
-        if KEY_BIAS.search(name):
-            # zero in exact arithmetic (softmax ignores a per-query constant): both sides are rounding noise
-            assert max(grads[name].abs().max(), reference.abs().max()) <= rtol * scale, name
-        else:
-            assert_close(grads[name], reference, f"gradient of {name}", rtol)
-
-
-def run(model, ids, mask, forward=None, **kwargs):
-    """Logits and parameter gradients of a loss over the non-padded positions only (forward: model or a wrapper)."""
-    model.zero_grad(set_to_none=True)
-    logits = (model if forward is None else forward)(ids, attention_mask=mask, **kwargs).logits
-    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
-    (logits * weights)[keep].sum().backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return logits.detach()[keep], grads
-
-
-@contextlib.contextmanager
-def spies():
-    """Wrap the public volta_train entry points the integration must call."""
-    api = volta_train.interface  # what the integration calls (not the package root)
-    with mock.patch.object(api, "flash_attn_func", wraps=api.flash_attn_func) as dense, \
-            mock.patch.object(api, "flash_attn_varlen_func", wraps=api.flash_attn_varlen_func) as varlen:
-        yield dense, varlen
-
-
 def option(call, name: str, default=None):
     return call.kwargs.get(name, default)
 
@@ -219,12 +163,11 @@ def first_attention(model, family: str):
 def test_logits_and_grads_match_sdpa(family, padding):
     model = build(family)
     ids, mask = tokens(), padding_mask(padding)
-    ref_logits, ref_grads = run(model, ids, mask)
+    patched = run_stock_then_patched(model, ids, mask)
+    dense, varlen = patched.dense, patched.varlen
 
-    assert volta_train.patch(model) is model
+    assert patched.returned is model
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
-    with spies() as (dense, varlen):
-        logits, grads = run(model, ids, mask)
 
     # the attention really ran through volta_train, on the path the padding calls for
     if mask is None:
@@ -241,8 +184,8 @@ def test_logits_and_grads_match_sdpa(family, padding):
     expected_window = {"mistral": [(WINDOW - 1, 0)] * LAYERS, "qwen2": [None, (WINDOW - 1, 0)]}
     assert windows == expected_window.get(family, [None] * LAYERS)
 
-    torch.testing.assert_close(logits, ref_logits, **TOL)
-    assert_grads_close(grads, ref_grads)
+    torch.testing.assert_close(patched.logits, patched.ref_logits, **TOL)
+    assert_grads_close(patched.grads, patched.ref_grads)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])

@@ -13,10 +13,8 @@ transformers' attention interface).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Callable
-from unittest import mock
 
 import pytest
 import torch
@@ -27,12 +25,13 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, DataCollato
 
 import volta_train  # noqa: E402
 from volta_train.integrations import hf  # noqa: E402
+from hf_compare import (  # noqa: E402
+    BATCH, SEQ, VOCAB, assert_close, assert_grads_close, padding_mask, run, run_stock_then_patched, spies, tokens,
+)
 
-VOCAB, BATCH, SEQ, LAYERS, HEADS, HIDDEN = 97, 3, 9, 2, 4, 32
+LAYERS, HEADS, HIDDEN = 2, 4, 32
 HEAD_DIM = HIDDEN // HEADS
-LENGTHS = (SEQ, 6, 3)
 WINDOW = 4  # shorter than SEQ: the window matters
-RTOL = 1e-5  # relative to the largest magnitude of the reference
 
 if hf.release(transformers.__version__) < hf.release(hf.MIN_TRANSFORMERS):
     pytest.skip(f"transformers {transformers.__version__} is older than {hf.MIN_TRANSFORMERS}", allow_module_level=True)
@@ -151,71 +150,17 @@ def build(family: str, seed: int = 0, **overrides):
     return auto.from_config(config, attn_implementation="eager").eval()
 
 
-def tokens(batch: int = BATCH, seqlen: int = SEQ) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, seqlen), generator=torch.Generator().manual_seed(1))
-
-
-def padding_mask(padding: str) -> torch.Tensor | None:
-    if padding == "none":
-        return None
-    mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
-        if padding == "right":
-            mask[row, :length] = 1
-        else:
-            mask[row, SEQ - length:] = 1
-    return mask
-
-
-@contextlib.contextmanager
-def spies():
-    api = volta_train.interface
-    with mock.patch.object(api, "flash_attn_func", wraps=api.flash_attn_func) as dense, \
-            mock.patch.object(api, "flash_attn_varlen_func", wraps=api.flash_attn_varlen_func) as varlen:
-        yield dense, varlen
-
-
-def run(model, ids, mask):
-    """Logits and parameter gradients of a random projection of the logits at the non-padded positions."""
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, attention_mask=mask).logits
-    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
-    (logits * weights)[keep].sum().backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return logits.detach()[keep], grads
-
-
-def assert_close(actual, expected, what="", rtol=RTOL):
-    scale = expected.abs().max().clamp_min(1e-6)
-    error = (actual - expected).abs().max()
-    assert error <= rtol * scale, f"{what}: max |difference| {error:.3g} > {rtol:g} x max |expected| {scale:.3g}"
-
-
-def assert_grads_close(grads, expected, rtol=RTOL):
-    """Per tensor, relative to the largest gradient of the model (a key bias's gradient is rounding noise)."""
-    assert grads.keys() == expected.keys()
-    scale = max(g.abs().max() for g in expected.values())
-    for name, reference in expected.items():
-        error = (grads[name] - reference).abs().max()
-        assert error <= rtol * scale, f"gradient of {name}: max |difference| {error:.3g} > {rtol:g} x {scale:.3g}"
-
-
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_and_grads_match_eager(family, padding):
     model = build(family)
     ids, mask = tokens(), padding_mask(padding)
-    ref_logits, ref_grads = run(model, ids, mask)
-    volta_train.patch(model)
-    with spies() as (dense, varlen):
-        logits, grads = run(model, ids, mask)
-    calls = dense.call_count + varlen.call_count
+    patched = run_stock_then_patched(model, ids, mask)
+    calls = patched.dense.call_count + patched.varlen.call_count
     assert calls == model.config.num_hidden_layers, "every attention layer ran through volta_train"
-    assert (varlen.call_count > 0) == (mask is not None)
-    assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert (patched.varlen.call_count > 0) == (mask is not None)
+    assert_close(patched.logits, patched.ref_logits, "logits")
+    assert_grads_close(patched.grads, patched.ref_grads, scale="model")
 
 
 PACKED_LENGTHS = (5, 9, 3, 7)
@@ -256,7 +201,7 @@ def test_packed_sequences_match_each_sequence_alone(family, flash_kwargs):
     expected_cu = [0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()]
     assert all(c.args[3].tolist() == expected_cu for c in varlen.call_args_list)
     assert_close(loss, ref_loss, "loss")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -318,7 +263,7 @@ def test_softcap_models_match_eager():
     volta_train.patch(model)
     logits, grads = run(model, ids, mask)
     assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
 
 
 @pytest.mark.parametrize("head_dim,logged", [(256, None), (200, "head_dim 200 is zero-padded to 256")])
@@ -336,7 +281,7 @@ def test_head_dims_up_to_256_are_kernel_head_dims(caplog, head_dim, logged):
     assert logged is None or any(logged in m for m in messages), messages
     logits, grads = run(model, ids, mask)
     assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
 
 
 def test_head_dim_beyond_the_api_is_refused():
@@ -364,7 +309,7 @@ def test_attention_sinks_match_eager():
     logits, grads = run(model, ids, mask)
     assert any("sinks" in name for name in grads)
     assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -392,7 +337,7 @@ def test_families_that_had_own_flash_classes_patch_and_unpatch(family):
         logits, grads = run(model, ids, mask)
     assert dense.call_count + varlen.call_count == LAYERS
     assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
     volta_train.patch(model)  # idempotent
     assert [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("OnVoltaTrain")] == swapped
     volta_train.unpatch(model)
@@ -460,7 +405,7 @@ def test_pegasus_x_global_local_encoder_and_causal_decoder_match_eager(padding):
     assert varlen.call_count >= 2 * LAYERS  # the encoder's global and local attention of every layer
     assert [c.kwargs["causal"] for c in dense.call_args_list][:LAYERS:2] == [True] * ((LAYERS + 1) // 2)
     assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, scale="model")
     volta_train.unpatch(model)
     assert not any(type(m).__name__.endswith("OnVoltaTrain") for m in model.modules())
 

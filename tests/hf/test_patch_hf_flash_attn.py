@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,
 
 import volta_train  # noqa: E402
 from volta_train import bert_padding, flash_attn_compat  # noqa: E402
-
-VOCAB, BATCH, SEQ = 97, 3, 9
-LENGTHS = (SEQ, 6, 3)
+from hf_compare import (  # noqa: E402
+    BATCH, LENGTHS, SEQ, VOCAB, assert_close, assert_grads_close, padding_mask, run, tokens,
+)
 
 
 @pytest.fixture
@@ -61,13 +61,11 @@ def test_refuses_where_real_flash_attn_is_installed(monkeypatch):
 def test_unpad_pad_round_trip_and_varlen():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, SEQ, 2, 8, generator=generator)
-    mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
-        mask[row, SEQ - length:] = 1
-    tokens, indices, cu, longest, used = bert_padding.unpad_input(x, mask)
+    mask = padding_mask("left")
+    unpadded, indices, cu, longest, used = bert_padding.unpad_input(x, mask)
     assert cu.tolist() == [0, 9, 15, 18] and longest == SEQ and used.tolist() == list(LENGTHS)
-    assert torch.equal(tokens, x[mask.bool()])
-    back = bert_padding.pad_input(tokens, indices, BATCH, SEQ)
+    assert torch.equal(unpadded, x[mask.bool()])
+    back = bert_padding.pad_input(unpadded, indices, BATCH, SEQ)
     assert torch.equal(back[mask.bool()], x[mask.bool()]) and back[~mask.bool()].abs().max() == 0
     with pytest.raises(ValueError, match="attention_mask has shape"):
         bert_padding.unpad_input(x, mask[:, :4])
@@ -121,32 +119,15 @@ def _tiny(kind: str, attn: str, device="cpu", dtype=torch.float32):
     return auto.from_config(config, attn_implementation=attn, dtype=dtype).to(device)
 
 
-def _run(model, ids, mask):
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, attention_mask=mask).logits
-    keep = mask.bool()
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2)).to(logits.device)
-    (logits.float() * weights)[keep].sum().backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach().float()[keep], grads
-
-
 def _inputs(device="cpu"):
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
-        mask[row, SEQ - length:] = 1
-    return ids.to(device), mask.to(device)
+    return tokens().to(device), padding_mask("left").to(device)
 
 
 def _assert_match(model, reference, ids, mask, rtol):
-    logits, grads = _run(model, ids, mask)
-    ref_logits, ref_grads = _run(reference, ids, mask)
-    scale = ref_logits.abs().max()
-    assert (logits - ref_logits).abs().max() <= rtol * scale
-    grad_scale = max(g.abs().max() for g in ref_grads.values())
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max() <= rtol * grad_scale, name
+    logits, grads = run(model, ids, mask)
+    ref_logits, ref_grads = run(reference, ids, mask)
+    assert_close(logits, ref_logits, "logits", rtol)
+    assert_grads_close(grads, ref_grads, rtol, scale="model")
 
 
 @pytest.mark.parametrize("kind", ["llama", "bert"])

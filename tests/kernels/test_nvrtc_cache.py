@@ -21,9 +21,9 @@ from volta_train.kernels.cache import CacheDirError, get_or_compile
 from volta_train.kernels.nvrtc import CompileError, NvrtcNotFoundError, compile_program, parse_ptxas_log
 from volta_train.kernels.variants import KernelVariant
 
+from checkout import ROOT
 from probes import PROBE_VARIANT
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = PROBE_VARIANT.name_expressions[0]
 ELF_MAGIC = b"\x7fELF"
 
@@ -498,7 +498,7 @@ def test_precompile_all_fills_the_cache(nvrtc70, capsys):
 
 
 def _load_kernel_report():
-    spec = importlib.util.spec_from_file_location("kernel_report", REPO / "lab" / "kernel_report.py")
+    spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "lab" / "kernel_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -528,7 +528,7 @@ def test_kernel_report_prints_json_lines_and_exits_0(nvrtc70, tmp_path):
     environment = dict(os.environ)  # the run's kernel cache (conftest.py): kernels other tests compiled are reused
     json_out, cubins = tmp_path / "report.jsonl", tmp_path / "cubins"
     finished = subprocess.run(
-        [sys.executable, str(REPO / "lab" / "kernel_report.py"), "--arch", "sm_70",
+        [sys.executable, str(ROOT / "lab" / "kernel_report.py"), "--arch", "sm_70",
          "--json-out", str(json_out), "--cubin-dir", str(cubins), "--jobs", "2"],
         capture_output=True, text=True, env=environment, timeout=900,  # ~190 kernels on 2 busy cores
     )

@@ -10,7 +10,6 @@ the run's kernel cache (keys include the NVRTC version, so the two never share a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +18,8 @@ import pytest
 
 from volta_train.kernels import nvrtc
 from volta_train.kernels.tiles import shipped_variants
+from checkout import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 WHEELS = {(11, 8): "nvidia-cuda-nvrtc-cu11", (12, 9): "nvidia-cuda-nvrtc-cu12"}
 
 
@@ -67,8 +66,7 @@ def test_representative_sm70_variants_compile_with_nvrtc(version, tmp_path):
     library = nvrtc.wheel_library(wheel)
     if library is None:
         pytest.skip(f"{wheel} is not installed (pip install -e '.[test]' installs it)")
-    env = dict(os.environ, **{nvrtc.NVRTC_ENV: wheel})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = checkout_env(ROOT / "tests" / "support", **{nvrtc.NVRTC_ENV: wheel})  # the child imports this module
     done = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(Path(__file__).resolve().parent))], capture_output=True,
                           text=True, timeout=900, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]

@@ -13,6 +13,7 @@ import torch
 
 from volta_train import env
 from volta_train.kernels import cache, nvrtc
+from checkout import ROOT
 
 
 def test_python_m_volta_train_env_runs(tmp_path):
@@ -99,11 +100,10 @@ def test_report_places_each_dependency_against_its_tested_range(monkeypatch):
 def test_pyproject_lower_bounds_are_the_lowest_tested():
     """pyproject.toml's lower bound of each dependency is versions.TESTED's lowest, the release CI runs."""
     import re
-    from pathlib import Path
 
     from volta_train import versions
 
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    text = (ROOT / "pyproject.toml").read_text()
     for package, (lowest, newest) in versions.TESTED.items():
         assert re.search(rf'"{package}>={re.escape(lowest)}"', text), (package, lowest)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from checkout import ROOT
+
 PACKAGE = ROOT / "volta_train"
 
 # (layer, modules), bottom first; a module is named relative to volta_train/ ("kernels" is the package and all of

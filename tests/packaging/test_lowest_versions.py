@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from volta_train import versions
 from venvs import make_venv
-
-ROOT = Path(__file__).resolve().parents[2]
+from checkout import ROOT
 
 LOWEST_EXTRAS: tuple[str, ...] = ()  # what the lowest releases need beyond their own requirements (nothing today)
 

@@ -25,8 +25,8 @@ import pytest
 from volta_train.kernels import cache, nvrtc
 from volta_train.kernels.tiles import shipped_variants
 from venvs import make_venv, outer_site_packages
+from checkout import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CSRC = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
 CONFIGS = sorted(str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").rglob("*")
                  if p.suffix in (".yaml", ".json"))

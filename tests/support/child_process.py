@@ -1,8 +1,10 @@
-"""What the tests that start training processes share: an environment that silences the deprecation warning DeepSpeed's
-ZeRO-3 triggers on every collective, and the end of a child's stderr without those warnings, so that a failure shows
-its cause."""
+"""What the tests that start training processes share: the environment of a recipe or ``accelerate launch`` child
+(:func:`launch_env`, which silences the deprecation warning DeepSpeed's ZeRO-3 triggers on every collective), the end of
+a child's stderr without those warnings, so that a failure shows its cause, and one retry of a gloo abort."""
 
 from __future__ import annotations
+
+import os
 
 # DeepSpeed's ZeRO-3 calls deprecated collectives (all_gather_into_tensor, reduce_scatter_tensor) every step; their
 # warnings would fill the stderr a failure shows. Python matches a warning filter's message as a prefix.
@@ -14,6 +16,15 @@ def without_collective_warnings(env: dict) -> dict:
     env = dict(env)
     env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"),
                                                    f"ignore:{COLLECTIVE_DEPRECATION}:FutureWarning"]))
+    return env
+
+
+def launch_env(**extra: str) -> dict:
+    """os.environ with ``extra`` set, for a child that runs a recipe or ``accelerate launch``: the collective warnings
+    silenced, and ACCELERATE_USE_DEEPSPEED left out (an earlier in-process DeepSpeed run sets it in os.environ; the
+    child's own options or accelerate config decide)."""
+    env = without_collective_warnings(dict(os.environ, **extra))
+    env.pop("ACCELERATE_USE_DEEPSPEED", None)
     return env
 
 

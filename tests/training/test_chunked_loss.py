@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from volta_train.training import chunked_loss as cl
 from volta_train.training import sequence_parallel
+from checkout import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
 
 

@@ -10,21 +10,16 @@ import pytest
 import torch
 
 from volta_train.training import distributed
-
-ROOT = Path(__file__).resolve().parents[2]
+from checkout import ROOT
 
 
 @pytest.fixture
-def no_alloc_conf(monkeypatch):
+def no_alloc_conf(monkeypatch, fresh_state):
     """Neither variable set; whatever a test sets is removed afterwards."""
     for name in distributed.ALLOC_CONF_NAMES:
         monkeypatch.setenv(name, "placeholder")  # records the original state, restored after the test
         monkeypatch.delenv(name)
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield monkeypatch
-    AcceleratorState._reset_state(True)
+    return monkeypatch
 
 
 def _run(recipe: str, tmp_path: Path, monkeypatch) -> list[dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -24,8 +23,9 @@ from volta_train.training import checkpoint, config, data
 from volta_train.training import example_batches, examples, models
 from volta_train.training import finetune_config as ft
 from volta_train.recipes import finetune as finetune_recipe
+from checkout import ROOT
+from child_process import launch_env
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "finetune.py"
 CONFIGS = sorted((ROOT / "configs" / "finetune").glob("*.yaml"))
 ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
@@ -314,9 +314,7 @@ def test_shipped_config_runs(tmp_path, name):
     patched = _patch_supports(MODEL_TYPES[name])
     if not patched:
         cmd.append("--model.no-patch")
-    env = dict(os.environ, **env_extra)
-    env.pop("ACCELERATE_USE_DEEPSPEED", None)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(**env_extra))
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-6000:]}"
     log = proc.stderr
     assert re.search(r"step 4/4 \| loss [\d.]+ \| lr", log), log

@@ -13,17 +13,7 @@ from pathlib import Path
 import pytest
 
 from volta_train.training import config, runlock
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+from checkout import ROOT
 
 
 def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
@@ -182,6 +172,7 @@ def test_env_prints_a_count_of_supported_model_types_and_where_the_list_is():
     assert not any(f" {name}," in text for name in supported) and max(map(len, text.splitlines())) < 600
 
 
+@pytest.mark.launches_processes
 def test_the_main_job_starts_without_accelerates_default_value_warnings(tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "configs" / "accelerate" / "one_process.yaml"), str(ROOT / "recipes" / "gpt_long.py"),

@@ -10,8 +10,9 @@ import pytest
 
 from volta_train.recipes import gpt_long
 from volta_train.training import activation_offload, logs
+from checkout import ROOT, checkout_env
+from child_process import launch_env
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU_TINY = ROOT / "configs" / "gpt_long" / "cpu_tiny.yaml"
 
 
@@ -55,12 +56,10 @@ def test_tiled_mlp_and_offload_keep_the_loss_trajectory(tmp_path, monkeypatch):
 def test_tiled_mlp_under_zero3_and_ulysses(tmp_path):
     """Two gloo processes, ZeRO-3 (weights gathered per tile by DeepSpeed's hooks), Ulysses sp=2, checkpointing: tiled =
     untiled."""
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = checkout_env(env=launch_env())
     losses = {}
     for mode in ("off", "on"):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -85,12 +84,10 @@ def test_activation_offload_under_zero_and_ulysses(tmp_path, zero, sp):
     those of plain checkpointing, and hidden states did go to host memory (each 1.5 MiB per process, above
     activation_offload.MIN_BYTES)."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = checkout_env(env=launch_env())
     losses, summaries = {}, {}
     for mode in ("checkpointing", "offload"):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

@@ -29,17 +29,7 @@ from volta_train.training import config, data, fsio
 from volta_train.recipes import finetune as finetune_recipe
 from volta_train.training import examples
 from volta_train.training import finetune_config as ft
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+from checkout import ROOT, checkout_env
 
 
 def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
@@ -61,10 +51,6 @@ def _gpt_exit(tmp_path: Path, out: Path, *extra: str):
     with pytest.raises(SystemExit) as info:
         _gpt(tmp_path, out, *extra)
     return info.value.code
-
-
-def _child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -153,7 +139,7 @@ def test_a_sigkill_during_the_token_cache_write_leaves_nothing_once_the_cache_is
         "data.load_tokens(sys.argv[1], sys.argv[2], data.ByteTokenizer())\n"
     )
     child = subprocess.run([sys.executable, "-c", code, str(corpus), str(cache)], capture_output=True, text=True,
-                           timeout=120, env=_child_env())
+                           timeout=120, env=checkout_env())
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     (tmp,) = cache.glob(".*.tmp")
     assert tmp.stat().st_size == 4096
@@ -323,7 +309,7 @@ gpt_long.main(argv)
 
 def _sigterm_child(tmp_path: Path, out: Path, phase: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, phase, *_gpt_args(tmp_path, out, *extra)],
-                          capture_output=True, text=True, timeout=300, env=_child_env(), cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, env=checkout_env(), cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -511,7 +497,7 @@ def test_finetune_sigterm_during_the_final_save_finishes_the_run(tmp_path):
         "finetune.main(sys.argv[1:])\n"
     )
     child = subprocess.run([sys.executable, "-c", code, *_ft_args(tmp_path, out, "--checkpoint.interval", "0")],
-                           capture_output=True, text=True, timeout=300, env=_child_env(), cwd=ROOT)
+                           capture_output=True, text=True, timeout=300, env=checkout_env(), cwd=ROOT)
     assert child.returncode == 0, child.stderr[-3000:]
     assert "SIGTERM after the last step: finishing the final" in child.stderr
     assert json.loads((out / "summary.json").read_text())["completed"] is True

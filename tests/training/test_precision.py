@@ -11,17 +11,7 @@ import pytest
 import torch
 
 from volta_train.training import config, distributed, optim
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+from checkout import ROOT
 
 
 def _bf16_config(directory: Path) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pickle
 import re
 import shutil
@@ -28,9 +27,9 @@ import torch
 import yaml
 
 from volta_train.training import checkpoint, config, data, distributed, gpt, logs, metrics, optim
-from child_process import stderr_tail, without_collective_warnings
+from child_process import launch_env, stderr_tail
+from checkout import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
 CONFIGS = sorted((ROOT / "configs" / "gpt_long").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
@@ -48,14 +47,8 @@ def _patch_supports(model_type: str) -> bool:
     return model_type in hf.FAMILIES
 
 
-def _env(**extra) -> dict:
-    env = without_collective_warnings(dict(os.environ, **extra))
-    env.pop("ACCELERATE_USE_DEEPSPEED", None)
-    return env
-
-
 def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or _env())
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or launch_env())
     assert proc.returncode == 0, (
         f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{stderr_tail(proc.stderr)}"
     )
@@ -155,7 +148,7 @@ def test_sigkill_resume_repeats_the_loss_trajectory(tmp_path):
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(common + ["--out-dir", str(out)], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=launch_env())
     seen = []
     try:
         for line in proc.stderr:
@@ -194,7 +187,7 @@ def test_sigterm_stops_with_a_checkpoint(tmp_path):
     stopped status (75), which a job chain tells from a finished run (0)."""
     cmd = _recipe_cmd(tmp_path, "--model", "nano", "--seq-len", "64", "--steps", "500", "--log-interval", "1",
                       "--checkpoint-interval", "0")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=launch_env())
     lines = []
     for line in proc.stderr:
         lines.append(line)
@@ -217,7 +210,7 @@ def test_two_processes_ddp_config_on_cpu(tmp_path):
     if not _patch_supports("llama"):
         extra.append("--no-patch")
     launcher = (*ACCELERATE, "--config_file", str(ROOT / "configs/accelerate/ddp.yaml"), "--num_processes", "2")
-    proc = _run(_recipe_cmd(tmp_path, *extra, launcher=launcher), tmp_path, env=_env(ACCELERATE_USE_CPU="1"))
+    proc = _run(_recipe_cmd(tmp_path, *extra, launcher=launcher), tmp_path, env=launch_env(ACCELERATE_USE_CPU="1"))
     attention = "volta_train" if _patch_supports("llama") else "sdpa"
     _check_run(proc, tmp_path / "out", attention=attention, model_type="llama", tokens="16,384", processes=2)
     assert "x 2 process(es)" in proc.stderr
@@ -584,13 +577,10 @@ class _Payload:
 
 
 @pytest.fixture
-def cpu_accelerator():
+def cpu_accelerator(fresh_state):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state(True)
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(True)
+    return Accelerator(cpu=True)
 
 
 def _tiny_training(accelerator):

@@ -29,17 +29,7 @@ from volta_train.training.trainer import (
     STOPPED_EXIT, RunStateError, Trainer, finished_run_problems, run_or_fail,
 )
 from tiny_trainer import make_setup, make_trainer
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+from checkout import ROOT, checkout_env
 
 
 def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
@@ -135,9 +125,8 @@ def test_sigkill_during_the_final_save_then_the_rerun_finishes_it(tmp_path, fres
         "from volta_train.recipes import gpt_long\n"
         "gpt_long.main(sys.argv[1:])\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     child = subprocess.run([sys.executable, "-c", code, *_gpt_args(tmp_path, out)], capture_output=True, text=True,
-                           timeout=300, env=env, cwd=tmp_path)
+                           timeout=300, env=checkout_env(), cwd=tmp_path)
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     assert (out / ".tmp-final").is_dir() and not (out / "final").exists() and not (out / "summary.json").exists()
 

@@ -24,26 +24,21 @@ import pytest
 import torch
 
 from volta_train.training import config, gpt, sequence_parallel
-from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
+from child_process import launch_env, run_retrying_gloo_abort, stderr_tail
+from checkout import ROOT
 
 pytestmark = pytest.mark.launches_processes  # its recipe runs and gloo groups share one xdist worker
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gpt_long.py"
 WORKER = ROOT / "tests" / "support" / "sp_worker.py"
 CPU_TINY = ROOT / "configs" / "gpt_long" / "cpu_tiny.yaml"
 ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
 
 
-def _env() -> dict:
-    env = without_collective_warnings(dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
-    env.pop("ACCELERATE_USE_DEEPSPEED", None)
-    return env
-
-
 def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = launch_env(OMP_WAIT_POLICY="PASSIVE")
     proc = run_retrying_gloo_abort(lambda: subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True,
-                                                          text=True, timeout=timeout, env=_env()))
+                                                          text=True, timeout=timeout, env=env))
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n" \
                                  f"--- stderr\n{stderr_tail(proc.stderr)}"
     return proc

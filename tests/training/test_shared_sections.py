@@ -17,9 +17,9 @@ import pytest
 
 from volta_train.training import config, gpt, memory, parallel, precision
 from volta_train.training.finetune_config import FinetuneConfig
-from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
+from child_process import launch_env, run_retrying_gloo_abort, stderr_tail
+from checkout import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 FINETUNE = ROOT / "recipes" / "finetune.py"
 GPT_LONG = ROOT / "recipes" / "gpt_long.py"
 LLAMA_PACKED = ROOT / "configs" / "finetune" / "llama_text_packed.yaml"
@@ -143,17 +143,11 @@ def test_a_yaml_key_of_the_other_recipe_is_refused_naming_it(tmp_path):
 # ---- combinations that cannot work: refused at start, naming both options, before any file is written
 
 
-def _env() -> dict:
-    env = without_collective_warnings(dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
-    env.pop("ACCELERATE_USE_DEEPSPEED", None)
-    return env
-
-
 def _refused(recipe: Path, out: Path, argv: list[str]) -> str:
     base = ["--config", str(CPU_TINY), "--out-dir", str(out), "--cpu"] if recipe == GPT_LONG else \
         ["--config", str(LLAMA_PACKED), "--logging.out-dir", str(out), "--train.cpu"]
     proc = subprocess.run([sys.executable, str(recipe), *base, *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env=_env())
+                          timeout=240, env=launch_env(OMP_WAIT_POLICY="PASSIVE"))
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert not out.exists(), sorted(p.name for p in out.iterdir())  # nothing written
     return proc.stderr.strip().splitlines()[-1]
@@ -215,7 +209,7 @@ def _finetune(tmp_path: Path, out: str, *extra: str, processes: int = 1) -> subp
            "--logging.no-progress", "--checkpoint.interval", "0", "--parallel.deepspeed", "zero3",
            "--precision.mixed-precision", "no", *extra]
     proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                                                          env=_env()))
+                                                          env=launch_env(OMP_WAIT_POLICY="PASSIVE")))
     assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stderr\n{stderr_tail(proc.stderr)}"
     return proc
 

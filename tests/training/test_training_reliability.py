@@ -28,8 +28,8 @@ from volta_train.training import examples
 from volta_train.training import finetune_config as ft
 from volta_train.training.trainer import TrainingFailed, end_training
 from tiny_trainer import make_setup, make_trainer
+from checkout import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
 GPT_RECIPE = ROOT / "recipes" / "gpt_long.py"
 FT_RECIPE = ROOT / "recipes" / "finetune.py"
 
@@ -39,15 +39,6 @@ def _load(path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def fresh_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
 
 
 _setup = make_setup
@@ -197,7 +188,7 @@ def _hold_lock(out: Path) -> subprocess.Popen:
     code = ("import sys, time; from volta_train.training.runlock import RunLock; lock = RunLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=checkout_env())
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -272,6 +263,7 @@ def _lock_worker(rank: int, out: str, port: int, results, released):
         dist.destroy_process_group()
 
 
+@pytest.mark.launches_processes  # a gloo group of its own
 def test_lock_is_taken_by_the_main_process_only_and_all_stop_together(tmp_path):
     import torch.multiprocessing as mp
 

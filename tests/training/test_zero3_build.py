@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from child_process import run_retrying_gloo_abort, stderr_tail, without_collective_warnings
+from child_process import launch_env, run_retrying_gloo_abort, stderr_tail
 
 from volta_train.training import logs
+from checkout import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.launches_processes  # every test here runs two processes through accelerate launch
 
 
 def _check(partitioned, seen, whole, seen_whole, steps: int):
@@ -47,12 +48,11 @@ def _saved_model(directory: Path) -> Path:
 
 
 def _launch(tmp_path: Path, out: Path, *args: str) -> tuple[list[float], list[dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), env.get("PYTHONPATH", "")])
+    env = checkout_env(ROOT / "tests" / "support", env=launch_env())
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs/accelerate/zero3.yaml"), "--num_processes", "2",
            str(ROOT / "tests/support/zero3_build_child.py"), *args]
-    proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=without_collective_warnings(env),
+    proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=env,
                                                           capture_output=True, text=True, timeout=300))
     assert proc.returncode == 0, stderr_tail(proc.stderr)
     losses = [float(r["loss"]) for r in logs.read_csv(out / "train.csv")]
@@ -113,7 +113,6 @@ def test_finetune_zero3_builds_partitioned_and_trains_as_the_whole_build(tmp_pat
     _check(partitioned, seen, whole, seen_whole, 3)
 
 
-@pytest.mark.launches_processes
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [["--arch", "llama", "--n-kv-head", "2"], ["--arch", "gpt2", "--no-patch"]],
                          ids=["llama-volta", "gpt2-sdpa"])
@@ -121,15 +120,14 @@ def test_packed_document_decision_under_zero3_is_the_whole_builds(tmp_path, mode
     """gpt_long's packing decision on the ZeRO-3 build equals the whole build's, in fp16 and fp32, and its check computes
     in fp32 even where ZeRO-3 stores the weights in fp16 (fp16 rounding decided it on a GPU: "the second document's
     logits differ by 0.0083"); the chunked loss names the real vocabulary, not the partitioned head's empty shape."""
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_DEEPSPEED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), env.get("PYTHONPATH", "")])
+    env = checkout_env(ROOT / "tests" / "support", env=launch_env())
     out = tmp_path / "decisions.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs/accelerate/zero3.yaml"), "--num_processes", "2",
            str(ROOT / "tests/support/zero3_packing_child.py"), str(out), "--cpu", "--n-layer", "2", "--n-head", "4",
            "--n-embd", "64", "--seq-len", "64", "--seed", str(int.from_bytes(os.urandom(2), "little")),
            "--out-dir", str(tmp_path / "run"), *model]
-    proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=without_collective_warnings(env),
+    proc = run_retrying_gloo_abort(lambda: subprocess.run(cmd, cwd=tmp_path, env=env,
                                                           capture_output=True, text=True, timeout=300))
     assert proc.returncode == 0, stderr_tail(proc.stderr)
     seen = json.loads(out.read_text())
