@@ -13,6 +13,16 @@ TESTED: dict[str, tuple[str, str]] = {
 }
 """package -> (lowest supported and tested, newest tested)."""
 
+ZERO3_ON_GLOO = "0.19.8"
+"""The first DeepSpeed whose ZeRO-3 parameter all-gather waits for every gloo handle. Before it, ZeRO-3 over several
+CPU (gloo) processes can read parameters before they arrive, and the run starts from garbage weights
+(docs/compatibility.md). NCCL is not affected."""
+
+
+def older(version: str, than: str) -> bool:
+    """``version`` is an older release than ``than``."""
+    return _release(version) < _release(than)
+
 
 def _release(version: str) -> tuple[int, ...]:
     from packaging.version import Version

@@ -23,9 +23,9 @@ CHILD_TESTS = (
     "tests/hf/test_hf_padded_rows.py", "tests/hf/test_hf_census.py",
     "tests/training/test_recipes.py::test_cpu_smoke", "tests/training/test_recipes.py::test_cpu_smoke_accelerate_launch_llama_no_patch",
     "tests/training/test_recipes.py::test_deepspeed_zero2_two_processes_and_resume",
+    # on the lowest DeepSpeed: ZeRO-3 over gloo refused at start (versions.ZERO3_ON_GLOO)
+    "tests/training/test_recipes.py::test_deepspeed_zero3_cpu_offload_two_processes",
 )
-# Left out: tests/training/test_recipes.py::test_deepspeed_zero3_cpu_offload_two_processes, which on DeepSpeed 0.18.2
-# stopped once in three CI runs with a non-finite loss at step 1 (not yet understood; docs/compatibility.md).
 
 
 @pytest.mark.slow

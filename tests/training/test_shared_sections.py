@@ -262,3 +262,38 @@ def test_zero_offload_all_needs_stage_3():
                                                  r"config \(parallel.deepspeed\) has stage 2: use parallel.deepspeed "
                                                  r"zero3, or parallel.zero_offload optimizer"):
         distributed._complete(json.loads((ROOT / "configs/deepspeed/zero2.json").read_text()), 2, 1, 1.0, "all")
+
+
+@pytest.mark.parametrize("installed, backend, processes, refused", [
+    ("0.18.2", "gloo", 2, True), ("0.19.7", "gloo", 4, True), ("0.19.8", "gloo", 2, False),
+    ("0.18.2", "nccl", 2, False), ("0.18.2", "gloo", 1, False),
+])
+def test_zero3_over_gloo_needs_a_deepspeed_that_waits_for_every_gather(monkeypatch, installed, backend, processes,
+                                                                        refused):
+    """DeepSpeed before versions.ZERO3_ON_GLOO gathers ZeRO-3 parameters over gloo without waiting for every transfer
+    (CPU runs then started from garbage weights): ZeRO-3 over several gloo processes is refused
+    there, naming what would be accepted; NCCL, one process, ZeRO-2 and newer releases are not."""
+    import torch.distributed as dist
+
+    from volta_train import versions
+    from volta_train.training import distributed
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: processes)
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: backend)
+    monkeypatch.setattr(versions, "installed", lambda package: installed if package == "deepspeed" else None)
+
+    def build(spec):
+        return distributed.zero3_init_config(mixed_precision="no", grad_accum=1, batch_size=2, grad_clip=1.0,
+                                             deepspeed_spec=spec)
+
+    assert build("zero2") is None  # not ZeRO-3: nothing to refuse
+    if not refused:
+        assert build("zero3")["zero_optimization"]["stage"] == 3
+        return
+    with pytest.raises(config.ConfigError) as info:
+        build("zero3_offload")
+    message = str(info.value)
+    assert f"ZeRO-3 over {processes} CPU (gloo) processes needs DeepSpeed 0.19.8 or newer; DeepSpeed {installed}" \
+        in message
+    assert "pip install -U 'deepspeed>=0.19.8', ZeRO-2 (parallel.deepspeed zero2), or CUDA GPUs" in message

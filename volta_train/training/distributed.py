@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .. import versions
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ def zero3_init_config(*, mixed_precision: str, grad_accum: int, batch_size: int,
     ds = plugin.deepspeed_config
     if int(ds.get("zero_optimization", {}).get("stage", 0)) != 3:
         return None
+    _check_zero3_backend()
     plugin.set_mixed_precision(mixed_precision)
     _complete(ds, batch_size, grad_accum, grad_clip, zero_offload)
     ds = json.loads(json.dumps(ds))
@@ -198,6 +200,24 @@ def zero3_init_config(*, mixed_precision: str, grad_accum: int, batch_size: int,
     for key in [k for k, v in zero.items() if v == "auto"]:
         del zero[key]
     return ds
+
+
+def _check_zero3_backend() -> None:
+    """ZeRO-3 over several gloo (CPU) processes needs DeepSpeed versions.ZERO3_ON_GLOO: older ones can start from
+    garbage weights there. A ConfigError naming what would be accepted."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
+            or dist.get_backend() != "gloo":
+        return
+    installed = versions.installed("deepspeed")
+    if installed and versions.older(installed, versions.ZERO3_ON_GLOO):
+        raise ConfigError(
+            f"parallel.deepspeed: ZeRO-3 over {dist.get_world_size()} CPU (gloo) processes needs DeepSpeed "
+            f"{versions.ZERO3_ON_GLOO} or newer; DeepSpeed {installed} gathers partitioned parameters without waiting "
+            "for every gloo transfer, so the model can start from garbage weights. Accepted: pip install -U "
+            f"'deepspeed>={versions.ZERO3_ON_GLOO}', ZeRO-2 (parallel.deepspeed zero2), or CUDA GPUs (NCCL is not "
+            "affected)")
 
 
 @contextmanager
