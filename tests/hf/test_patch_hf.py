@@ -523,12 +523,10 @@ def test_gptj_patches_and_matches_eager():
     config = GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=HEADS, rotary_dim=4, n_positions=64)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     ids, mask = tokens(), padding_mask("right")
-    want_logits, want_grads = run(model, ids, mask)
-    volta_train.patch(model)
+    patched = run_stock_then_patched(model, ids, mask)
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
-    logits, grads = run(model, ids, mask)
-    assert_close(logits, want_logits, "logits")
-    assert_grads_close(grads, want_grads)
+    assert_close(patched.logits, patched.ref_logits, "logits")
+    assert_grads_close(patched.grads, patched.ref_grads)
 
 
 def test_load_time_implementation_on_unsupported_family_refuses_to_run():
@@ -607,11 +605,9 @@ def test_head_dim_the_kernels_pad_matches_sdpa():
     """head_dim 12 is no kernel head_dim: the API takes it (the kernels zero-pad it to 16), so patch() does too."""
     model = build("llama", head_dim=12)
     ids, mask = tokens(), padding_mask("right")
-    want_logits, want_grads = run(model, ids, mask)
-    volta_train.patch(model)
-    logits, grads = run(model, ids, mask)
-    assert_close(logits, want_logits, "logits")
-    assert_grads_close(grads, want_grads)
+    patched = run_stock_then_patched(model, ids, mask)
+    assert_close(patched.logits, patched.ref_logits, "logits")
+    assert_grads_close(patched.grads, patched.ref_grads)
 
 
 # ---------------------------------------------------------------------------------------------------------

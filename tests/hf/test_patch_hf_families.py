@@ -258,12 +258,9 @@ def test_gqa_and_mqa_keep_their_kv_heads():
 
 def test_softcap_models_match_eager():
     model = build("gemma2", attn_logit_softcapping=5.0)
-    ids, mask = tokens(), padding_mask("left")
-    ref_logits, ref_grads = run(model, ids, mask)
-    volta_train.patch(model)
-    logits, grads = run(model, ids, mask)
-    assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads, scale="model")
+    patched = run_stock_then_patched(model, tokens(), padding_mask("left"))
+    assert_close(patched.logits, patched.ref_logits, "logits")
+    assert_grads_close(patched.grads, patched.ref_grads, scale="model")
 
 
 @pytest.mark.parametrize("head_dim,logged", [(256, None), (200, "head_dim 200 is zero-padded to 256")])
@@ -303,13 +300,10 @@ def test_attention_sinks_match_eager():
         for module in model.modules():
             if hasattr(module, "sinks"):
                 module.sinks.normal_()
-    ids, mask = tokens(), padding_mask("right")
-    ref_logits, ref_grads = run(model, ids, mask)
-    volta_train.patch(model)
-    logits, grads = run(model, ids, mask)
-    assert any("sinks" in name for name in grads)
-    assert_close(logits, ref_logits, "logits")
-    assert_grads_close(grads, ref_grads, scale="model")
+    patched = run_stock_then_patched(model, tokens(), padding_mask("right"))
+    assert any("sinks" in name for name in patched.grads)
+    assert_close(patched.logits, patched.ref_logits, "logits")
+    assert_grads_close(patched.grads, patched.ref_grads, scale="model")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from volta_train.training import config, runlock
+from volta_train.training import runlock
 from checkout import ROOT
+from tiny_recipe import gpt_args
 
 
 def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
-    return ["--cpu", "--model", "nano", "--seq-len", "32", "--batch-size", "2", "--synthetic-mb", "0.02",
-            "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--steps", "2", "--warmup-steps", "0",
-            "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *extra]
+    return gpt_args(tmp_path, out, *extra, steps=2, checkpoint_interval=None)
 
 
 def _exit(main, argv) -> object:

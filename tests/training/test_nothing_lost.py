@@ -30,26 +30,12 @@ from volta_train.recipes import finetune as finetune_recipe
 from volta_train.training import examples
 from volta_train.training import finetune_config as ft
 from checkout import ROOT, checkout_env
-
-
-def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
-    return ["--cpu", "--model", "nano", "--seq-len", "32", "--batch-size", "2", "--synthetic-mb", "0.02",
-            "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--steps", "4", "--checkpoint-interval",
-            "2", "--warmup-steps", "0", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *extra]
-
-
-def _gpt(tmp_path: Path, out: Path, *extra: str) -> dict:
-    from accelerate.state import AcceleratorState
-
-    from volta_train.recipes import gpt_long
-
-    AcceleratorState._reset_state(True)
-    return gpt_long.main(_gpt_args(tmp_path, out, *extra))
+from tiny_recipe import gpt_args, run_gpt
 
 
 def _gpt_exit(tmp_path: Path, out: Path, *extra: str):
     with pytest.raises(SystemExit) as info:
-        _gpt(tmp_path, out, *extra)
+        run_gpt(tmp_path, out, *extra)
     return info.value.code
 
 
@@ -308,7 +294,7 @@ gpt_long.main(argv)
 
 
 def _sigterm_child(tmp_path: Path, out: Path, phase: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, phase, *_gpt_args(tmp_path, out, *extra)],
+    return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, phase, *gpt_args(tmp_path, out, *extra)],
                           capture_output=True, text=True, timeout=300, env=checkout_env(), cwd=tmp_path)
 
 
@@ -368,13 +354,13 @@ def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tm
 
     out = tmp_path / "out"
     extra = ("--checkpoint-interval", "0") if how == "interval 0" else ()
-    first = _gpt(tmp_path, out, *extra)
+    first = run_gpt(tmp_path, out, *extra)
     if how == "checkpoints deleted":
         shutil.rmtree(out / "checkpoints")
     assert first["completed"] and not (out / "checkpoints").exists()
     final_bytes = {p.name: p.read_bytes() for p in (out / "final").iterdir() if p.is_file()}
 
-    again = _gpt(tmp_path, out, *extra)  # the unchanged command: finished, nothing retrained or rewritten
+    again = run_gpt(tmp_path, out, *extra)  # the unchanged command: finished, nothing retrained or rewritten
     assert again == first
     assert "holds this run, finished (step 4, same settings): nothing to train" in _log(out)
     assert "already holds the finished run (step 4)" in _log(out)
@@ -382,7 +368,7 @@ def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tm
     assert not (out / "previous-run-1").exists() and not (out / "checkpoints").exists()
 
     lr = str(first["settings"]["--lr"] * random.choice([0.5, 2.0, 3.0]))
-    changed = _gpt(tmp_path, out, *extra, "--lr", lr)  # another run: the finished one moves aside first
+    changed = run_gpt(tmp_path, out, *extra, "--lr", lr)  # another run: the finished one moves aside first
     previous = out / "previous-run-1"
     assert json.loads((previous / "summary.json").read_text()) == first
     assert {p.name: p.read_bytes() for p in (previous / "final").iterdir() if p.is_file()} == final_bytes
@@ -391,7 +377,7 @@ def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tm
     assert re.search(r"--resume auto: \S+ holds an earlier run and no checkpoint to continue it from \(it was run "
                      r"with other settings \(--lr\)\): moved final, summary.json, train.csv, eval.csv, loss.png to "
                      rf"{re.escape(str(previous))}, starting over", _log(out)), _log(out)[-3000:]
-    more = _gpt(tmp_path, out, *extra, "--lr", lr, "--steps", "5")
+    more = run_gpt(tmp_path, out, *extra, "--lr", lr, "--steps", "5")
     assert more["completed"] and more["steps"] == 5
     if how == "interval 0":  # nothing to continue from: set aside again
         assert more["start_step"] == 0 and (out / "previous-run-2" / "final").is_dir()
@@ -407,10 +393,10 @@ def test_a_finished_run_without_checkpoints_is_reported_finished_or_set_aside(tm
 
 def test_a_damaged_train_csv_is_kept_aside_and_the_resumed_run_goes_on(tmp_path, fresh_state):
     out = tmp_path / "out"
-    _gpt(tmp_path, out)
+    run_gpt(tmp_path, out)
     garbage = bytes(random.randrange(256) for _ in range(64)) + b"\xff\xfe\x00"
     (out / "train.csv").write_bytes((out / "train.csv").read_bytes()[:20] + garbage)
-    resumed = _gpt(tmp_path, out, "--steps", "6")
+    resumed = run_gpt(tmp_path, out, "--steps", "6")
     assert resumed["completed"] and resumed["resumed_from"].endswith("step-00000004")
     assert (out / "train.csv.damaged").read_bytes().endswith(garbage)
     assert re.search(r"train.csv is unreadable \(\w+: .*\): moved to train.csv.damaged; a new train.csv starts at "
@@ -514,7 +500,7 @@ def test_temporaries_a_killed_write_left_in_out_dir_go_when_the_next_run_begins(
     for f in left:
         f.write_text("half")
         os.utime(f, (old, old))
-    _gpt(tmp_path, out, "--steps", "1")
+    run_gpt(tmp_path, out, "--steps", "1")
     assert not any(f.exists() for f in left)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 

@@ -30,26 +30,12 @@ from volta_train.training.trainer import (
 )
 from tiny_trainer import make_setup, make_trainer
 from checkout import ROOT, checkout_env
-
-
-def _gpt_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
-    return ["--cpu", "--model", "nano", "--seq-len", "32", "--batch-size", "2", "--synthetic-mb", "0.02",
-            "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--steps", "4", "--checkpoint-interval",
-            "2", "--warmup-steps", "0", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), *extra]
-
-
-def _gpt(tmp_path: Path, out: Path, *extra: str) -> dict:
-    from accelerate.state import AcceleratorState
-
-    from volta_train.recipes import gpt_long
-
-    AcceleratorState._reset_state(True)
-    return gpt_long.main(_gpt_args(tmp_path, out, *extra))
+from tiny_recipe import gpt_args, run_gpt
 
 
 def _gpt_error(tmp_path: Path, out: Path, *extra: str) -> str:
     with pytest.raises(SystemExit) as info:
-        _gpt(tmp_path, out, *extra)
+        run_gpt(tmp_path, out, *extra)
     assert isinstance(info.value.code, str), info.value.code
     return info.value.code
 
@@ -99,13 +85,13 @@ def test_disk_full_while_saving_the_final_model_then_the_rerun_finishes_it(tmp_p
     assert not (out / "summary.json").exists()
     monkeypatch.undo()
 
-    summary = _gpt(tmp_path, out)  # space freed: the rerun writes both from the step-4 checkpoint
+    summary = run_gpt(tmp_path, out)  # space freed: the rerun writes both from the step-4 checkpoint
     assert summary["completed"] and summary["steps"] == 4 and summary["checkpoint"] == str(out / "final")
     assert "the checkpoint is at the last step (4) but the run was not finished" in _log(out)
     assert json.loads((out / "summary.json").read_text())["completed"] is True
     assert checkpoint.verify_model(out / "final") == []
     _loads(out / "final")
-    again = _gpt(tmp_path, out)
+    again = run_gpt(tmp_path, out)
     assert "already holds the finished run (step 4)" in _log(out) and again == summary
 
 
@@ -125,12 +111,12 @@ def test_sigkill_during_the_final_save_then_the_rerun_finishes_it(tmp_path, fres
         "from volta_train.recipes import gpt_long\n"
         "gpt_long.main(sys.argv[1:])\n"
     )
-    child = subprocess.run([sys.executable, "-c", code, *_gpt_args(tmp_path, out)], capture_output=True, text=True,
+    child = subprocess.run([sys.executable, "-c", code, *gpt_args(tmp_path, out)], capture_output=True, text=True,
                            timeout=300, env=checkout_env(), cwd=tmp_path)
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     assert (out / ".tmp-final").is_dir() and not (out / "final").exists() and not (out / "summary.json").exists()
 
-    summary = _gpt(tmp_path, out)
+    summary = run_gpt(tmp_path, out)
     assert summary["completed"] and "but the run was not finished" in _log(out)
     assert checkpoint.verify_model(out / "final") == [] and not (out / ".tmp-final").exists()
     _loads(out / "final")
@@ -159,7 +145,7 @@ def _strict(text: str):
 def test_summary_json_is_strict_json_without_validation(tmp_path, fresh_state):
     """--eval-batches 0 measures no validation loss: summary.json (and final/run.json) say null, not NaN."""
     out = tmp_path / "out"
-    summary = _gpt(tmp_path, out, "--eval-batches", "0", "--seed", str(int(torch.randint(1 << 16, ()))))
+    summary = run_gpt(tmp_path, out, "--eval-batches", "0", "--seed", str(int(torch.randint(1 << 16, ()))))
     written = _strict((out / "summary.json").read_text(encoding="utf-8"))
     assert written["val_loss"] is None and summary["val_loss"] is None
     assert written["completed"] and written["steps"] == 4 and written["train_loss"] > 0
@@ -258,13 +244,13 @@ def test_a_checkpoint_written_before_an_option_moved_is_compared_under_its_new_n
 
 def test_the_recipe_records_the_learning_rate_and_warns_when_it_changes(tmp_path, fresh_state):
     out = tmp_path / "out"
-    _gpt(tmp_path, out, "--lr", "1e-3", "--steps", "2")
+    run_gpt(tmp_path, out, "--lr", "1e-3", "--steps", "2")
     state = json.loads((out / "checkpoints" / "step-00000002" / checkpoint.STATE).read_text())
     for flag in ("--lr", "--seed", "--n-layer", "--data", "--packing", "--weight-decay", "--min-lr-ratio",
                  "--memory.chunked-loss", "--steps", "--batch-size"):
         assert flag in state["settings"], flag
     assert "--out-dir" not in state["settings"] and "--log-interval" not in state["settings"]
-    _gpt(tmp_path, out, "--lr", "2e-3", "--steps", "3")
+    run_gpt(tmp_path, out, "--lr", "2e-3", "--steps", "3")
     assert "with --lr 0.002; the checkpoint was written with 0.001" in _log(out)
     assert "with --steps 3; the checkpoint was written with 2" in _log(out)
     message = _gpt_error(tmp_path, out, "--n-layer", "3", "--steps", "5")
@@ -279,7 +265,7 @@ def test_the_recipe_records_the_learning_rate_and_warns_when_it_changes(tmp_path
 def test_a_run_stopped_early_exits_with_the_stopped_status(tmp_path, fresh_state):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as info:
-        _gpt(tmp_path, out, "--steps", "50", "--time-limit-min", "1e-6")
+        run_gpt(tmp_path, out, "--steps", "50", "--time-limit-min", "1e-6")
     assert info.value.code == STOPPED_EXIT == 75
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped"].startswith("time limit")
@@ -417,10 +403,10 @@ def test_volta_train_train_names_itself_and_an_out_dir_that_is_a_file(tmp_path, 
     a_file = tmp_path / "out"
     a_file.write_text("not a directory")
     with pytest.raises(SystemExit) as info:
-        cli.main(["train", *_gpt_args(tmp_path, a_file)])
+        cli.main(["train", *gpt_args(tmp_path, a_file)])
     assert info.value.code == (f"volta-train train: error: out_dir {str(a_file)!r} is a file, not a directory: pick "
                                "another out_dir or move the file away")
     with pytest.raises(SystemExit) as info:
-        cli.main(["train", *_gpt_args(tmp_path, a_file / "sub")])
+        cli.main(["train", *gpt_args(tmp_path, a_file / "sub")])
     assert f"is inside {str(a_file)!r}, which is a file" in info.value.code
     assert a_file.read_text() == "not a directory"
