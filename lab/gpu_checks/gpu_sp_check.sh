@@ -21,7 +21,7 @@
 #
 # Every launch has a timeout (RUN_TIMEOUT, PROBE_TIMEOUT), cut to what is left of the check's time limit, BUDGET_S
 # seconds (default 450); what no longer fits is skipped and listed in the report. Expected: ~3 min for the loss phase, ~3 min for memory.
-# DeepSpeed is installed from the wheels in .whl/ when missing (see lab/gpu_checks/gpu_train_check.sh's header).
+# DeepSpeed is installed from the wheels in .whl/ when missing (lab/gpu_checks/carried_wheels.sh).
 # Output: $OUT_DIR (default out/gpu_sp_check): report.md, loss_sp{1,2,4}/ (train.csv, summary.json, ...), *.log,
 # probe_sp*.json, loss.png.
 set -uo pipefail
@@ -78,10 +78,10 @@ allowed() {
 echo "== environment"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 if ! $PY -c "import deepspeed" 2>/dev/null; then
-  echo "deepspeed not installed: installing from $WHEELS/"
-  $PY -m pip install -q --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2
+  echo "deepspeed not installed: installing the wheels in $WHEELS/"
+  source lab/gpu_checks/carried_wheels.sh
   if ! $PY -c "import deepspeed" 2>/dev/null; then
-    echo "FAIL: deepspeed cannot be imported; put the wheels listed in lab/gpu_checks/gpu_train_check.sh in .whl/"; exit 1
+    echo "FAIL: deepspeed cannot be imported; put the wheels of lab/gpu_checks/carried_wheels.sh in $WHEELS/"; exit 1
   fi
 fi
 $PY - <<'EOF'

@@ -6,20 +6,8 @@
 #   bash lab/gpu_checks/gpu_train_check.sh       # from the repository root, on a machine with 2 GPUs
 #   STEPS=200 SEQ_LEN=1024 bash lab/gpu_checks/gpu_train_check.sh
 #
-# DeepSpeed and a few of its pure-Python dependencies, when the GPU machine lacks them and has no network, are
-# installed from wheels in the directory WHEELS (default .whl/, ignored by git):
-#   deepspeed-0.19.8-py3-none-any.whl        (PyPI ships only the sdist: build it once, on any machine,
-#                                             DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl)
-#   hjson-3.1.0-py3-none-any.whl
-#   pydantic-2.13.4-py3-none-any.whl
-#   pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl   (Python 3.12 there)
-#   annotated_types-0.7.0-py3-none-any.whl
-#   typing_inspection-0.4.2-py3-none-any.whl
-#   typing_extensions-4.16.0-py3-none-any.whl (only used if the machine's is older than pydantic needs)
-# (pip download --no-deps hjson==3.1.0 pydantic==2.13.4 annotated-types==0.7.0 typing-inspection==0.4.2
-#  typing-extensions==4.16.0 -d .whl; pip download --no-deps --only-binary=:all: --python-version 3.12
-#  --platform manylinux2014_x86_64 pydantic-core==2.46.4 -d .whl.) Everything else DeepSpeed needs
-# (einops, msgpack, ninja, numpy, packaging, psutil, py-cpuinfo, nvidia-ml-py, torch, tqdm) is there.
+# DeepSpeed, when the GPU machine lacks it and has no network, comes from the wheels carried in WHEELS (default
+# .whl/, ignored by git), installed by lab/gpu_checks/carried_wheels.sh (its header lists them).
 #
 # Output: out/gpu_train_check/{zero2,zero3}/ (train.csv, eval.csv, summary.json, train.log, TensorBoard),
 # out/gpu_train_check/report.md (the table and trajectories printed at the end), loss.png.
@@ -43,8 +31,9 @@ mkdir -p "$OUT"
 echo "== environment"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 if ! $PY -c "import deepspeed" 2>/dev/null; then
-  echo "deepspeed not installed: installing from $WHEELS/"
-  $PY -m pip install --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2 || { echo "FAILED: put the wheels listed at the top in $WHEELS"; exit 1; }
+  echo "deepspeed not installed: installing the wheels in $WHEELS/"
+  source lab/gpu_checks/carried_wheels.sh
+  $PY -c "import deepspeed" 2>/dev/null || { echo "FAILED: put the wheels of lab/gpu_checks/carried_wheels.sh in $WHEELS"; exit 1; }
 fi
 $PY - <<'EOF'
 import torch, transformers, accelerate, deepspeed

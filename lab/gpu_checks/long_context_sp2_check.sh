@@ -12,8 +12,8 @@
 #      while the budget allows). If the process dies without a trained target and
 #      at least RELAUNCH_S seconds are left, it is started once more at 90% of that target.
 # From the repository root:  OUT=/some/dir bash lab/gpu_checks/long_context_sp2_check.sh
-# DeepSpeed is installed from the wheels in .whl/ when missing (lab/gpu_checks/gpu_train_check.sh lists them; the
-# DeepSpeed wheel: DS_BUILD_OPS=0 pip wheel deepspeed==0.19.8 --no-deps -w .whl). Carry .whl with the run.
+# DeepSpeed is installed from the wheels in .whl/ when missing (lab/gpu_checks/carried_wheels.sh lists them).
+# Carry .whl with the run.
 # Output in $OUT: report.md, long_context_sp2_check.json (both probes' JSON), long_context_sp2_check.png,
 # medium.log, llama8b.log, env.txt. PROBES="llama8b" runs one of the two. CPU_SMOKE=1: the same flow on two CPU processes (gloo, tiny models; no figures).
 set -uo pipefail
@@ -57,10 +57,10 @@ fi
   echo "c++: $(command -v c++ || echo none); ninja: $(command -v ninja || echo none)"
 } > "$dest/env.txt" 2>&1
 if ! $PY -c "import deepspeed" 2>/dev/null; then
-  echo "deepspeed not installed: installing from $WHEELS/" | tee -a "$log"
-  $PY -m pip install -q --no-index --find-links "$WHEELS" deepspeed 2>&1 | tail -2 | tee -a "$log"
+  echo "deepspeed not installed: installing the wheels in $WHEELS/" | tee -a "$log"
+  source lab/gpu_checks/carried_wheels.sh >> "$log" 2>&1
   if ! $PY -c "import deepspeed" 2>/dev/null; then
-    stamp "FAIL: deepspeed cannot be imported; put the wheels of lab/gpu_checks/gpu_train_check.sh's header in $WHEELS/"
+    stamp "FAIL: deepspeed cannot be imported; put the wheels of lab/gpu_checks/carried_wheels.sh in $WHEELS/"
     exit 1
   fi
 fi
