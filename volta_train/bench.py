@@ -150,9 +150,15 @@ WRAP = {"fwd": lambda f: f, "bwd": backward_only, "fwdbwd": with_backward}
 
 def measure(fn, batch, seqlen, heads, d, pass_name, args):
     """(median ms, peak extra MiB, note); ms None with the reason when the backend cannot run the case."""
+    return _measure(fn, lambda: make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd"), pass_name,
+                    args)
+
+
+def _measure(fn, build_inputs, pass_name, args):
+    """measure() on the input sets ``build_inputs()`` makes (inside the try: they can run out of memory too)."""
     torch.cuda.empty_cache()
     try:
-        inputs = make_inputs(batch, seqlen, heads, d, args.input_sets, pass_name != "fwd")
+        inputs = build_inputs()
         if pass_name == "bwd":  # build each input set's graph before the memory baseline
             for q, k, v in inputs:
                 fn(q, k, v)
@@ -169,20 +175,28 @@ def accuracy(forward, pass_name, seqlen, heads, d, causal, seed: int = 0, device
     """Errors of ``forward`` (fp16 in) against volta_train's float64 reference on a [1, seqlen, heads, d] slice."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(1, seqlen, heads, d, device=device, generator=gen).half() for _ in range(4))
-    params = AttentionOptions(softmax_scale=d ** -0.5, causal=causal)
-    q64, k64, v64, dout64 = (t.double() for t in (q, k, v, dout))
+    return _reference_errors(forward, pass_name, q, k, v, dout, causal)
+
+
+def _reference_errors(forward, pass_name, q, k, v, dout, causal) -> dict[str, float]:
+    """Errors of ``forward(q, k, v)`` (out, or dQ/dK/dV for ``dout``) against the float64 reference; the tensors are
+    [B, N, H, D], or one packed sequence [N, H, D]."""
+    packed = q.dim() == 3
+    params = AttentionOptions(softmax_scale=q.shape[-1] ** -0.5, causal=causal)
+    q64, k64, v64, dout64 = (t.double()[None] if packed else t.double() for t in (q, k, v, dout))
     with torch.no_grad():
         ref_out, lse = reference_forward(q64, k64, v64, params)
     test_in = [t.clone().requires_grad_(pass_name != "fwd") for t in (q, k, v)]
     out = forward(*test_in)
     if pass_name == "fwd":
-        pairs = {"out": (out, ref_out)}
+        wanted = {"out": ref_out}
+        got = {"out": out}
     else:
-        got = torch.autograd.grad(out, test_in, dout)
         with torch.no_grad():
             want = reference_backward(dout64, q64, k64, v64, ref_out, lse, params)
-        pairs = {name: (g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
-    return _errors(pairs)
+        wanted = dict(zip(("dq", "dk", "dv"), want))
+        got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, test_in, dout)))
+    return _errors({name: (got[name], w[0] if packed else w) for name, w in wanted.items()})
 
 
 def _errors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
@@ -300,20 +314,7 @@ def packed_accuracy(forward_for, pass_name: str, workload: Workload, length: int
     d = workload.head_dim
     q, dout = (torch.randn(length, group, d, device=device, generator=gen).half() for _ in range(2))
     k, v = (torch.randn(length, 1, d, device=device, generator=gen).half() for _ in range(2))
-    params = AttentionOptions(softmax_scale=d ** -0.5, causal=True)
-    q64, k64, v64, dout64 = (t.double()[None] for t in (q, k, v, dout))
-    with torch.no_grad():
-        ref_out, lse = reference_forward(q64, k64, v64, params)
-    test_in = [t.clone().requires_grad_(pass_name != "fwd") for t in (q, k, v)]
-    out = forward_for([length])(*test_in)
-    if pass_name == "fwd":
-        pairs = {"out": (out, ref_out[0])}
-    else:
-        got = torch.autograd.grad(out, test_in, dout)
-        with torch.no_grad():
-            want = reference_backward(dout64, q64, k64, v64, ref_out, lse, params)
-        pairs = {name: (g, w[0]) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
-    return _errors(pairs)
+    return _reference_errors(forward_for([length]), pass_name, q, k, v, dout, causal=True)
 
 
 def run_workload(args) -> list[dict]:
@@ -335,10 +336,12 @@ def run_workload(args) -> list[dict]:
                        tflops=None, peak_mib=None, note=f"{args.workload}: {len(lengths)} documents")
             scores_bytes = work.heads * max(lengths) ** 2 * 6
             if name == "eager" and scores_bytes > args.eager_limit_gb * 2**30:
-                rows.append(dict(row, note=row["note"] + f"; skipped: scores over --eager-limit-gb {args.eager_limit_gb:g}"))
+                skipped = f"; skipped: scores over --eager-limit-gb {args.eager_limit_gb:g}"
+                rows.append(dict(row, note=row["note"] + skipped))
                 continue
             fn = WRAP[pass_name](packed_fn(name, lengths, pass_name, accum))
-            ms, peak, note = _measure_packed(fn, total, work, pass_name, args)
+            ms, peak, note = _measure(fn, lambda: _packed_inputs(total, work, args.input_sets, pass_name != "fwd"),
+                                      pass_name, args)
             row.update(ms=ms, tflops=(fl / ms / 1e9) if ms else None, peak_mib=peak,
                        note=row["note"] + (f"; {note}" if note else ""))
             if ms and args.accuracy_heads > 0:
@@ -351,25 +354,14 @@ def run_workload(args) -> list[dict]:
     return rows
 
 
-def _measure_packed(fn, total: int, work: Workload, pass_name: str, args):
-    """measure() for packed inputs q [T, H, D], k/v [T, Hkv, D]."""
-    torch.cuda.empty_cache()
-    try:
-        inputs = []
-        for _ in range(args.input_sets):
-            q = torch.randn(total, work.heads, work.head_dim, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(total, work.kv_heads, work.head_dim, device="cuda", dtype=torch.float16)
-                    for _ in range(2))
-            inputs.append(tuple(t.requires_grad_(pass_name != "fwd") for t in (q, k, v)))
-        if pass_name == "bwd":
-            for q, k, v in inputs:
-                fn(q, k, v)
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        ms = time_ms(fn, inputs, args.warmup, args.repeats)
-    except (RuntimeError, NotImplementedError) as error:
-        return None, None, str(error).splitlines()[0][:100]
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20, ""
+def _packed_inputs(total: int, work: Workload, sets: int, requires_grad: bool) -> list[tuple]:
+    """Input sets of one packed row: q [total, heads, D], k/v [total, kv_heads, D], fp16 on the GPU."""
+    out = []
+    for _ in range(sets):
+        q = torch.randn(total, work.heads, work.head_dim, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(total, work.kv_heads, work.head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
+        out.append(tuple(t.requires_grad_(requires_grad) for t in (q, k, v)))
+    return out
 
 
 def environment() -> dict[str, str]:
@@ -406,8 +398,8 @@ def markdown(rows: list[dict], args, env: dict[str, str]) -> str:
                "note"]
     if getattr(args, "workload", None):
         work = WORKLOADS[args.workload]
-        shape = (f"workload {args.workload}: {work.heads} query and {work.kv_heads} key/value heads of {work.head_dim}, "
-                 f"causal, one packed row of seqlen tokens (documents log-uniform in [{work.shortest_document}, "
+        shape = (f"workload {args.workload}: {work.heads} query and {work.kv_heads} key/value heads of "
+                 f"{work.head_dim}, causal, one packed row of seqlen tokens (documents log-uniform in [{work.shortest_document}, "
                  f"seqlen/2]); FLOPs: the sum over documents of 2*H*L^2*D forward, 2.5x that backward; PyTorch "
                  f"backends document by document with K/V expanded")
         slice_text = "the first document's first 2,048 tokens x one key/value group"

@@ -44,9 +44,9 @@ def standing(package: str) -> str:
     version = installed(package)
     if version is None:
         return f"{package}: not installed (tested {lowest} to {newest})"
-    if _release(version) < _release(lowest):
+    if older(version, lowest):
         return f"{package} {version}: older than the lowest supported, {lowest} (pip install -U '{package}>={lowest}')"
-    if _release(version) > _release(newest):
+    if older(newest, version):
         return (f"{package} {version}: newer than the newest tested, {newest} (not known to fail: the test suite "
                 "checks it)")
     return f"{package} {version}: within the tested range {lowest} to {newest}"
