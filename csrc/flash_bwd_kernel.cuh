@@ -193,19 +193,24 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
     }
 }
 
-// dQ (query block) += dS K, each warp its kDqRowsPerWarp queries, then added into dq_accum by fp32 atomics.
-// A = dS [query][key] rows (row-major A), B = K^T [head_dim][key] rows (col-major B).
+// dQ (query block) += dS K, each warp its kDqRowsPerWarp queries and kDqColsPerWarp columns, then added into
+// dq_accum by fp32 atomics. A = dS [query][key] rows (row-major A); B = K^T [head_dim][key] rows (col-major B) or,
+// kDqFromK, the K tile's [key][head_dim] rows (row-major B): there one 16-byte load of a K row feeds a pair of 8-column
+// output tiles, whose logical column c of tile 2j + e is the quad-pair's column 16 j + 8 (c >> 2) + 4 e + (c & 3).
 template <class KT>
-__device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const half_bits* kt_tile, int tid, int m0,
-                                              int seqlen_q, float* dq_base, long long dq_row_stride) {
-    constexpr int kQpRows = KT::kDqQuadPairRows, kQpCols = KT::kDqQuadPairCols;
+__device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const half_bits* kt_tile, const half_bits* k_tile,
+                                              int tid, int m0, int seqlen_q, float* dq_base, long long dq_row_stride) {
+    constexpr int kQpRows = KT::kDqQuadPairRows;
     const int lane = tid & 31, warp = tid >> 5;
     const LaneInQuadPair lq(lane);
     const int qp = (lane >> 2) & 3, qp_m = qp % kQpRows, qp_n = qp / kQpRows;
-    const int row0 = warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
+    const int row0 = (warp % KT::kDqRowWarps) * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
+    const int col_slot = KT::kDqFromK ? (qp_n & 1) * 2 + (qp_n >> 1) : qp_n;
+    const int col0 = (warp / KT::kDqRowWarps) * KT::kDqColsPerWarp + col_slot * KT::kDqColsPerQuadPair;
     const half_bits* a_row = ds_tile + KT::DsRows::offset(row0 + lq.operand_row());
-    // tile ot's K^T row is offset(8 * ot) further (additive: K^T's gaps come every 8 rows)
-    const half_bits* b_rows = kt_tile + KT::KtRows::offset(qp_n * KT::kDqColsPerQuadPair + lq.operand_row());
+    // K^T: tile ot's row is offset(8 * ot) further (additive: K^T's gaps come every 8 rows). K rows: lane t's k-row.
+    const half_bits* b_rows = KT::kDqFromK ? k_tile + KT::KvRows::offset(lq.t) + col0 + 8 * lq.hi
+                                           : kt_tile + KT::KtRows::offset(col0 + lq.operand_row());
     float acc[KT::kDqTilesPerQuadPair][8];
     u32 acc16[KT::kDqTilesPerQuadPair][4];
 #pragma unroll
@@ -216,18 +221,42 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
             if (i < 4) acc16[ot][i] = 0u;
         }
     constexpr int kKeyChunks = KT::kBlockN / 8;
+    if (KT::kDqFromK) {
+        constexpr int kPairs = KT::kDqTilesPerQuadPair / 2;
 #pragma unroll
-    for (int o = 0; o < KT::kDqTilesPerQuadPair * kKeyChunks; ++o) {
-        const int ot = kBwdAccumulatorMajorMma ? o / kKeyChunks : o % KT::kDqTilesPerQuadPair;
-        const int kc = kBwdAccumulatorMajorMma ? o % kKeyChunks : o / KT::kDqTilesPerQuadPair;
-        const u32x4 a = load_shared_16B(a_row + 8 * kc);
-        const u32x4 b = load_shared_16B(b_rows + KT::KtRows::offset(8 * ot) + 8 * kc);
-        if (KT::kAccumF16) {
-            mma_rc_f16(acc16[ot], a.x, a.y, b.x, b.y);
-            mma_rc_f16(acc16[ot], a.z, a.w, b.z, b.w);
-        } else {
-            mma_rc_f32(acc[ot], a.x, a.y, b.x, b.y);
-            mma_rc_f32(acc[ot], a.z, a.w, b.z, b.w);
+        for (int o = 0; o < kPairs * kKeyChunks; ++o) {
+            const int j = kBwdAccumulatorMajorMma ? o / kKeyChunks : o % kPairs;
+            const int kc = kBwdAccumulatorMajorMma ? o % kKeyChunks : o / kPairs;
+            const u32x4 a = load_shared_16B(a_row + 8 * kc);
+            // k-rows 8 kc + t (first k-step) and 8 kc + 4 + t (second); KvRows has no gaps in 1x4 tiles
+            const u32x4 b0 = load_shared_16B(b_rows + KT::KvRows::offset(8 * kc) + 16 * j);
+            const u32x4 b1 = load_shared_16B(b_rows + KT::KvRows::offset(8 * kc + 4) + 16 * j);
+            if (KT::kAccumF16) {
+                mma_rr_f16(acc16[2 * j], a.x, a.y, b0.x, b0.y);
+                mma_rr_f16(acc16[2 * j], a.z, a.w, b1.x, b1.y);
+                mma_rr_f16(acc16[2 * j + 1], a.x, a.y, b0.z, b0.w);
+                mma_rr_f16(acc16[2 * j + 1], a.z, a.w, b1.z, b1.w);
+            } else {
+                mma_rr_f32(acc[2 * j], a.x, a.y, b0.x, b0.y);
+                mma_rr_f32(acc[2 * j], a.z, a.w, b1.x, b1.y);
+                mma_rr_f32(acc[2 * j + 1], a.x, a.y, b0.z, b0.w);
+                mma_rr_f32(acc[2 * j + 1], a.z, a.w, b1.z, b1.w);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int o = 0; o < KT::kDqTilesPerQuadPair * kKeyChunks; ++o) {
+            const int ot = kBwdAccumulatorMajorMma ? o / kKeyChunks : o % KT::kDqTilesPerQuadPair;
+            const int kc = kBwdAccumulatorMajorMma ? o % kKeyChunks : o / KT::kDqTilesPerQuadPair;
+            const u32x4 a = load_shared_16B(a_row + 8 * kc);
+            const u32x4 b = load_shared_16B(b_rows + KT::KtRows::offset(8 * ot) + 8 * kc);
+            if (KT::kAccumF16) {
+                mma_rc_f16(acc16[ot], a.x, a.y, b.x, b.y);
+                mma_rc_f16(acc16[ot], a.z, a.w, b.z, b.w);
+            } else {
+                mma_rc_f32(acc[ot], a.x, a.y, b.x, b.y);
+                mma_rc_f32(acc[ot], a.z, a.w, b.z, b.w);
+            }
         }
     }
 #pragma unroll
@@ -237,7 +266,8 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
             const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
                                               : acc[ot][i];
             const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
-            const int col = qp_n * KT::kDqColsPerQuadPair + 8 * ot + (KT::kAccumF16 ? i : lq.acc_col(i));
+            const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
+            const int col = col0 + (KT::kDqFromK ? 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3) : 8 * ot + c);
             if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
         }
 }
@@ -362,7 +392,8 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             store_shared_16B(ds_tile + KT::DsRows::offset(g.stile_q0(0, nt) + lq.operand_row()) + key_in_block, w);
         }
         __syncthreads();  // dS complete
-        bwd_dq_atomic<KT>(ds_tile, reinterpret_cast<const half_bits*>(st.smem + KT::kOffKt), tid, m0, seqlen_q, dq_base,
+        bwd_dq_atomic<KT>(ds_tile, reinterpret_cast<const half_bits*>(st.smem + KT::kOffKt),
+                          reinterpret_cast<const half_bits*>(st.smem + KT::kOffK), tid, m0, seqlen_q, dq_base,
                           dq_row_stride);
     }
 }
@@ -464,7 +495,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_d
                         reinterpret_cast<half_bits*>(smem + KT::kOffK), k_op);
     load_kv_operand<KT>(v_base, prm.v_row_stride, n0, seq.seqlen_k, 1.f, g, tid,
                         reinterpret_cast<half_bits*>(smem + KT::kOffV), v_op);
-    if (KT::kDqAtomic) {  // K^T for dQ = dS K (unscaled)
+    if (KT::kDqAtomic && !KT::kDqFromK) {  // K^T for dQ = dS K (unscaled)
         load_rows_and_transpose<KT, KT::kBlockN, typename KT::KtRows, typename KT::KtRows>(
             k_base, prm.k_row_stride, n0, seq.seqlen_k, tid, nullptr, reinterpret_cast<half_bits*>(smem + KT::kOffKt));
     }

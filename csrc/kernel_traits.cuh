@@ -160,7 +160,7 @@ struct FwdKernelTraits {
 // whose dK / dV accumulators do not fit one CTA's registers; docs/performance.md, "head_dim 256").
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
           bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false,
-          bool SOFTCAP = false, int OUT_SPLIT = 1>
+          bool SOFTCAP = false, int OUT_SPLIT = 1, bool DQ_FROM_K = false>
 struct BwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -194,11 +194,19 @@ struct BwdKernelTraits {
     static constexpr int kOTilesPerQuadPair = kOColsPerQuadPair / 8;
     static constexpr int kQRegs = kHeadDim / 2;
 
-    // dQ tile [kBlockM x head_dim]: warp w owns kDqRowsPerWarp queries, arranged like a forward output tile
-    static constexpr int kDqRowsPerWarp = kBlockM / kWarps;
+    // dQ by atomics with B = the K tile's rows (row-major B, DQ_FROM_K) instead of a K^T copy: no K^T tile in
+    // shared memory (what lets the sm_70 d128 tile of 8 warps fit 96 KB).
+    static constexpr bool kDqFromK = DQ_FROM_K && DQ_ATOMIC;
+    // dQ tile [kBlockM x head_dim], arranged like a forward output tile: warp w owns kDqRowsPerWarp queries and
+    // kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
+    // split head_dim.
+    static constexpr int kDqColWarps = kBlockM / kWarps >= 8 ? 1 : 8 * kWarps / kBlockM;
+    static constexpr int kDqRowWarps = kWarps / kDqColWarps;
+    static constexpr int kDqRowsPerWarp = kBlockM / kDqRowWarps;
+    static constexpr int kDqColsPerWarp = kHeadDim / kDqColWarps;
     static constexpr int kDqQuadPairRows = kDqRowsPerWarp / 8;
     static constexpr int kDqQuadPairCols = kDqQuadPairRows > 0 ? 4 / kDqQuadPairRows : 1;
-    static constexpr int kDqColsPerQuadPair = kHeadDim / kDqQuadPairCols;
+    static constexpr int kDqColsPerQuadPair = kDqColsPerWarp / kDqQuadPairCols;
     static constexpr int kDqTilesPerQuadPair = kDqColsPerQuadPair / 8;
 
     // Shared memory (halves; rows padded by 16 B). Layouts (TileRows, TileVector above; mirrored by
@@ -212,6 +220,8 @@ struct BwdKernelTraits {
     //   rows land on the other parity when kOColsPerQuadPair / 4 + S-tiles is odd; else one more chunk after every
     //   2^z rows, z the trailing zeros of kOColsPerQuadPair (an odd count of them between the partners).
     // dQ atomics on 1x4 dQ quad-pairs (8 queries per warp): K^T rows kDqColsPerQuadPair apart, a gap every 8 rows.
+    // dQ from the K tile (1x4 K rows, a pitch of 4 words modulo 32): quad-pair q takes column slot (q & 1) * 2 +
+    //   (q >> 1) of the warp's columns, so that the two quad-pairs of a quarter-warp read their 4 K rows 64 bytes apart.
     // Other tiles: plain rows (gaps 0).
     static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
     static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart);
@@ -243,7 +253,7 @@ struct BwdKernelTraits {
     static constexpr int kOffQt = kOffDo + kQTileBytes;
     static constexpr int kOffDot = kOffQt + kQtTileBytes;
     static constexpr int kOffKt = kOffDot + kQtTileBytes;
-    static constexpr int kOffDs = kOffKt + (kDqAtomic ? kKtTileBytes : 0);
+    static constexpr int kOffDs = kOffKt + (kDqAtomic && !kDqFromK ? kKtTileBytes : 0);
     static constexpr int kOffK = kOffDs + (kDqAtomic ? kDsTileBytes : 0);
     static constexpr int kOffV = kOffK + kKvTileBytes;
     static constexpr int kOffLse = kOffV + kKvTileBytes;
@@ -265,6 +275,10 @@ struct BwdKernelTraits {
                   "a dK / dV slice must be a multiple of 32 columns");
     static_assert(!kDqAtomic || (kDqQuadPairRows == 1 || kDqQuadPairRows == 2 || kDqQuadPairRows == 4),
                   "dQ rows per warp must be 8, 16 or 32");
-    static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols) == 0, "head_dim must split over dQ quad-pairs");
+    static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols * kDqColWarps) == 0,
+                  "head_dim must split over dQ quad-pairs");
+    static_assert(!kDqAtomic || kDqColWarps * kDqRowWarps == kWarps, "dQ's warps must tile the query block");
+    static_assert(!kDqFromK || (kKvInSmem && kDqQuadPairCols == 4 && kDqTilesPerQuadPair % 2 == 0),
+                  "dQ from the K tile needs K in shared memory, 1x4 dQ quad-pairs and pairs of 8-column tiles");
     static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
 };

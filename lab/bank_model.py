@@ -495,6 +495,7 @@ class BwdShape(_QuadPairGeometry):
     kv_in_smem: bool = False
     lean: bool = False
     out_split: int = 1  # CTAs per key block, each with head_dim / out_split columns of dK / dV (slice 0 modelled)
+    dq_from_k: bool = False  # dQ's B from the K tile's rows (row-major B), no K^T tile (BwdKernelTraits::kDqFromK)
 
     @property
     def out_dim(self):  # BwdKernelTraits::kOutDim: the dK / dV columns of one CTA
@@ -521,8 +522,20 @@ class BwdShape(_QuadPairGeometry):
         return self.accum_f16 and not self.lean
 
     @property
+    def dq_col_warps(self):  # BwdKernelTraits::kDqColWarps: warps sharing 8 queries, splitting head_dim
+        return 1 if self.block_m // self.warps >= 8 else 8 * self.warps // self.block_m
+
+    @property
+    def dq_row_warps(self):
+        return self.warps // self.dq_col_warps
+
+    @property
     def dq_rows_per_warp(self):
-        return self.block_m // self.warps
+        return self.block_m // self.dq_row_warps
+
+    @property
+    def dq_k_rows(self):  # dQ by atomics reading B from the K tile
+        return self.dq_atomic and self.dq_from_k
 
     def qp_mn(self, lane):
         qp = qp_of(lane)
@@ -576,7 +589,9 @@ def bwd_tile_rows(s: BwdShape) -> dict:
     rows = {"q": s.block_m, "do": s.block_m, "qt": s.out_dim, "dot": s.out_dim, "lse": s.block_m,
             "dsum": s.block_m}
     if s.dq_atomic:
-        rows.update(kt=s.head_dim, ds=s.block_m)
+        rows.update(ds=s.block_m)
+        if not s.dq_k_rows:
+            rows.update(kt=s.head_dim)
     if s.kv_in_smem:
         rows.update(k=s.block_n, v=s.block_n)
     return rows
@@ -659,7 +674,7 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
         g8 = L["staging_lanes"] and (s.head_dim // 8) % 8 != 0
         _row_major_fill(p, "k.fill", s.block_n, s.head_dim, T, L["k"], 1, loop=True, groups8=g8)
         _row_major_fill(p, "v.fill", s.block_n, s.head_dim, T, L["v"], 1, loop=True, groups8=g8)
-    if s.dq_atomic:
+    if s.dq_atomic and not s.dq_k_rows:
         _load_rows_and_transpose(p, "kt.fill", s.block_n, s.head_dim, T, None, L["kt"], 1)
     # per query block: loads of Q, dO (+ transposes), lse, dsum
     _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], L["qt"], blocks, s.out_dim)
@@ -699,18 +714,33 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
                 s.stile_q0(tid & 31, 0, nt) + operand_row(tid & 31), s.key_in_block(tid))), blocks)
         dq_qp_rows = s.dq_rows_per_warp // 8
         dq_qp_cols = 4 // dq_qp_rows
-        dq_cols = s.head_dim // dq_qp_cols
+        dq_cols = s.head_dim // s.dq_col_warps // dq_qp_cols  # per quad-pair
+
+        def col0(tid):  # the quad-pair's first dQ column (flash_bwd_kernel.cuh bwd_dq_atomic)
+            qp_n = qp_of(tid & 31) // dq_qp_rows
+            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows else qp_n
+            return ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
+
         for kc in range(s.block_n // 8):
             def a_addr(tid):
                 lane = tid & 31
                 qp_m = qp_of(lane) % dq_qp_rows
-                return L["ds"].addr((tid >> 5) * s.dq_rows_per_warp + 8 * qp_m + operand_row(lane), 8 * kc)
+                return L["ds"].addr(((tid >> 5) % s.dq_row_warps) * s.dq_rows_per_warp + 8 * qp_m + operand_row(lane),
+                                    8 * kc)
+            if s.dq_k_rows:  # one A load and two K-row loads (k-steps) per pair of 8-column tiles
+                for j in range(dq_cols // 16):
+                    p.add("dQ+=dSK.A", "ld", 16, _warps(T, a_addr), blocks)
+                    for step in (0, 4):
+                        def b_addr(tid, j=j, step=step):
+                            lane = tid & 31
+                            return L["k"].addr(8 * kc + step + (lane & 3), col0(tid) + 16 * j + 8 * (lane >> 4))
+                        p.add("dQ+=dSK.B", "ld", 16, _warps(T, b_addr), blocks)
+                continue
             for ot in range(dq_cols // 8):
                 p.add("dQ+=dSK.A", "ld", 16, _warps(T, a_addr), blocks)  # per use
                 def b_addr(tid, ot=ot):
                     lane = tid & 31
-                    qp_n = qp_of(lane) // dq_qp_rows
-                    return L["kt"].addr(qp_n * dq_cols + operand_row(lane) + 8 * ot, 8 * kc)
+                    return L["kt"].addr(col0(tid) + operand_row(lane) + 8 * ot, 8 * kc)
                 p.add("dQ+=dSK.B", "ld", 16, _warps(T, b_addr), blocks)
     # epilogue: dK and dV staged, then written in 16-byte rows
     for out in ("dk", "dv"):
@@ -751,7 +781,7 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
     if dq_atomic is None:
         raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
     shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean,
-                     tile.out_split)
+                     tile.out_split, tile.dq_from_k)
     if plain:
         layouts = {**bwd_layouts(shape, plain=True), **(layouts or {})}
     return predict_dkdv(shape, layouts)
@@ -779,7 +809,8 @@ def dq_tile_smem_bytes(tile, head_dim: int) -> int:
 def bwd_tile_smem_bytes(tile, head_dim: int, dq_atomic: bool) -> int:
     """BwdKernelTraits::kSmemBytes of a dK/dV tile."""
     return bwd_shape_smem_bytes(BwdShape(head_dim, tile.quad_pair_rows, tile.warps, tile.block_m, dq_atomic=dq_atomic,
-                                         kv_in_smem=tile.kv_in_smem, lean=tile.lean, out_split=tile.out_split))
+                                         kv_in_smem=tile.kv_in_smem, lean=tile.lean, out_split=tile.out_split,
+                                         dq_from_k=tile.dq_from_k))
 
 
 def variant_smem_bytes(variant) -> int:

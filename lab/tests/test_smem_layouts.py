@@ -47,7 +47,7 @@ def _dq_shape(v) -> bm.FwdShape:
 def _shape(v) -> bm.BwdShape:
     t = v.meta["tile"]
     return bm.BwdShape(v.meta["head_dim"], t.quad_pair_rows, t.warps, t.block_m, v.meta["accum_f16"],
-                       "_dqatomic" in v.name, t.kv_in_smem, t.lean, t.out_split)
+                       "_dqatomic" in v.name, t.kv_in_smem, t.lean, t.out_split, t.dq_from_k)
 
 
 # --- the C++ constants against the mirror (NVRTC static_asserts; no GPU) ---------------------------------------------
@@ -164,7 +164,8 @@ def _writes(s, L):
     rows_and_transpose(s.block_m, "q", "qt", s.out_dim)
     rows_and_transpose(s.block_m, "do", "dot", s.out_dim)
     if s.dq_atomic:
-        rows_and_transpose(s.block_n, None, "kt", s.head_dim)
+        if not s.dq_k_rows:
+            rows_and_transpose(s.block_n, None, "kt", s.head_dim)
         for tid, lane in _lanes(s):  # dS^T -> dS: key_in_block is the quad-pair's 8-key tile
             for nt in range(s.s_tiles):
                 q = s.stile_q0(lane, 0, nt) + _op_row(lane)
@@ -220,12 +221,21 @@ def _reads(s, L):
                         yield bt, base_row + 8 * ot, q0, off(bt, base_row) + step(bt, 8 * ot) + 2 * q0
         if s.dq_atomic:  # bwd_dq_atomic: a_row = DsRows::offset(row0 + operand_row()); b_rows + KtRows::offset(8 ot)
             dq_qp_rows = s.dq_rows_per_warp // 8
-            dq_cols = s.head_dim // (4 // dq_qp_rows)
+            dq_cols = s.head_dim // s.dq_col_warps // (4 // dq_qp_rows)
             qp = bm.qp_of(lane)
-            a_row = (tid >> 5) * s.dq_rows_per_warp + 8 * (qp % dq_qp_rows) + _op_row(lane)
-            b_row = (qp // dq_qp_rows) * dq_cols + _op_row(lane)
+            qp_n = qp // dq_qp_rows
+            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows else qp_n
+            col0 = ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
+            a_row = ((tid >> 5) % s.dq_row_warps) * s.dq_rows_per_warp + 8 * (qp % dq_qp_rows) + _op_row(lane)
+            b_row = col0 + _op_row(lane)
             for kc in range(s.block_n // 8):
                 yield "ds", a_row, 8 * kc, off("ds", a_row) + 16 * kc
+                if s.dq_k_rows:  # b_rows = KvRows::offset(t) + col0 + 8 hi, + KvRows::offset(8 kc (+ 4)) + 16 j
+                    for j in range(dq_cols // 16):
+                        for k_step in (0, 4):
+                            row, col = 8 * kc + k_step + (lane & 3), col0 + 16 * j + 8 * (lane >> 4)
+                            yield "k", row, col, off("k", lane & 3) + step("k", 8 * kc + k_step) + 2 * col
+                    continue
                 for ot in range(dq_cols // 8):
                     yield "kt", b_row + 8 * ot, 8 * kc, off("kt", b_row) + step("kt", 8 * ot) + 16 * kc
 

@@ -242,7 +242,12 @@ def test_candidate_bwd_tiles_fit_and_are_not_the_shipped_tile(head_dim):
 def test_bwd_tile_ok_mirrors_the_kernel_asserts():
     one_by_four = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32)
     assert not ve.bwd_tile_ok(112, tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32), False)  # needs d % 32 == 0
-    assert not ve.bwd_tile_ok(128, one_by_four, True)  # 4 dQ rows per warp: no quad-pair layout
+    # 4 queries per warp: dQ's warps split head_dim in two; without dq_from_k the K^T copy does not fit 96 KB
+    assert not ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True), True)
+    assert ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
+                          True)
+    assert not ve.bwd_tile_ok(96, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
+                              True)  # 12 dQ columns per quad-pair: no pair of 8-column tiles
     assert ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32), False)
     big = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True)
     assert not ve.bwd_tile_ok(128, big, False)  # 107008 B > 96 KB

@@ -125,12 +125,16 @@ class BwdTile:
     # CTAs per key block (BwdKernelTraits OUT_SPLIT, grid z), each accumulating head_dim / out_split columns of dK
     # and dV and recomputing S and dP in full (head_dim 256); > 1 needs dq_atomic=False (dQ from the dQ kernel)
     out_split: int = 1
+    # dQ atomics read B from the K tile in shared memory (row-major B, kv_in_smem) instead of a K^T copy
+    dq_from_k: bool = False
 
     def __post_init__(self) -> None:
         if self.out_split < 1:
             raise ValueError(f"BwdTile out_split={self.out_split}; accepted: 1 or more")
         if self.out_split > 1 and self.dq_atomic:
             raise ValueError(f"BwdTile out_split={self.out_split} needs dq_atomic=False (dQ from the dQ kernel)")
+        if self.dq_from_k and not (self.dq_atomic and self.kv_in_smem):
+            raise ValueError("BwdTile dq_from_k=True needs dq_atomic=True and kv_in_smem=True (B is the K tile)")
 
     @property
     def block_n(self) -> int:
@@ -159,7 +163,7 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     64: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
     80: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_atomic=False),
+    128: BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
     256: BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
 BWD_TILES_EMULATED: dict[int, BwdTile] = {

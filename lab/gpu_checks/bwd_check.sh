@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The d128 backward's figures in one device call (an H200: ~5-8 min), for issue work on the backward kernels:
+#   1. the CUTLASS Sm70 peer (lab/bench_cutlass_sm70.py, prebuilt harness .cutlass_build/harness: carry it),
+#      forward and backward, head_dim 64/128, N 1k/4k, full and causal, in the same lease as
+#   2. volta_train's forward and backward on the same shapes (scripts/bench_attention.py), and
+#   3. optionally (BWD_CHECK_NCU=1) Nsight Compute's warp-state, instruction and scheduler sections of one
+#      emulated backward launch per head_dim (lab/gpu_checks/bwd_profile.py), and
+#   4. optionally (BWD_CHECK_SWEEP="<lab/tile_sweep.py arguments>") a tile sweep;
+#   0. first, optionally, correctness: BWD_CHECK_TESTS="<test files>" (gpu-marked tests; BWD_CHECK_K: a -k expression) beside
+#      BWD_CHECK_SANITIZE="<head dims>" (lab/sanitize_kernels.py, both tile tables, those head dims only).
+# From the repository root:  OUT=/some/dir bash lab/gpu_checks/bwd_check.sh ; everything lands in $OUT/bwd_check.tgz.
+set -uo pipefail
+dest=${OUT:-bwd_check_out}; mkdir -p "$dest"
+out=${BWD_CHECK_WORK:-$(mktemp -d /tmp/bwd_check.XXXXXX)}; mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export VOLTA_TRAIN_CACHE_DIR=${VOLTA_TRAIN_CACHE_DIR:-/tmp/volta_train_cache}
+began=$(date +%s)
+stamp() { echo "[bwd_check +$(( $(date +%s) - began )) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/env.txt"
+if [ -n "${BWD_CHECK_TESTS:-}" ]; then
+  stamp "gpu tests: $BWD_CHECK_TESTS"
+  timeout 400 python3 -m pytest $BWD_CHECK_TESTS ${BWD_CHECK_K:+-k "$BWD_CHECK_K"} -m gpu -q -rfE -p no:cacheprovider > "$out/pytest.log" 2>&1 &
+  tests_pid=$!
+fi
+if [ -n "${BWD_CHECK_SANITIZE:-}" ]; then
+  stamp "sanitizer: head dims $BWD_CHECK_SANITIZE"
+  python3 lab/sanitize_kernels.py --head-dims $BWD_CHECK_SANITIZE --out "$out/sanitizer" --tool-timeout 300 \
+    > "$out/sanitizer.log" 2>&1
+  stamp "sanitizer exit $?: $(tail -1 "$out/sanitizer.log")"
+fi
+if [ -n "${tests_pid:-}" ]; then
+  wait $tests_pid; stamp "tests exit $?: $(tail -1 "$out/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20
+fi
+shapes=(--head-dims 64 128 --seqlens 1024 4096 --causal false true)
+harness=${CUTLASS_HARNESS:-.cutlass_build/harness}
+if [ -x "$harness" ]; then
+  stamp "CUTLASS Sm70 peer"
+  python3 lab/bench_cutlass_sm70.py --binary "$harness" --suite train "${shapes[@]}" --splits 1-8 --timeout 400 \
+    --out "$out/cutlass" > "$out/cutlass.log" 2>&1
+  stamp "exit $?"
+fi
+stamp "volta_train"
+python3 scripts/bench_attention.py --passes fwd bwd "${shapes[@]}" --accum fp32 --baselines --out "$out/volta" \
+  > "$out/volta.log" 2>&1
+stamp "exit $?"
+if [ "${BWD_CHECK_NCU:-0}" = 1 ]; then
+  for d in 64 128; do
+    stamp "ncu d$d"
+    ncu --kernel-name regex:flash_bwd_dkdv --launch-skip 1 --launch-count 1 --section WarpStateStats \
+      --section InstructionStats --section SchedulerStats --section LaunchStats --section Occupancy \
+      --section SpeedOfLight python3 lab/gpu_checks/bwd_profile.py $d > "$out/ncu_d$d.txt" 2>&1
+    stamp "exit $?"
+  done
+fi
+if [ -n "${BWD_CHECK_SWEEP:-}" ]; then
+  stamp "tile sweep: $BWD_CHECK_SWEEP"
+  python3 lab/tile_sweep.py $BWD_CHECK_SWEEP --out "$out/sweep" > "$out/sweep.log" 2>&1
+  stamp "exit $?"
+fi
+tar -czf "$dest/bwd_check.tgz" -C "$out" .
+stamp "done"
