@@ -10,7 +10,8 @@ volta_train's Volta build, so the two compare on the same footing).
 
 Suites: ``check`` (every built kernel on small odd shapes, forced, verified, no timing), ``train`` (forward and
 backward, B*N = --tokens, H = --hidden / head_dim, head_dim 64/128/256, N 1024/4096, causal and not), ``hd256``
-(``train`` at head_dim 256 only), ``decode`` (forward with seqlen_q 1, --decode-heads heads for Q and K/V, i.e. GQA
+(``train`` at head_dim 256 only), ``workload`` (``volta-train bench --workload``'s packed documents, one case
+per document length, summed per row; ``--volta-json`` adds volta_train's times and the ratio), ``decode`` (forward with seqlen_q 1, --decode-heads heads for Q and K/V, i.e. GQA
 expanded as SDPA's memory-efficient backend needs it, head_dim 128/256, N_k 4096/32768, batch 1/8), ``all`` (check,
 train, decode). Which kernel runs, the timing, the FLOP counts, the key-split sweep and the fp32 reference check are
 the harness's (lab/cutlass_sm70/harness.cu, header comment). Writes cutlass_sm70.md, .json, .jsonl (the harness's
@@ -58,7 +59,7 @@ ARCH = "sm_90"
 NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
               f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}"]
 INSTANCE_FLAGS = ["-diag-suppress", "940", "-Xptxas", "-v"]
-SUITES = ("check", "train", "hd256", "decode", "all")
+SUITES = ("check", "train", "hd256", "decode", "workload", "all")
 STEM = "cutlass_sm70"
 
 
@@ -213,6 +214,27 @@ def decode_cases(args) -> list[str]:
             for d in args.decode_head_dims for b in args.decode_batches for n in args.decode_seqlens]
 
 
+def workload_documents(args) -> list[tuple[str, int, list[int]]]:
+    """(pass, packed row length, document lengths) of the ``--workload`` (volta_train.bench's, same seed), per pass."""
+    from volta_train.bench import WORKLOADS, document_lengths  # needs torch: only for this suite
+    work = WORKLOADS[args.workload]
+    return [(p, total, document_lengths(total, work.shortest_document, total // 2))
+            for p in args.passes for total in work.rows]
+
+
+def workload_cases(args) -> list[str]:
+    """One case per distinct document length of each packed row, causal, K/V expanded to the query heads (what
+    PyTorch's memory-efficient SDPA runs per document); backward at PyTorch's own key split."""
+    from volta_train.bench import WORKLOADS
+    work = WORKLOADS[args.workload]
+    cases = []
+    for pass_name, total, lengths in workload_documents(args):
+        for n in sorted(set(lengths)):
+            spec = f"tag=workload-{total},pass={pass_name},b=1,h={work.heads},n={n},d={work.head_dim},causal=1"
+            cases.append(spec + (f",splits={args.workload_splits}" if pass_name == "bwd" else ""))
+    return cases
+
+
 def suite_cases(args) -> tuple[bool, list[str]]:
     """(run the harness's --check, case specs) for the chosen suites."""
     suites = set(args.suite)
@@ -225,6 +247,8 @@ def suite_cases(args) -> tuple[bool, list[str]]:
         cases += train_cases(args, [256])
     if "decode" in suites:
         cases += decode_cases(args)
+    if "workload" in suites:
+        cases += workload_cases(args)
     return "check" in suites, cases
 
 
@@ -415,7 +439,48 @@ def check_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(result: dict, extra_env: dict | None = None) -> str:
+def workload_rows(result: dict, args) -> list[dict]:
+    """Per (pass, packed row): the documents' summed time (each distinct length's case times its count), the
+    workload's FLOPs (volta_train.bench.packed_flops) and, with --volta-json, volta_train's rows of the same lease."""
+    from volta_train.bench import WORKLOADS, packed_flops
+    work = WORKLOADS[args.workload]
+    volta = []
+    if getattr(args, "volta_json", None):
+        volta = [r for r in json.loads(Path(args.volta_json).read_text())["rows"] if r["backend"].startswith("volta-")]
+    by_case = {(c["pass"], c.get("tag"), c["seqlen_q"]): c for c in result["cases"]}
+    rows = []
+    for pass_name, total, lengths in workload_documents(args):
+        cases = [by_case.get((pass_name, f"workload-{total}", n)) for n in lengths]
+        key = "ms_pytorch_split" if pass_name == "bwd" and args.workload_splits == "pt" else "ms"
+        complete = all(c is not None and c.get(key) is not None and c.get("ok") for c in cases)
+        ms = sum(c[key] for c in cases) if complete else None
+        fl = packed_flops(pass_name, lengths, work.heads, work.head_dim)
+        row = dict(pass_name=pass_name, seqlen=total, documents=len(lengths), flops=fl, peer_ms=ms,
+                   peer_tflops=fl / ms / 1e9 if ms else None, split=args.workload_splits if pass_name == "bwd" else "")
+        for v in volta:
+            if v["pass_name"] == pass_name and v["seqlen"] == total and v.get("ms"):
+                row[v["backend"]] = v["ms"]
+        rows.append(row)
+    return rows
+
+
+def workload_table(rows: list[dict]) -> list[str]:
+    backends = sorted({k for r in rows for k in r if k.startswith("volta-")})
+    head = "| pass | packed row | documents | TFLOP (sum over documents) | CUTLASS Sm70 ms | TFLOP/s |"
+    head += "".join(f" {b} ms | {b} TFLOP/s | {b} speed-up |" for b in backends)
+    lines = [head, "|" + "---|" * (6 + 3 * len(backends))]
+    for r in rows:
+        line = (f"| {r['pass_name']} | {r['seqlen']} | {r['documents']} | {r['flops'] / 1e12:.2f} | "
+                f"{_f(r['peer_ms'], '.1f')} | {_f(r['peer_tflops'], '.2f')} |")
+        for b in backends:
+            ms = r.get(b)
+            line += (f" {_f(ms, '.1f')} | {_f(r['flops'] / ms / 1e9 if ms else None, '.2f')} | "
+                     f"{_f(r['peer_ms'] / ms if ms and r['peer_ms'] else None, '.2f')}x |")
+        lines.append(line)
+    return lines
+
+
+def markdown(result: dict, extra_env: dict | None = None, args=None) -> str:
     env = result.get("environment") or {}
     cases = result["cases"]
     lines = [environment_line(result, extra_env or {}), "",
@@ -436,7 +501,13 @@ def markdown(result: dict, extra_env: dict | None = None) -> str:
         lines += kernel_table(result["kernels"]) + [""]
     groups = (("Training shapes", "train", train_table), ("Decoding (seqlen_q = 1)", "decode", decode_table),
               ("Correctness check (kernel forced, small odd shapes, not timed)", "check", check_table))
-    known = {tag for _, tag, _ in groups}
+    known = {tag for _, tag, _ in groups} | {r.get("tag") for r in cases if str(r.get("tag")).startswith("workload-")}
+    if args is not None and "workload" in args.suite:
+        lines += [f"Workload {args.workload} (volta-train bench --workload): causal attention over each packed row's "
+                  "documents, one case per document with K/V expanded to the query heads, times summed; backward at "
+                  f"key split {args.workload_splits!r} ('pt': PyTorch's own). A `volta-*` column is that backend's "
+                  "row of --volta-json (measured in the same lease); `speed-up`: CUTLASS's time over that backend's.",
+                  ""] + workload_table(workload_rows(result, args)) + [""]
     for title, tag, table in groups:
         rows = [r for r in cases if r.get("tag") == tag]
         if rows:
@@ -494,9 +565,9 @@ def plot(result: dict, out: Path) -> list[Path]:
     return written
 
 
-def write_results(result: dict, out: Path, settings: dict, extra_env: dict | None = None) -> str:
+def write_results(result: dict, out: Path, settings: dict, extra_env: dict | None = None, args=None) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(result, extra_env)
+    table = markdown(result, extra_env, args)
     (out / f"{STEM}.md").write_text(table, encoding="utf-8")
     (out / f"{STEM}.json").write_text(json.dumps({"settings": settings, "extra_environment": extra_env or {},
                                                   **result}, indent=1) + "\n", encoding="utf-8")
@@ -534,6 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen of the training shapes")
     p.add_argument("--hidden", type=int, default=2048, help="heads x head_dim of the training shapes")
     p.add_argument("--splits", default="1-8+pt", help="backward key splits: '+'-joined ints, ranges a-b, pt")
+    p.add_argument("--workload", default="llama3-8b", help="workload suite: a volta_train.bench workload")
+    p.add_argument("--workload-splits", default="pt", help="workload suite: backward key splits (default PyTorch's)")
+    p.add_argument("--volta-json", type=Path, help="workload suite: bench.json of `volta-train bench --workload` "
+                   "from the same lease, for the ratio columns")
     p.add_argument("--decode-head-dims", type=int, nargs="+", default=[128, 256])
     p.add_argument("--decode-seqlens", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
@@ -586,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot run the harness {binary}: {error}", file=sys.stderr)
         return 2
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    table = write_results(result, args.out, settings, extra)
+    table = write_results(result, args.out, settings, extra, args)
     print(table)
     print(f"wrote {args.out / (STEM + '.md')}, .json, .jsonl, _train.png, _decode.png", file=sys.stderr)
     status = exit_status(result, returncode)

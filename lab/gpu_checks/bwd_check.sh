@@ -6,6 +6,8 @@
 #   3. optionally (BWD_CHECK_NCU=1) Nsight Compute's warp-state, instruction and scheduler sections of one
 #      emulated backward launch per head_dim (lab/gpu_checks/bwd_profile.py), and
 #   4. optionally (BWD_CHECK_SWEEP="<lab/tile_sweep.py arguments>") a tile sweep;
+#   5. optionally (BWD_CHECK_WORKLOAD=1) the Llama-3-8B workload rows (volta-train bench --workload llama3-8b) and the
+#      CUTLASS peer on the same documents (bench_cutlass_sm70.py --suite workload), with the ratio;
 #   0. first, optionally, correctness: BWD_CHECK_TESTS="<test files>" (gpu-marked tests; BWD_CHECK_K: a -k expression) beside
 #      BWD_CHECK_SANITIZE="<head dims>" (lab/sanitize_kernels.py, both tile tables, those head dims only).
 # From the repository root:  OUT=/some/dir bash lab/gpu_checks/bwd_check.sh ; everything lands in $OUT/bwd_check.tgz.
@@ -57,6 +59,19 @@ if [ -n "${BWD_CHECK_SWEEP:-}" ]; then
   stamp "tile sweep: $BWD_CHECK_SWEEP"
   python3 lab/tile_sweep.py $BWD_CHECK_SWEEP --out "$out/sweep" > "$out/sweep.log" 2>&1
   stamp "exit $?"
+fi
+if [ "${BWD_CHECK_WORKLOAD:-0}" = 1 ]; then
+  stamp "workload llama3-8b: volta_train"
+  python3 -m volta_train.cli bench --workload llama3-8b --accum fp32 fp16 --baselines --out "$out/workload" \
+    > "$out/workload.log" 2>&1
+  stamp "exit $?"
+  if [ -x "$harness" ]; then
+    stamp "workload llama3-8b: CUTLASS Sm70"
+    python3 lab/bench_cutlass_sm70.py --binary "$harness" --suite workload --warmup 1 --repeats 3 --bwd-warmup 1 \
+      --bwd-repeats 3 --verify-heads 1 --volta-json "$out/workload/bench.json" --timeout 300 \
+      --out "$out/workload_cutlass" > "$out/workload_cutlass.log" 2>&1
+    stamp "exit $?"
+  fi
 fi
 tar -czf "$dest/bwd_check.tgz" -C "$out" .
 stamp "done"
