@@ -198,19 +198,22 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
 // kDqFromK, the K tile's [key][head_dim] rows (row-major B): there one 16-byte load of a K row feeds a pair of 8-column
 // output tiles, whose logical column c of tile 2j + e is the quad-pair's column 16 j + 8 (c >> 2) + 4 e + (c & 3).
 template <class KT>
-__device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const half_bits* kt_tile, const half_bits* k_tile,
-                                              int tid, int m0, int seqlen_q, float* dq_base, long long dq_row_stride) {
+__device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const unsigned char* smem, int tid, int m0,
+                                              int seqlen_q, float* dq_base, long long dq_row_stride) {
     constexpr int kQpRows = KT::kDqQuadPairRows;
     const int lane = tid & 31, warp = tid >> 5;
     const LaneInQuadPair lq(lane);
     const int qp = (lane >> 2) & 3, qp_m = qp % kQpRows, qp_n = qp / kQpRows;
-    const int row0 = (warp % KT::kDqRowWarps) * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
+    const int row_warp = KT::kDqColWarps == 1 ? warp : warp % KT::kDqRowWarps;
+    const int row0 = row_warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
     const int col_slot = KT::kDqFromK ? (qp_n & 1) * 2 + (qp_n >> 1) : qp_n;
-    const int col0 = (warp / KT::kDqRowWarps) * KT::kDqColsPerWarp + col_slot * KT::kDqColsPerQuadPair;
+    const int col0 = (KT::kDqColWarps == 1 ? 0 : (warp / KT::kDqRowWarps) * KT::kDqColsPerWarp) +
+                     col_slot * KT::kDqColsPerQuadPair;
     const half_bits* a_row = ds_tile + KT::DsRows::offset(row0 + lq.operand_row());
     // K^T: tile ot's row is offset(8 * ot) further (additive: K^T's gaps come every 8 rows). K rows: lane t's k-row.
-    const half_bits* b_rows = KT::kDqFromK ? k_tile + KT::KvRows::offset(lq.t) + col0 + 8 * lq.hi
-                                           : kt_tile + KT::KtRows::offset(col0 + lq.operand_row());
+    const half_bits* b_rows =
+        KT::kDqFromK ? reinterpret_cast<const half_bits*>(smem + KT::kOffK) + KT::KvRows::offset(lq.t) + col0 + 8 * lq.hi
+                     : reinterpret_cast<const half_bits*>(smem + KT::kOffKt) + KT::KtRows::offset(col0 + lq.operand_row());
     float acc[KT::kDqTilesPerQuadPair][8];
     u32 acc16[KT::kDqTilesPerQuadPair][4];
 #pragma unroll
@@ -267,7 +270,8 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const ha
                                               : acc[ot][i];
             const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
             const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
-            const int col = col0 + (KT::kDqFromK ? 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3) : 8 * ot + c);
+            const int col = KT::kDqFromK ? col0 + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3)
+                                         : col0 + 8 * ot + c;
             if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
         }
 }
@@ -392,9 +396,7 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             store_shared_16B(ds_tile + KT::DsRows::offset(g.stile_q0(0, nt) + lq.operand_row()) + key_in_block, w);
         }
         __syncthreads();  // dS complete
-        bwd_dq_atomic<KT>(ds_tile, reinterpret_cast<const half_bits*>(st.smem + KT::kOffKt),
-                          reinterpret_cast<const half_bits*>(st.smem + KT::kOffK), tid, m0, seqlen_q, dq_base,
-                          dq_row_stride);
+        bwd_dq_atomic<KT>(ds_tile, st.smem, tid, m0, seqlen_q, dq_base, dq_row_stride);
     }
 }
 
