@@ -43,9 +43,11 @@ if [ -x "$harness" ]; then
   stamp "exit $?"
 fi
 stamp "volta_train"
-python3 scripts/bench_attention.py --passes fwd bwd "${shapes[@]}" --accum fp32 --baselines --out "$out/volta" \
+python3 scripts/bench_attention.py --passes fwd bwd "${shapes[@]}" --accum fp32 fp16 --baselines --out "$out/volta" \
   > "$out/volta.log" 2>&1
 stamp "exit $?"
+[ -f "$out/cutlass/cutlass_sm70.json" ] && python3 lab/peer_ratio.py --volta "$out/volta/bench_fwd_bwd.json" \
+  --cutlass "$out/cutlass/cutlass_sm70.json" --out "$out/ratio" > "$out/ratio.log" 2>&1
 if [ "${BWD_CHECK_NCU:-0}" = 1 ]; then
   for d in 64 128; do
     stamp "ncu d$d"
