@@ -48,6 +48,19 @@ python3 scripts/bench_attention.py --passes fwd bwd "${shapes[@]}" --accum fp32 
 stamp "exit $?"
 [ -f "$out/cutlass/cutlass_sm70.json" ] && python3 lab/peer_ratio.py --volta "$out/volta/bench_fwd_bwd.json" \
   --cutlass "$out/cutlass/cutlass_sm70.json" --out "$out/ratio" > "$out/ratio.log" 2>&1
+if [ "${BWD_CHECK_WORKLOAD:-0}" = 1 ]; then
+  stamp "workload llama3-8b: volta_train"
+  python3 -m volta_train.cli bench --workload llama3-8b --accum fp32 fp16 --baselines --out "$out/workload" \
+    > "$out/workload.log" 2>&1
+  stamp "exit $?"
+  if [ -x "$harness" ]; then
+    stamp "workload llama3-8b: CUTLASS Sm70"
+    python3 lab/bench_cutlass_sm70.py --binary "$harness" --suite workload --warmup 1 --repeats 3 --bwd-warmup 1 \
+      --bwd-repeats 3 --verify-heads 1 --volta-json "$out/workload/bench.json" --timeout 300 \
+      --out "$out/workload_cutlass" > "$out/workload_cutlass.log" 2>&1
+    stamp "exit $?"
+  fi
+fi
 if [ "${BWD_CHECK_NCU:-0}" = 1 ]; then
   for d in 64 128; do
     stamp "ncu d$d"
@@ -61,19 +74,6 @@ if [ -n "${BWD_CHECK_SWEEP:-}" ]; then
   stamp "tile sweep: $BWD_CHECK_SWEEP"
   python3 lab/tile_sweep.py $BWD_CHECK_SWEEP --out "$out/sweep" > "$out/sweep.log" 2>&1
   stamp "exit $?"
-fi
-if [ "${BWD_CHECK_WORKLOAD:-0}" = 1 ]; then
-  stamp "workload llama3-8b: volta_train"
-  python3 -m volta_train.cli bench --workload llama3-8b --accum fp32 fp16 --baselines --out "$out/workload" \
-    > "$out/workload.log" 2>&1
-  stamp "exit $?"
-  if [ -x "$harness" ]; then
-    stamp "workload llama3-8b: CUTLASS Sm70"
-    python3 lab/bench_cutlass_sm70.py --binary "$harness" --suite workload --warmup 1 --repeats 3 --bwd-warmup 1 \
-      --bwd-repeats 3 --verify-heads 1 --volta-json "$out/workload/bench.json" --timeout 300 \
-      --out "$out/workload_cutlass" > "$out/workload_cutlass.log" 2>&1
-    stamp "exit $?"
-  fi
 fi
 tar -czf "$dest/bwd_check.tgz" -C "$out" .
 stamp "done"
