@@ -37,8 +37,8 @@ def pairs(volta_rows: list[dict], peer_cases: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict], volta_env: dict, peer_env: dict) -> str:
     lines = [f"volta_train against the CUTLASS Sm70 kernels in one lease on {volta_env.get('gpu', '?')} "
-             f"(volta_train {volta_env.get('volta_train', '?')}, torch {volta_env.get('torch', '?')}; peer harness "
-             f"{peer_env.get('cuda_runtime', peer_env.get('cuda', '?'))}). FLOPs: forward 4*B*H*N^2*D, half under "
+             f"(volta_train {volta_env.get('volta_train', '?')}, torch {volta_env.get('torch', '?')}; peer: CUTLASS "
+             f"{peer_env.get('cutlass_version', '?')}, CUDA runtime {peer_env.get('runtime_version', '?')}). FLOPs: forward 4*B*H*N^2*D, half under "
              "causal, backward 2.5x; B*N = 16384, H = 2048 / head_dim. Peer backward: best key split of 1-8 "
              "(PyTorch's own split in brackets).", "",
              "| pass | backend | head_dim | N | causal | TFLOP/s | peer TFLOP/s | ratio |", "|" + "---|" * 8]
