@@ -193,3 +193,36 @@ def test_sources_agree_on_the_instances():
     assert len(names) == bench.INSTANCES == len(re.findall(r"#(?:el)?if SM70_INSTANCE == \d", instance))
     for name in names:
         assert f'{{"{name}"' in harness
+
+
+def test_workload_suite_sums_each_packed_row_over_its_documents(tmp_path):
+    """--suite workload: one case per distinct document length of volta_train.bench's workload, and per packed row the
+    sum of each document's time (times its count), its FLOPs and the ratio to --volta-json's rows."""
+    from volta_train.bench import WORKLOADS, document_lengths, packed_flops
+    work = WORKLOADS["llama3-8b"]
+    volta = tmp_path / "bench.json"
+    volta.write_text(json.dumps({"rows": [
+        {"pass_name": "bwd", "backend": "volta-fp32acc", "seqlen": 32768, "ms": 100.0},
+        {"pass_name": "bwd", "backend": "sdpa-efficient", "seqlen": 32768, "ms": 1.0}]}))
+    args = bench.build_parser().parse_args(["--suite", "workload", "--passes", "bwd", "--volta-json", str(volta)])
+    check, cases = bench.suite_cases(args)
+    assert not check
+    lengths = {t: document_lengths(t, work.shortest_document, t // 2) for t in work.rows}
+    assert len(cases) == sum(len(set(ls)) for ls in lengths.values())
+    assert all(",causal=1" in c and ",splits=pt" in c and f",h={work.heads}," in c for c in cases)
+    rng = {n: 0.5 + (n % 7) for ls in lengths.values() for n in ls}  # a time per document length
+    result = bench.parse_lines([json.dumps(ENV)] + [json.dumps(case(
+        tag=f"workload-{t}", **{"pass": "bwd"}, batch=1, heads=work.heads, seqlen_q=n, seqlen_k=n, head_dim=128,
+        causal=True, ms=None, ms_pytorch_split=rng[n])) for t, ls in lengths.items() for n in set(ls)])
+    rows = bench.workload_rows(result, args)
+    assert [r["seqlen"] for r in rows] == list(work.rows)
+    for r in rows:
+        want = sum(rng[n] for n in lengths[r["seqlen"]])
+        assert r["peer_ms"] == pytest.approx(want)
+        assert r["flops"] == packed_flops("bwd", lengths[r["seqlen"]], work.heads, work.head_dim)
+    assert rows[0]["volta-fp32acc"] == 100.0 and "sdpa-efficient" not in rows[0] and "volta-fp32acc" not in rows[1]
+    table = "\n".join(bench.workload_table(rows))
+    assert f"{rows[0]['peer_ms'] / 100.0:.2f}x" in table
+    # a document that failed verification leaves its row without a total rather than a partial sum
+    bad = dict(result, cases=[dict(c, ok=False) if c["seqlen_q"] == lengths[32768][0] else c for c in result["cases"]])
+    assert bench.workload_rows(bad, args)[0]["peer_ms"] is None

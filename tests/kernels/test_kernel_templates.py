@@ -99,6 +99,8 @@ def test_variant_names_keep_their_form():
     assert tiles.bwd_variant(256, bwd, True, False, False).name == "bwd_dkdv_d256_f16acc_qp2x2_n64_m16_w4_kvsmem_lean_split2"
     assert tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True).name == \
         "bwd_dkdv_d64_f32acc_dqatomic_qp1x4_n64_m64_w8"
+    assert tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True).name == \
+        "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n64_m32_w8_kvsmem_dqk"
 
 
 @pytest.mark.parametrize("arch", [70, 90])
@@ -109,6 +111,16 @@ def test_names_and_expressions_one_to_one(arch):
         by_name.setdefault(variant.name, variant.name_expressions[0])
         assert by_name[variant.name] == variant.name_expressions[0], variant.name
     assert len(set(by_name.values())) == len(by_name)
+
+
+def test_dq_from_k_needs_atomics_and_k_in_shared_memory():
+    """dq_from_k reads dQ's B operand from the K tile: a tile without dQ atomics or without K in shared memory is
+    refused with the reason, naming the fields."""
+    with pytest.raises(ValueError, match="dq_from_k=True needs dq_atomic=True and kv_in_smem=True"):
+        tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=False, dq_from_k=True)
+    with pytest.raises(ValueError, match="dq_from_k=True needs dq_atomic=True"):
+        tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_atomic=False, dq_from_k=True)
+    assert tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True).dq_from_k
 
 
 def test_wrong_value_types_are_refused():
