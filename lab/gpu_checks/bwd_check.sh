@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The d128 backward's figures in one device call (an H200: ~5-8 min), for issue work on the backward kernels:
-#   1. the CUTLASS Sm70 peer (lab/bench_cutlass_sm70.py, prebuilt harness .cutlass_build/harness: carry it),
-#      forward and backward, head_dim 64/128, N 1k/4k, full and causal, in the same lease as
-#   2. volta_train's forward and backward on the same shapes (scripts/bench_attention.py), and
-#   3. optionally (BWD_CHECK_NCU=1) Nsight Compute's warp-state, instruction and scheduler sections of one
-#      emulated backward launch per head_dim (lab/gpu_checks/bwd_profile.py), and
-#   4. optionally (BWD_CHECK_SWEEP="<lab/tile_sweep.py arguments>") a tile sweep;
-#   5. optionally (BWD_CHECK_WORKLOAD=1) the Llama-3-8B workload rows (volta-train bench --workload llama3-8b) and the
-#      CUTLASS peer on the same documents (bench_cutlass_sm70.py --suite workload), with the ratio;
-#   0. first, optionally, correctness: BWD_CHECK_TESTS="<test files>" (gpu-marked tests; BWD_CHECK_K: a -k expression) beside
-#      BWD_CHECK_SANITIZE="<head dims>" (lab/sanitize_kernels.py, both tile tables, those head dims only).
+# The backward's figures in one device call (an H200, everything on: 9.3 min; without the workload: ~5 min), in order:
+#   1. correctness, optional: BWD_CHECK_TESTS="<test files>" (gpu-marked tests; BWD_CHECK_K: a -k expression) beside
+#      BWD_CHECK_SANITIZE="<head dims>" (lab/sanitize_kernels.py, both tile tables, those head dims only);
+#   2. the CUTLASS Sm70 peer (lab/bench_cutlass_sm70.py; prebuilt harness .cutlass_build/harness: carry it) and
+#      volta_train (scripts/bench_attention.py, both accumulations), forward and backward, head_dim 64/128, N 1k/4k,
+#      full and causal, in the same lease, with their ratio (lab/peer_ratio.py);
+#   3. BWD_CHECK_WORKLOAD=1: the Llama-3-8B workload rows (volta-train bench --workload llama3-8b) and the peer on the
+#      same documents (bench_cutlass_sm70.py --suite workload), with the ratio;
+#   4. BWD_CHECK_NCU=1: Nsight Compute's scheduler, warp-state and instruction sections of one emulated backward launch
+#      per head_dim 64 and 128 (lab/gpu_checks/bwd_profile.py);
+#   5. BWD_CHECK_SWEEP="<lab/tile_sweep.py arguments>": a tile sweep.
 # From the repository root:  OUT=/some/dir bash lab/gpu_checks/bwd_check.sh ; everything lands in $OUT/bwd_check.tgz.
 set -uo pipefail
 dest=${OUT:-bwd_check_out}; mkdir -p "$dest"
