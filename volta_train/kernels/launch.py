@@ -200,8 +200,8 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
     kernel.launch(grid, [bp])
-    if use_atomics:
-        return (dq_accum * options.softmax_scale).to(q.dtype), dk, dv
+    if use_atomics:  # scaled in place: no second fp32 buffer of q's size at the backward's peak
+        return dq_accum.mul_(options.softmax_scale).to(q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
     dq_kernel = _kernel(tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0), q.device)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
