@@ -780,8 +780,7 @@ def predict_variant(meta: dict, dq_atomic: bool | None = None, layouts: dict | N
         return predict_dq(shape, layouts)
     if dq_atomic is None:
         raise ValueError("dq_atomic: needed for a bwd_dkdv variant (True or False)")
-    shape = BwdShape(d, tile.quad_pair_rows, tile.warps, tile.block_m, f16, dq_atomic, tile.kv_in_smem, tile.lean,
-                     tile.out_split, tile.dq_from_k)
+    shape = bwd_tile_shape(tile, d, dq_atomic, f16)
     if plain:
         layouts = {**bwd_layouts(shape, plain=True), **(layouts or {})}
     return predict_dkdv(shape, layouts)
@@ -806,11 +805,15 @@ def dq_tile_smem_bytes(tile, head_dim: int) -> int:
                                   tile.q_in_smem))
 
 
+def bwd_tile_shape(tile, head_dim: int, dq_atomic: bool, accum_f16: bool = False) -> BwdShape:
+    """The BwdShape of a dK/dV tile (volta_train/kernels/tiles.py BwdTile) at head_dim."""
+    return BwdShape(head_dim, tile.quad_pair_rows, tile.warps, tile.block_m, accum_f16, dq_atomic, tile.kv_in_smem,
+                    tile.lean, tile.out_split, tile.dq_from_k)
+
+
 def bwd_tile_smem_bytes(tile, head_dim: int, dq_atomic: bool) -> int:
     """BwdKernelTraits::kSmemBytes of a dK/dV tile."""
-    return bwd_shape_smem_bytes(BwdShape(head_dim, tile.quad_pair_rows, tile.warps, tile.block_m, dq_atomic=dq_atomic,
-                                         kv_in_smem=tile.kv_in_smem, lean=tile.lean, out_split=tile.out_split,
-                                         dq_from_k=tile.dq_from_k))
+    return bwd_shape_smem_bytes(bwd_tile_shape(tile, head_dim, dq_atomic))
 
 
 def variant_smem_bytes(variant) -> int:
@@ -827,5 +830,5 @@ def variant_smem_bytes(variant) -> int:
 
 __all__ = ["wavefronts", "RowLayout", "VectorLayout", "FwdShape", "BwdShape", "Prediction", "SiteCost",
            "predict_fwd", "predict_dq", "predict_dkdv", "predict_variant", "fwd_layouts", "bwd_layouts",
-           "bwd_smem_bytes", "fwd_tile_smem_bytes", "dq_tile_smem_bytes", "bwd_tile_smem_bytes", "variant_smem_bytes",
-           "replace"]
+           "bwd_smem_bytes", "bwd_tile_shape", "fwd_tile_smem_bytes", "dq_tile_smem_bytes", "bwd_tile_smem_bytes",
+           "variant_smem_bytes", "replace"]

@@ -360,14 +360,15 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
     if tile.out_split > 1 and (dq_atomic or head_dim % (32 * tile.out_split) or head_dim % (8 * cols * tile.out_split)):
         return False
     if dq_atomic:
-        col_warps = 1 if tile.block_m // tile.warps >= 8 else 8 * tile.warps // tile.block_m
-        dq_rows = tile.block_m // (tile.warps // col_warps) // 8
-        if col_warps * (tile.warps // col_warps) != tile.warps or dq_rows not in (1, 2, 4):
+        shape = bank_model.bwd_tile_shape(tile, head_dim, dq_atomic)
+        dq_rows = shape.dq_rows_per_warp // 8
+        if shape.dq_col_warps * shape.dq_row_warps != tile.warps or dq_rows not in (1, 2, 4):
             return False
         qp_cols = 4 // dq_rows
-        if head_dim % (8 * qp_cols * col_warps):
+        if head_dim % (8 * qp_cols * shape.dq_col_warps):
             return False
-        if tile.dq_from_k and not (tile.kv_in_smem and qp_cols == 4 and (head_dim // col_warps // 4) % 16 == 0):
+        pairs_of_tiles = (head_dim // shape.dq_col_warps // 4) % 16 == 0  # 8-column tiles in pairs per quad-pair
+        if tile.dq_from_k and not (tile.kv_in_smem and qp_cols == 4 and pairs_of_tiles):
             return False
     return bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic) <= 96 * 1024
 

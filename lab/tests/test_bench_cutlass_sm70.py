@@ -210,14 +210,14 @@ def test_workload_suite_sums_each_packed_row_over_its_documents(tmp_path):
     lengths = {t: document_lengths(t, work.shortest_document, t // 2) for t in work.rows}
     assert len(cases) == sum(len(set(ls)) for ls in lengths.values())
     assert all(",causal=1" in c and ",splits=pt" in c and f",h={work.heads}," in c for c in cases)
-    rng = {n: 0.5 + (n % 7) for ls in lengths.values() for n in ls}  # a time per document length
+    ms_by_length = {n: 0.5 + (n % 7) for ls in lengths.values() for n in ls}  # a time per document length
     result = bench.parse_lines([json.dumps(ENV)] + [json.dumps(case(
         tag=f"workload-{t}", **{"pass": "bwd"}, batch=1, heads=work.heads, seqlen_q=n, seqlen_k=n, head_dim=128,
-        causal=True, ms=None, ms_pytorch_split=rng[n])) for t, ls in lengths.items() for n in set(ls)])
+        causal=True, ms=None, ms_pytorch_split=ms_by_length[n])) for t, ls in lengths.items() for n in set(ls)])
     rows = bench.workload_rows(result, args)
     assert [r["seqlen"] for r in rows] == list(work.rows)
     for r in rows:
-        want = sum(rng[n] for n in lengths[r["seqlen"]])
+        want = sum(ms_by_length[n] for n in lengths[r["seqlen"]])
         assert r["peer_ms"] == pytest.approx(want)
         assert r["flops"] == packed_flops("bwd", lengths[r["seqlen"]], work.heads, work.head_dim)
     assert rows[0]["volta-fp32acc"] == 100.0 and "sdpa-efficient" not in rows[0] and "volta-fp32acc" not in rows[1]

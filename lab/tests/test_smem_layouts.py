@@ -46,8 +46,7 @@ def _dq_shape(v) -> bm.FwdShape:
 
 def _shape(v) -> bm.BwdShape:
     t = v.meta["tile"]
-    return bm.BwdShape(v.meta["head_dim"], t.quad_pair_rows, t.warps, t.block_m, v.meta["accum_f16"],
-                       "_dqatomic" in v.name, t.kv_in_smem, t.lean, t.out_split, t.dq_from_k)
+    return bm.bwd_tile_shape(t, v.meta["head_dim"], "_dqatomic" in v.name, v.meta["accum_f16"])
 
 
 # --- the C++ constants against the mirror (NVRTC static_asserts; no GPU) ---------------------------------------------
