@@ -1,5 +1,5 @@
-"""Test-suite wide (tests/ and lab/tests/): one kernel cache per run, gpu-marked tests skipped without a CUDA GPU,
-and the tests marked launches_processes kept on one pytest-xdist worker."""
+"""Test-suite wide (tests/ and lab/tests/): one kernel cache per run, the cores shared among pytest-xdist workers,
+gpu-marked tests skipped without a CUDA GPU, and the tests marked launches_processes kept on one pytest-xdist worker."""
 
 import os
 import shutil
@@ -15,7 +15,17 @@ CACHE_DIR_ENV = "VOLTA_TRAIN_CACHE_DIR"
 _RUN_CACHE = "VOLTA_TRAIN_TEST_RUN_CACHE"  # set when this run made the directory (pytest-xdist workers inherit it)
 
 
+def _available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # pytest-xdist workers share the cores: each worker's torch threads, and its child processes' through
+        # OMP_NUM_THREADS (unless set), get cores / workers, so that two workers never run 2x the threads on 2 cores.
+        threads = str(max(1, _available_cores() // int(config.workerinput.get("workercount", 1))))
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if hasattr(config, "workerinput") or os.environ.get(CACHE_DIR_ENV):
         return  # a worker (the controller set it up) or the user's own choice
     directory = tempfile.mkdtemp(prefix="volta_train-test-kernels-")
