@@ -23,7 +23,8 @@
 # (lab/gpu_checks/recipe_long_context_report.py, which also merges the directories of several calls:
 # python3 lab/gpu_checks/recipe_long_context_report.py OUT1 OUT2 ... --out DIR).
 # From the repository root:  RUNS=gpt_long_1b,features_32k OUT=/some/dir bash lab/gpu_checks/recipe_long_context.sh
-# STEPS (default 3; features_32k: FEATURE_STEPS, default 5), MEM_GB, BUDGET_S (default 570: the call's whole budget;
+# STEPS (default 3; features_32k: FEATURE_STEPS, default 5, and FEATURES, default none,tiled_mlp,lean_norm,
+# activation_offload,all), MEM_GB, BUDGET_S (default 570: the call's whole budget;
 # a run that would start with less than its need is skipped and named), CPU_SMOKE=1: the same flow on the CPU with
 # tiny shapes (tests this script; no figures).
 set -uo pipefail
@@ -37,6 +38,7 @@ dest=${OUT:-out/recipe_long_context}
 RUNS=${RUNS:-gpt_long_1b,features_32k}
 STEPS=${STEPS:-3}
 FEATURE_STEPS=${FEATURE_STEPS:-5}
+FEATURES=${FEATURES:-none,tiled_mlp,lean_norm,activation_offload,all}
 SHORT=${SHORT:-8192}
 BUDGET_S=${BUDGET_S:-570}
 PY=${PYTHON:-python3}
@@ -148,13 +150,14 @@ for name in ${RUNS//,/ }; do
       base=(--model-config "$M1B" "${featlen[@]}" --batch-size 1 --grad-accum 1 --mixed-precision fp16
             --packing documents --gradient-checkpointing --chunked-loss --tiled-mlp off --lean-norm off
             --steps "$FEATURE_STEPS" "${gpt_quick[@]}")
-      for variant in none tiled_mlp lean_norm activation_offload all; do
+      for variant in ${FEATURES//,/ }; do
         case $variant in
           none) extra=() ;;
           tiled_mlp) extra=(--tiled-mlp on) ;;
           lean_norm) extra=(--lean-norm on) ;;
           activation_offload) extra=(--activation-offload) ;;
           all) extra=(--tiled-mlp on --lean-norm on --activation-offload) ;;
+          *) stamp "unknown feature $variant (accepted: none, tiled_mlp, lean_norm, activation_offload, all)"; continue ;;
         esac
         run "features_32k_$variant" 80 1 "${launch[@]}" --num_processes 1 recipes/gpt_long.py "${base[@]}" "${extra[@]}" \
           --out-dir "$dest/features_32k_$variant"

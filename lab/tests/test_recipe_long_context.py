@@ -76,14 +76,15 @@ def test_report_tables_medians_loss_agreement_and_feature_costs(tmp_path):
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_gpt_long_recipes(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "CPU_SMOKE": "1", "STEPS": "2", "FEATURE_STEPS": "2",
-           "RUNS": "gpt_long_1b,features_32k"}
+           "RUNS": "gpt_long_1b,features_32k",
+           "FEATURES": "none,all"}  # two of the five feature runs: the smoke tests the flow, each run ~10 s
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(["bash", str(ROOT / "lab/gpu_checks/recipe_long_context.sh")], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = (tmp_path / "out" / "report.md").read_text()
     runs = [line for line in report.splitlines() if line.startswith(("| gpt_long_1b |", "| features_32k_"))]
-    assert len(runs) == 6 and all("| yes (2 steps) |" in row and "kept apart" in row for row in runs), report
+    assert len(runs) == 3 and all("| yes (2 steps) |" in row and "kept apart" in row for row in runs), report
     features = report.split("## Step time of each memory feature")[1]
-    assert all(f"| {name} |" in features for name in ("none", "tiled_mlp", "lean_norm", "activation_offload", "all"))
+    assert "| none |" in features and "| all |" in features and "| tiled_mlp |" not in features, features
     assert (tmp_path / "out" / "recipe_long_context.png").exists()
