@@ -51,6 +51,7 @@ LAUNCHES_PROCESSES = "launches_processes"
 COMPILES_ALL_KERNELS = "compiles_all_kernels"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """The one GPU-skip hook (tests/ and lab/tests/): gpu-marked tests skip without a CUDA GPU."""
     has_gpu = torch.cuda.is_available()

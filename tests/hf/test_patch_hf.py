@@ -453,7 +453,12 @@ def test_gradient_checkpointing_replays_the_dropout_mask(family):
     assert_grads_close(results[1][1], results[0][1])
 
 
-@pytest.mark.parametrize("family", ALL)
+# The patch is one attention function for every family; these cover its inputs: GPT-2's own attention class, rotary
+# embeddings with GQA (Llama) and with MQA and a window (Mistral), and two encoders' padding masks.
+COMPILED = ["gpt2", "llama", "mistral", "bert", "distilbert"]
+
+
+@pytest.mark.parametrize("family", COMPILED)
 def test_torch_compile(family):
     """torch.compile(model) trains and evaluates like the eager patched model (CPU, aot_eager backend)."""
     model = volta_train.patch(build(family, num_hidden_layers=1)).train()
