@@ -1,5 +1,5 @@
 """Test-suite wide (tests/ and lab/tests/): one kernel cache per run, the cores shared among pytest-xdist workers,
-gpu-marked tests skipped without a CUDA GPU, and the tests marked launches_processes (or compiles_all_kernels) kept
+gpu-marked tests skipped without a CUDA GPU, and the tests marked launches_processes (or compiles_kernels) kept
 on one pytest-xdist worker."""
 
 import os
@@ -46,9 +46,9 @@ def pytest_unconfigure(config):
 # `launches_processes` mark: under pytest-xdist (README's `-n 2 --dist loadgroup`) they share one worker, so that two
 # never race for accelerate's rendezvous port (29500).
 LAUNCHES_PROCESSES = "launches_processes"
-# Tests that compile every shipped kernel variant into the run's cache share one worker too: the first compiles, the
-# others load its entries (on two workers they would wait on each other's per-kernel locks).
-COMPILES_ALL_KERNELS = "compiles_all_kernels"
+# Tests that compile many kernel variants into the run's cache share one worker too: the first compiles, the others
+# load its entries (on two workers they would wait on each other's per-kernel locks).
+COMPILES_KERNELS = "compiles_kernels"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks added here
@@ -61,5 +61,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if LAUNCHES_PROCESSES in item.keywords:
             item.add_marker(pytest.mark.xdist_group("launches-processes"))
-        elif COMPILES_ALL_KERNELS in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("compiles-all-kernels"))
+        elif COMPILES_KERNELS in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("compiles-kernels"))

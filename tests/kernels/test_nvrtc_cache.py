@@ -487,7 +487,7 @@ def test_variant_compile_is_memoized_without_rereading_sources(nvrtc70, cache_di
         PROBE_VARIANT.compile(70)
 
 
-@pytest.mark.compiles_all_kernels
+@pytest.mark.compiles_kernels
 def test_precompile_all_fills_the_cache(nvrtc70, capsys):
     """Into the run's kernel cache (conftest.py), which other tests fill too: every shipped variant has its entry."""
     from volta_train.kernels.precompile import precompile_all
@@ -525,7 +525,7 @@ def test_v100_occupancy(registers, threads, smem, ctas, limited_by):
     assert occupancy["limited_by"] == limited_by
 
 
-@pytest.mark.compiles_all_kernels
+@pytest.mark.compiles_kernels
 def test_kernel_report_prints_json_lines_and_exits_0(nvrtc70, tmp_path):
     environment = dict(os.environ)  # the run's kernel cache (conftest.py): kernels other tests compiled are reused
     json_out, cubins = tmp_path / "report.jsonl", tmp_path / "cubins"

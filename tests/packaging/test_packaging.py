@@ -66,7 +66,7 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: int = 600) -> subprocess
 
 
 @pytest.mark.slow
-@pytest.mark.compiles_all_kernels
+@pytest.mark.compiles_kernels
 def test_sdist_and_wheel_install_and_run_outside_the_checkout(tmp_path):
     # --- build: sdist from the checkout, wheel from the unpacked sdist
     sdist = _build("build_sdist", ROOT, tmp_path / "dist")
