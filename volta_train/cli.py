@@ -58,12 +58,14 @@ def _precompile(argv: list[str]) -> int:
         "(VOLTA_TRAIN_CACHE_DIR). Several processes share the work through the cache's per-kernel locks."))
     parser.add_argument("--arch", default="sm_70", help="target architecture, e.g. sm_70 (default) or sm_90")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    parser.add_argument("--head-dims", type=int, nargs="+",
+                        help="only the kernels of these head dims, e.g. 64 128 (default: every shipped kernel)")
     args = parser.parse_args(argv)
     from .kernels import nvrtc
     from .kernels.precompile import precompile_all
 
     try:
-        precompile_all(args.arch, jobs=args.jobs)
+        precompile_all(args.arch, jobs=args.jobs, head_dims=args.head_dims)
     except (FileNotFoundError, nvrtc.NvrtcNotFoundError, ValueError) as error:
         parser.exit(1, f"volta-train precompile: error: {error}\n")
     return 0

@@ -498,6 +498,14 @@ def test_precompile_all_fills_the_cache(nvrtc70, capsys):
     assert "combine_d64" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("head_dims, named", [([65], "[65]"), ([64, 300], "[300]"), ([], "none given")])
+def test_precompile_head_dims_refuses_what_no_kernel_has(head_dims, named):
+    from volta_train.kernels.precompile import precompile_all
+
+    with pytest.raises(ValueError, match=r"no shipped kernels for " + re.escape(named) + r"; accepted: 16, 32, .*128"):
+        precompile_all("sm_70", head_dims=head_dims)
+
+
 def _load_kernel_report():
     spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "lab" / "kernel_report.py")
     module = importlib.util.module_from_spec(spec)

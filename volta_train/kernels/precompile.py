@@ -1,4 +1,4 @@
-"""Fill the kernel cache ahead of time: ``python -m volta_train.kernels.precompile [--arch sm_70]``.
+"""Fill the kernel cache ahead of time: ``python -m volta_train.kernels.precompile [--arch sm_70] [--head-dims 64 128]``.
 
 Needs NVRTC, no GPU. ``python setup.py precompile --arch sm_70`` calls :func:`precompile_all` too.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .cache import ensure_cache_dir
 from .nvrtc import CompiledProgram, find_nvrtc, normalize_arch
@@ -24,8 +24,10 @@ def _compile_one(task: tuple[int, int]) -> tuple[str, int, float]:
     return variant.name, len(program.cubin), time.perf_counter() - started
 
 
-def precompile_all(arch: int | str = "sm_70", jobs: int = 1) -> list[CompiledProgram]:
-    """Compile every shipped variant for arch into the kernel cache; prints one line per variant.
+def precompile_all(arch: int | str = "sm_70", jobs: int = 1,
+                   head_dims: Sequence[int] | None = None) -> list[CompiledProgram]:
+    """Compile every shipped variant for arch (of ``head_dims`` only, if given) into the kernel cache; prints one line
+    per variant.
 
     ``jobs`` > 1 compiles in that many worker processes first (each writes the cache; its per-key locks keep
     them apart); the programs returned are then read back from the cache in this process.
@@ -33,8 +35,16 @@ def precompile_all(arch: int | str = "sm_70", jobs: int = 1) -> list[CompiledPro
     if jobs < 1:
         raise ValueError(f"jobs={jobs}; accepted: 1 or more")
     target = normalize_arch(arch)
+    shipped = shipped_variants(target)
+    if head_dims is not None:
+        accepted = sorted({v.meta["head_dim"] for v in shipped})
+        unknown = sorted(set(head_dims) - set(accepted))
+        if unknown or not head_dims:
+            raise ValueError(f"head_dims={list(head_dims)}: no shipped kernels for {unknown or 'none given'}; "
+                             f"accepted: {', '.join(map(str, accepted))}")
+    chosen = [i for i, v in enumerate(shipped) if head_dims is None or v.meta["head_dim"] in head_dims]
     library = find_nvrtc(target)
-    variants = shipped_variants(target)
+    variants = [shipped[i] for i in chosen]
     print(f"volta_train precompile: {len(variants)} variants for sm_{target} with NVRTC {library.version_string} "
           f"from {csrc_dir()} into {ensure_cache_dir()}" + (f", {jobs} processes" if jobs > 1 else ""), flush=True)
     started_all = time.perf_counter()
@@ -42,7 +52,7 @@ def precompile_all(arch: int | str = "sm_70", jobs: int = 1) -> list[CompiledPro
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for name, size, seconds in pool.imap(_compile_one, [(i, target) for i in range(len(variants))]):
+            for name, size, seconds in pool.imap(_compile_one, [(i, target) for i in chosen]):
                 print(f"  {name}: {size} B cubin in {seconds:.2f} s", flush=True)
         programs = [variant.compile(target) for variant in variants]  # cache hits
     else:
@@ -86,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_70", help="target architecture, e.g. sm_70 (default) or sm_90")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="only the kernels of these head dims (default: all)")
     args = parser.parse_args(argv)
-    precompile_all(args.arch, args.jobs)
+    precompile_all(args.arch, args.jobs, args.head_dims)
 
 
 if __name__ == "__main__":
