@@ -22,11 +22,12 @@ def _available_cores() -> int:
 
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
-        # pytest-xdist workers share the cores: each worker's torch threads, and its child processes' through
-        # OMP_NUM_THREADS (unless set), get cores / workers, so that two workers never run 2x the threads on 2 cores.
-        threads = str(max(1, _available_cores() // int(config.workerinput.get("workercount", 1))))
-        os.environ.setdefault("OMP_NUM_THREADS", threads)
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # pytest-xdist workers share the cores: unless the user set OMP_NUM_THREADS, each worker's torch threads and
+        # (through it) its child processes' get cores / workers, so two workers never run 2x the threads on 2 cores.
+        if "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, _available_cores() // int(config.workerinput.get("workercount", 1)))
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
     if hasattr(config, "workerinput") or os.environ.get(CACHE_DIR_ENV):
         return  # a worker (the controller set it up) or the user's own choice
     directory = tempfile.mkdtemp(prefix="volta_train-test-kernels-")

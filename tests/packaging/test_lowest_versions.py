@@ -1,8 +1,8 @@
 """The lowest supported transformers, accelerate and DeepSpeed (volta_train/versions.py, pyproject.toml's lower bounds)
 exercised in CI: a virtual environment that sees this one's packages (tests/support/venvs.py) with those three releases
 installed over them runs the HF integration's tests (torch.compile's and the census of every model type aside: the
-newest releases run those) and the CPU recipe runs (one process, and DeepSpeed ZeRO-2 over gloo) in a child pytest. Needs the package index (CI has it);
-the newest releases are what the suite itself runs on."""
+newest releases run those) and the CPU recipe runs (one process, and DeepSpeed ZeRO-2 over gloo) in a child pytest.
+Needs the package index (CI has it); the newest releases are what the suite itself runs on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fill the kernel cache ahead of time: ``python -m volta_train.kernels.precompile [--arch sm_70] [--head-dims 64 128]``.
+"""Fill the kernel cache ahead of time: ``python -m volta_train.kernels.precompile [--arch sm_70] [--head-dims 64]``.
 
 Needs NVRTC, no GPU. ``python setup.py precompile --arch sm_70`` calls :func:`precompile_all` too.
 """
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_70", help="target architecture, e.g. sm_70 (default) or sm_90")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
-    parser.add_argument("--head-dims", type=int, nargs="+", help="only the kernels of these head dims (default: all)")
+    parser.add_argument("--head-dims", type=int, nargs="+",
+                        help="only the kernels of these head dims, e.g. 64 128 (default: every shipped kernel)")
     args = parser.parse_args(argv)
     precompile_all(args.arch, args.jobs, args.head_dims)
 
