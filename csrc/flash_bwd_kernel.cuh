@@ -329,6 +329,21 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
             }
         }
     }
+    if constexpr (!KT::kDqRowPointers) {
+#pragma unroll
+        for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
+                                                  : acc[ot][i];
+                const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
+                const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
+                const int col = KT::kDqFromK ? col0 + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3)
+                                             : col0 + 8 * ot + c;
+                if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
+            }
+        return;
+    }
     // The lane's elements lie on two rows (f32 layout: acc_row(0) and 2 below; f16: one) at columns that differ from
     // the lane's first by constants: two row pointers, then immediate offsets. Rows past seqlen_q add +0.0 to the last
     // row instead of branching around each atomic (a no-op bit for bit: an fp32 sum that starts at +0 never holds -0).
