@@ -45,9 +45,14 @@ struct BwdWarpGeometry {
     // First query (within the query block) of S^T tile nt of quad-pair column qp_n ^ x.
     __device__ __forceinline__ int stile_q0(int x, int nt) const { return ((qp_n ^ x) * KT::kSTilesPerQuadPair + nt) * 8; }
     __device__ __forceinline__ static constexpr int partner_lane_xor(int x) { return 4 * KT::kQuadPairRows * x; }
-    // head_dim column (within the CTA's slice) of dK / dV for physical column c of output tile ot (B = Q^T / dO^T
-    // rows, col-major).
-    __device__ __forceinline__ int o_col(int ot, int c) const { return qp_n * KT::kOColsPerQuadPair + 8 * ot + c; }
+    // head_dim column (within the CTA's slice) of dK / dV for logical column c of output tile ot: B = Q^T / dO^T rows
+    // (col-major), 8 consecutive columns per tile; kDkDvRowB: B = Q / dO rows, tile pairs with interleaved columns
+    // in the quad-pair's column slot (kernel_traits.cuh).
+    __device__ __forceinline__ int o_col(int ot, int c) const {
+        if (KT::kDkDvRowB)
+            return ((qp_n & 1) * 2 + (qp_n >> 1)) * KT::kOColsPerQuadPair + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3);
+        return qp_n * KT::kOColsPerQuadPair + 8 * ot + c;
+    }
 };
 
 // K or V rows of the warp as the A operand (row-major: the lane's key, head_dim as k), from registers or
@@ -139,6 +144,63 @@ __device__ __forceinline__ int bwd_elem_query(const BwdWarpGeometry<KT>& g, int 
     return g.stile_q0(0, nt) + g.lq.acc_col(i);
 }
 
+// kDkDvRowB: C += A B over one query block with B = the [query][head_dim] rows of Q / dO (row-major B): lane t of a
+// quad-pair loads 16 bytes of query rows q0 + t and q0 + 4 + t (the two k-steps of an 8-query fragment), which feed
+// output tiles 2j and 2j + 1 (columns interleaved: BwdWarpGeometry::o_col). FP16-ACC non-lean tiles accumulate the
+// block in fp16 (the f16 C layout, logical columns), then into fp32, as the col-major path does.
+template <class KT>
+__device__ __forceinline__ void bwd_frags_times_rows(const u32 (&own)[KT::kSTilesPerQuadPair][4],
+                                                     const u32 (&partner)[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4],
+                                                     const half_bits* rows_tile, const BwdWarpGeometry<KT>& g,
+                                                     float (&acc)[KT::kOTilesPerQuadPair][8]) {
+    constexpr int kPairs = KT::kOTilesPerQuadPair / 2;
+    constexpr bool kF16Products = KT::kDkDvF16Products;
+    constexpr int kChunkPairs = kF16Products ? 2 : kPairs;  // fp16 partial sums of 4 tiles at a time (registers)
+    constexpr int kSteps = KT::kQuadPairCols * KT::kSTilesPerQuadPair;
+    const half_bits* cols = rows_tile + g.o_col(0, 0) + 8 * g.lq.hi;  // + QRows::offset(query) + 16 j
+#pragma unroll
+    for (int j0 = 0; j0 < kPairs; j0 += kChunkPairs) {
+        u32 c16[2 * kChunkPairs][4];
+#pragma unroll
+        for (int k = 0; k < 2 * kChunkPairs; ++k)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) c16[k][r] = 0u;
+#pragma unroll
+        for (int o = 0; o < kChunkPairs * kSteps; ++o) {
+            const int jj = kBwdAccumulatorMajorMma ? o / kSteps : o % kChunkPairs;
+            const int step = kBwdAccumulatorMajorMma ? o % kSteps : o / kChunkPairs;
+            const int j = j0 + jj;
+            if (j >= kPairs) continue;
+            const int x = step / KT::kSTilesPerQuadPair, nt = step % KT::kSTilesPerQuadPair;
+            const u32(&a)[4] = x ? partner[x - 1][nt] : own[nt];
+            const int q0 = g.stile_q0(x, nt);  // a multiple of 8: rows q0 + t and q0 + 4 + t share QRows' gap
+            const u32x4 b0 = load_shared_16B(cols + KT::QRows::offset(q0 + g.lq.t) + 16 * j);
+            const u32x4 b1 = load_shared_16B(cols + KT::QRows::offset(q0 + 4 + g.lq.t) + 16 * j);
+            if (kF16Products) {
+                mma_rr_f16(c16[2 * jj], a[0], a[1], b0.x, b0.y);
+                mma_rr_f16(c16[2 * jj], a[2], a[3], b1.x, b1.y);
+                mma_rr_f16(c16[2 * jj + 1], a[0], a[1], b0.z, b0.w);
+                mma_rr_f16(c16[2 * jj + 1], a[2], a[3], b1.z, b1.w);
+            } else {
+                mma_rr_f32(acc[2 * j], a[0], a[1], b0.x, b0.y);
+                mma_rr_f32(acc[2 * j], a[2], a[3], b1.x, b1.y);
+                mma_rr_f32(acc[2 * j + 1], a[0], a[1], b0.z, b0.w);
+                mma_rr_f32(acc[2 * j + 1], a[2], a[3], b1.z, b1.w);
+            }
+        }
+        if (kF16Products) {
+#pragma unroll
+            for (int k = 0; k < 2 * kChunkPairs; ++k)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    if (2 * j0 + k < KT::kOTilesPerQuadPair) {
+                        acc[2 * j0 + k][2 * r] += low_half_to_float(c16[k][r]);
+                        acc[2 * j0 + k][2 * r + 1] += high_half_to_float(c16[k][r]);
+                    }
+        }
+    }
+}
+
 // C += A B over one query block, A = f16x2 row fragments of the warp (own and partners' query columns), B =
 // a [head_dim][query] tile (col-major B). FP16-ACC accumulates the block in fp16 chunks, then into fp32.
 template <class KT>
@@ -150,6 +212,10 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
     // Lean tiles (sm_70 only) take fp32 products in both modes: on a V100 the f16-accumulating HMMA runs at the
     // f32 rate (2 steps of 4 cycles = 4 of 2), and fp16 partial sums would cost registers and conversions.
     constexpr bool kF16Products = KT::kDkDvF16Products;
+    if constexpr (KT::kDkDvRowB) {
+        bwd_frags_times_rows<KT>(own, partner, bt_tile, g, acc);
+        return;
+    }
     constexpr int kChunk = kF16Products ? 4 : kTiles;
     // This lane's row of output tile 0; tile ot's row is offset(8 * ot) further (additive: the row within the
     // quad-pair's kOColsPerQuadPair rows stays below it, and 8 * ot is a multiple of 4).
@@ -263,17 +329,40 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
             }
         }
     }
+    if constexpr (!KT::kDqRowPointers) {
+#pragma unroll
+        for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
+                                                  : acc[ot][i];
+                const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
+                const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
+                const int col = KT::kDqFromK ? col0 + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3)
+                                             : col0 + 8 * ot + c;
+                if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
+            }
+        return;
+    }
+    // The lane's elements lie on two rows (f32 layout: acc_row(0) and 2 below; f16: one) at columns that differ from
+    // the lane's first by constants: two row pointers, then immediate offsets. Rows past seqlen_q add +0.0 to the last
+    // row instead of branching around each atomic (a no-op bit for bit: an fp32 sum that starts at +0 never holds -0).
+    const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(0));
+    const int lane_col = KT::kAccumF16 ? 0 : lq.acc_col(0);  // (t & 2): below 4, so it never carries into c >> 2
+    const bool row_ok = row < seqlen_q, row2_ok = row + 2 < seqlen_q;
+    float* const dq_cols = dq_base + col0 + lane_col;
+    float* const row_ptr = dq_cols + (long long)min(row, seqlen_q - 1) * dq_row_stride;
+    float* const row2_ptr = dq_cols + (long long)min(row + 2, seqlen_q - 1) * dq_row_stride;
 #pragma unroll
     for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
                                               : acc[ot][i];
-            const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
-            const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
-            const int col = KT::kDqFromK ? col0 + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3)
-                                         : col0 + 8 * ot + c;
-            if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
+            const bool second = !KT::kAccumF16 && (i & 2);  // acc_row(i) = acc_row(0) + (i & 2)
+            const int c = KT::kAccumF16 ? i : (i & 4) + (i & 1);  // logical column within tile ot, less lane_col
+            const int col = KT::kDqFromK ? 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3) : 8 * ot + c;
+            atomicAdd((second ? row2_ptr : row_ptr) + col, (second ? row2_ok : row_ok) ? value : 0.f);
         }
 }
 
@@ -381,10 +470,10 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
     u32 p_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4], ds_partner[KT::kPartnerSlots][KT::kSTilesPerQuadPair][4];
     bwd_exchange_partners<KT>(p_own, p_partner);
     if (!KT::kLean) bwd_exchange_partners<KT>(ds_own, ds_partner);
-    bwd_frags_times_tile<KT>(p_own, p_partner, dot_tile, g, st.acc.dv);
+    bwd_frags_times_tile<KT>(p_own, p_partner, KT::kDkDvRowB ? do_tile : dot_tile, g, st.acc.dv);
     // Lean: the partners' dS^T fragments only after dV, 8 registers fewer during dV's product.
     if (KT::kLean) bwd_exchange_partners<KT>(ds_own, ds_partner);
-    bwd_frags_times_tile<KT>(ds_own, ds_partner, qt_tile, g, st.acc.dk);
+    bwd_frags_times_tile<KT>(ds_own, ds_partner, KT::kDkDvRowB ? q_tile : qt_tile, g, st.acc.dk);
 
     if (KT::kDqAtomic) {
         // dS^T rows (this lane's key, 8 queries) -> dS [query][key]: transpose each 8x8 tile in the quad-pair
@@ -410,12 +499,13 @@ __device__ __forceinline__ void bwd_load_query_block(const half_bits* q_base, lo
                                                      int seqlen_q, int tid, unsigned char* smem, int out_col0) {
     using QRows = typename KT::QRows;
     using QtRows = typename KT::QtRows;
+    // (kDkDvRowB: rows only, dK / dV read them as row-major B)
     load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows, KT::kOutDim>(
         q_base, q_row_stride, m0, seqlen_q, tid, reinterpret_cast<half_bits*>(smem + KT::kOffQ),
-        reinterpret_cast<half_bits*>(smem + KT::kOffQt), out_col0);
+        KT::kDkDvRowB ? nullptr : reinterpret_cast<half_bits*>(smem + KT::kOffQt), out_col0);
     load_rows_and_transpose<KT, KT::kBlockM, QRows, QtRows, KT::kOutDim>(
         do_base, do_row_stride, m0, seqlen_q, tid, reinterpret_cast<half_bits*>(smem + KT::kOffDo),
-        reinterpret_cast<half_bits*>(smem + KT::kOffDot), out_col0);
+        KT::kDkDvRowB ? nullptr : reinterpret_cast<half_bits*>(smem + KT::kOffDot), out_col0);
     float* lse2 = reinterpret_cast<float*>(smem + KT::kOffLse);
     float* dsum = reinterpret_cast<float*>(smem + KT::kOffDsum);
     for (int i = tid; i < KT::kBlockM; i += KT::kThreads) {
@@ -436,12 +526,31 @@ __device__ __forceinline__ void bwd_write_key_rows(const float (&src)[KT::kOTile
     __syncthreads();  // shared memory is free (the last query block, or the previous output)
     const BwdWarpGeometry<KT> gs((tid & ~31) | staging_lane(g.lane), n0);  // whose fragments this lane stores
     const int row = gs.mtile_key0 - n0 + gs.lq.operand_row();
+    if constexpr (KT::kDkDvRowB) {
+        // tile pairs 2j, 2j + 1: logical columns 0-3 / 4-7 of each lie 8 columns apart, interleaved (o_col): two
+        // 16-byte stores of 8 consecutive columns each
 #pragma unroll
-    for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
-        float scaled[8];
+        for (int j = 0; j < KT::kOTilesPerQuadPair / 2; ++j) {
+            u32 frag[2][4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) scaled[i] = src[ot][i] * scale;
-        stage_acc_tile_row<!KT::kDkDvF16Products>(scaled, g.lane, stage + row * KT::kRowStride + gs.o_col(ot, 0));
+            for (int e = 0; e < 2; ++e) {
+                float scaled[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) scaled[i] = src[2 * j + e][i] * scale;
+                staged_row_fragment<!KT::kDkDvF16Products>(scaled, g.lane, frag[e]);
+            }
+            half_bits* at = stage + row * KT::kRowStride + gs.o_col(2 * j, 0);
+            store_shared_16B(at, u32x4{frag[0][0], frag[0][1], frag[1][0], frag[1][1]});
+            store_shared_16B(at + 8, u32x4{frag[0][2], frag[0][3], frag[1][2], frag[1][3]});
+        }
+    } else {
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot) {
+            float scaled[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) scaled[i] = src[ot][i] * scale;
+            stage_acc_tile_row<!KT::kDkDvF16Products>(scaled, g.lane, stage + row * KT::kRowStride + gs.o_col(ot, 0));
+        }
     }
     __syncthreads();
     if (KT::kOutSplit > 1) out += out_col0;

@@ -160,7 +160,7 @@ struct FwdKernelTraits {
 // whose dK / dV accumulators do not fit one CTA's registers; docs/performance.md, "head_dim 256").
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int WARPS, int BLOCK_M, bool ACCUM_F16, bool DROPOUT, bool DQ_ATOMIC,
           bool KV_IN_SMEM = false, int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool LEAN = false,
-          bool SOFTCAP = false, int OUT_SPLIT = 1, bool DQ_FROM_K = false>
+          bool SOFTCAP = false, int OUT_SPLIT = 1, bool DQ_FROM_K = false, bool DKDV_ROW_B = false>
 struct BwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -197,6 +197,14 @@ struct BwdKernelTraits {
     // dQ by atomics with B = the K tile's rows (row-major B, DQ_FROM_K) instead of a K^T copy: no K^T tile in
     // shared memory (what lets the sm_70 d128 tile of 8 warps fit 96 KB).
     static constexpr bool kDqFromK = DQ_FROM_K && DQ_ATOMIC;
+    // dV += P^T dO and dK += dS^T Q with B = the Q / dO tiles' rows (row-major B, DKDV_ROW_B) instead of Q^T / dO^T
+    // copies: the query block is stored once, untransposed. One 16-byte load of a Q / dO row feeds a pair of 8-column
+    // output tiles, whose logical column c of tile 2j + e is the quad-pair's column 16 j + 8 (c >> 2) + 4 e + (c & 3),
+    // and quad-pair q owns the dK / dV columns of slot (q & 1) * 2 + (q >> 1) (conflict-free reads, below).
+    static constexpr bool kDkDvRowB = DKDV_ROW_B;
+    // dQ's atomics through two row pointers with immediate offsets and no branches (flash_bwd_kernel.cuh), except in
+    // tiles built for several CTAs per SM under emulation, whose 128-register cap on sm_90 it would make spill.
+    static constexpr bool kDqRowPointers = MIN_BLOCKS_EMULATED == 1;
     // dQ tile [kBlockM x head_dim], arranged like a forward output tile: warp w owns kDqRowsPerWarp queries and
     // kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
     // split head_dim.
@@ -243,7 +251,7 @@ struct BwdKernelTraits {
     using Vector = TileVector<k1x4Layout ? 4 : 0>;                                          // lse, dsum
     static constexpr int kRowStride = kOutDim + 8;     // halves: the dK / dV staging tile (plain rows)
     static constexpr int kQTileBytes = QRows::bytes(kBlockM);
-    static constexpr int kQtTileBytes = QtRows::bytes(kOutDim);  // the slice's columns of Q / dO, transposed
+    static constexpr int kQtTileBytes = kDkDvRowB ? 0 : QtRows::bytes(kOutDim);  // the slice's columns of Q / dO, transposed
     static constexpr int kKtTileBytes = KtRows::bytes(kHeadDim);
     static constexpr int kDsTileBytes = DsRows::bytes(kBlockM);
     static constexpr int kKvTileBytes = kKvInSmem ? KvRows::bytes(kBlockN) : 0;
@@ -280,5 +288,7 @@ struct BwdKernelTraits {
     static_assert(!kDqAtomic || kDqColWarps * kDqRowWarps == kWarps, "dQ's warps must tile the query block");
     static_assert(!kDqFromK || (kKvInSmem && kDqQuadPairCols == 4 && kDqTilesPerQuadPair % 2 == 0),
                   "dQ from the K tile needs K in shared memory, 1x4 dQ quad-pairs and pairs of 8-column tiles");
+    static_assert(!kDkDvRowB || (kQuadPairRows == 1 && k1x4Layout && kOutSplit == 1 && kOTilesPerQuadPair % 2 == 0),
+                  "dK / dV from Q / dO rows needs 1x4 quad-pairs, their Q / dO layout, no split and pairs of 8-column tiles");
     static_assert(kSmemBytes <= 96 * 1024, "a V100 block has at most 96 KB of shared memory");
 };

@@ -120,14 +120,18 @@ __device__ __forceinline__ void acc_tile_to_row_fragment(const float (&x)[8], in
 __device__ __forceinline__ int staging_lane(int lane) { return ((lane >> 2) & 1) != (lane >> 4) ? lane ^ 20 : lane; }
 
 // Stages one (already scaled) 8x8 accumulator tile with one 16-byte shared store per lane: the row fragment of
-// staging_lane(lane) (this lane's own when that is itself) at `row_start`, the address of that lane's row
+// staging_lane(lane) (this lane's own when that is itself; staged_row_fragment) at `row_start`, the address of that lane's row
 // operand_row() at the tile's first column, i.e. computed with the staging lane's geometry. Every lane of the warp
 // must call it (shuffles).
 template <bool kF32Layout>
-__device__ __forceinline__ void stage_acc_tile_row(const float (&x)[8], int lane, void* row_start) {
-    u32 frag[4];
+__device__ __forceinline__ void staged_row_fragment(const float (&x)[8], int lane, u32 (&frag)[4]) {
     acc_tile_to_row_fragment<kF32Layout>(x, lane & 3, frag);
 #pragma unroll
     for (int k = 0; k < 4; ++k) frag[k] = __shfl_sync(0xffffffffu, frag[k], staging_lane(lane));
+}
+template <bool kF32Layout>
+__device__ __forceinline__ void stage_acc_tile_row(const float (&x)[8], int lane, void* row_start) {
+    u32 frag[4];
+    staged_row_fragment<kF32Layout>(x, lane, frag);
     store_shared_16B(row_start, u32x4{frag[0], frag[1], frag[2], frag[3]});
 }

@@ -496,6 +496,7 @@ class BwdShape(_QuadPairGeometry):
     lean: bool = False
     out_split: int = 1  # CTAs per key block, each with head_dim / out_split columns of dK / dV (slice 0 modelled)
     dq_from_k: bool = False  # dQ's B from the K tile's rows (row-major B), no K^T tile (BwdKernelTraits::kDqFromK)
+    dkdv_row_b: bool = False  # dK / dV's B from the Q / dO rows (row-major B), no Q^T / dO^T (kDkDvRowB)
 
     @property
     def out_dim(self):  # BwdKernelTraits::kOutDim: the dK / dV columns of one CTA
@@ -586,8 +587,9 @@ A_ROWS_8_APART = ((3, 4), (4, -4))
 
 def bwd_tile_rows(s: BwdShape) -> dict:
     """Rows of each tile the dK/dV kernel's shared memory holds (vectors: elements)."""
-    rows = {"q": s.block_m, "do": s.block_m, "qt": s.out_dim, "dot": s.out_dim, "lse": s.block_m,
-            "dsum": s.block_m}
+    rows = {"q": s.block_m, "do": s.block_m, "lse": s.block_m, "dsum": s.block_m}
+    if not s.dkdv_row_b:
+        rows.update(qt=s.out_dim, dot=s.out_dim)
     if s.dq_atomic:
         rows.update(ds=s.block_m)
         if not s.dq_k_rows:
@@ -677,8 +679,10 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
     if s.dq_atomic and not s.dq_k_rows:
         _load_rows_and_transpose(p, "kt.fill", s.block_n, s.head_dim, T, None, L["kt"], 1)
     # per query block: loads of Q, dO (+ transposes), lse, dsum
-    _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], L["qt"], blocks, s.out_dim)
-    _load_rows_and_transpose(p, "do.fill", s.block_m, s.head_dim, T, L["do"], L["dot"], blocks, s.out_dim)
+    _load_rows_and_transpose(p, "q.fill", s.block_m, s.head_dim, T, L["q"], None if s.dkdv_row_b else L["qt"], blocks,
+                             s.out_dim)
+    _load_rows_and_transpose(p, "do.fill", s.block_m, s.head_dim, T, L["do"], None if s.dkdv_row_b else L["dot"],
+                             blocks, s.out_dim)
     for name in ("lse", "dsum"):
         for c in range((s.block_m + T - 1) // T):
             wa = _warps(T, lambda tid: L[name].addr(tid + c * T) if tid + c * T < s.block_m else None)
@@ -698,8 +702,21 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
             for i in (0, 4):
                 p.add(f"{name}.ld", "ld", 8, _warps(T, lambda tid: L[name].addr(
                     s.stile_q0(tid & 31, 0, nt) + acc_col(tid & 31, i))), blocks)
-    # dV += P^T dO, dK += dS^T Q: B = rows of the transposed tiles
-    for prod, bt in (("dV+=PdO", "dot"), ("dK+=dSQ", "qt")):
+    # dV += P^T dO, dK += dS^T Q: B = rows of the transposed tiles, or (dkdv_row_b) of Q / dO: lane t loads rows
+    # q0 + t and q0 + 4 + t at the quad-pair's column slot (qp & 1) * 2 + (qp >> 1), 16 columns per tile pair
+    for prod, b_rows in (("dV+=PdO", "do"), ("dK+=dSQ", "q")) if s.dkdv_row_b else ():
+        for j in range(s.o_tiles // 2):
+            for x in range(s.qp_cols):
+                for nt in range(s.s_tiles):
+                    for half in (0, 4):
+                        def addr(tid, j=j, x=x, nt=nt, half=half):
+                            lane = tid & 31
+                            qp_n = s.qp_mn(lane)[1]
+                            slot = (qp_n & 1) * 2 + (qp_n >> 1)
+                            return L[b_rows].addr(s.stile_q0(lane, x, nt) + half + (lane & 3),
+                                                  slot * s.o_cols + 16 * j + 8 * (lane >> 4))
+                        p.add(f"{prod}.B", "ld", 16, _warps(T, addr), blocks)
+    for prod, bt in (("dV+=PdO", "dot"), ("dK+=dSQ", "qt")) if not s.dkdv_row_b else ():
         for ot in range(s.o_tiles):
             for x in range(s.qp_cols):
                 for nt in range(s.s_tiles):
@@ -808,7 +825,7 @@ def dq_tile_smem_bytes(tile, head_dim: int) -> int:
 def bwd_tile_shape(tile, head_dim: int, dq_atomic: bool, accum_f16: bool = False) -> BwdShape:
     """The BwdShape of a dK/dV tile (volta_train/kernels/tiles.py BwdTile) at head_dim."""
     return BwdShape(head_dim, tile.quad_pair_rows, tile.warps, tile.block_m, accum_f16, dq_atomic, tile.kv_in_smem,
-                    tile.lean, tile.out_split, tile.dq_from_k)
+                    tile.lean, tile.out_split, tile.dq_from_k, tile.dkdv_row_b)
 
 
 def bwd_tile_smem_bytes(tile, head_dim: int, dq_atomic: bool) -> int:

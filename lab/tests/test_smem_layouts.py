@@ -160,8 +160,8 @@ def _writes(s, L):
                 if (trans, d, row & ~7) not in out:
                     put((trans, d, row & ~7), L[trans].addr(d, row & ~7))
 
-    rows_and_transpose(s.block_m, "q", "qt", s.out_dim)
-    rows_and_transpose(s.block_m, "do", "dot", s.out_dim)
+    rows_and_transpose(s.block_m, "q", None if s.dkdv_row_b else "qt", s.out_dim)
+    rows_and_transpose(s.block_m, "do", None if s.dkdv_row_b else "dot", s.out_dim)
     if s.dq_atomic:
         if not s.dq_k_rows:
             rows_and_transpose(s.block_n, None, "kt", s.head_dim)
@@ -211,7 +211,17 @@ def _reads(s, L):
                     even = s.stile_q0(lane, 0, nt) + bm.acc_col(lane, i & ~1)
                     index = even + pad * (even >> 5) + (i & 1) if pad else q
                     yield name, q, 0, L[name].base + 4 * index
-        for bt in ("qt", "dot"):  # bwd_frags_times_tile: bt_rows = QtRows::offset(lane's row), + offset(8 ot)
+        # bwd_frags_times_rows (dkdv_row_b): cols = rows tile + o_col(0, 0) (the column slot) + 8 hi, then
+        # QRows::offset(q0 + t) and QRows::offset(q0 + 4 + t), + 16 j
+        for b_name in ("do", "q") if s.dkdv_row_b else ():
+            col0 = ((qp_n & 1) * 2 + (qp_n >> 1)) * s.o_cols + 8 * (lane >> 4)
+            for j in range(s.o_tiles // 2):
+                for x in range(s.qp_cols):
+                    for nt in range(s.s_tiles):
+                        for half in (0, 4):
+                            row = s.stile_q0(lane, x, nt) + half + (lane & 3)
+                            yield b_name, row, col0 + 16 * j, off(b_name, row) + 2 * (col0 + 16 * j)
+        for bt in ("qt", "dot") if not s.dkdv_row_b else ():  # bwd_frags_times_tile: bt_rows = QtRows::offset(lane's row), + offset(8 ot)
             base_row = qp_n * s.o_cols + _op_row(lane)
             for ot in range(s.o_tiles):
                 for x in range(s.qp_cols):

@@ -40,7 +40,7 @@ def test_parser_reads_what_is_there():
     # the parser sees the real header: the first parameter of both, and a default written out there
     assert parse_traits("FwdKernelTraits")[0] == ("int", "HEAD_DIM", None)
     assert ("bool", "SPLIT_KV", "false") in parse_traits("FwdKernelTraits")
-    assert parse_traits("BwdKernelTraits")[-1] == ("bool", "DQ_FROM_K", "false")
+    assert parse_traits("BwdKernelTraits")[-1] == ("bool", "DKDV_ROW_B", "false")
     assert ("int", "OUT_SPLIT", "1") in parse_traits("BwdKernelTraits")
 
 
@@ -100,7 +100,7 @@ def test_variant_names_keep_their_form():
     assert tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True).name == \
         "bwd_dkdv_d64_f32acc_dqatomic_qp1x4_n64_m64_w8"
     assert tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True).name == \
-        "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n64_m32_w8_kvsmem_dqk"
+        "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n64_m32_w8_kvsmem_dqk_rowb"
 
 
 @pytest.mark.parametrize("arch", [70, 90])
@@ -111,6 +111,15 @@ def test_names_and_expressions_one_to_one(arch):
         by_name.setdefault(variant.name, variant.name_expressions[0])
         assert by_name[variant.name] == variant.name_expressions[0], variant.name
     assert len(set(by_name.values())) == len(by_name)
+
+
+def test_dkdv_row_b_needs_1x4_quad_pairs_and_no_split():
+    """dkdv_row_b reads dK / dV's B from the Q / dO rows in the 1x4 layout: 2x2 tiles and split tiles are refused."""
+    with pytest.raises(ValueError, match="dkdv_row_b=True needs quad_pair_rows=1 and out_split=1, got quad_pair_rows=2"):
+        tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=32, dkdv_row_b=True)
+    with pytest.raises(ValueError, match="out_split=2"):
+        tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, dq_atomic=False, out_split=2, dkdv_row_b=True)
+    assert tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, dkdv_row_b=True).dkdv_row_b
 
 
 def test_dq_from_k_needs_atomics_and_k_in_shared_memory():

@@ -113,6 +113,7 @@ BWD_TRAITS = TraitsTemplate("BwdKernelTraits", (
     TemplateParam("SOFTCAP", "softcap", bool, False, tag=("_softcap", "")),
     TemplateParam("OUT_SPLIT", "out_split", int, 1, tag=("_split{out_split}", "")),
     TemplateParam("DQ_FROM_K", "dq_from_k", bool, False, tag=("_dqk", "")),
+    TemplateParam("DKDV_ROW_B", "dkdv_row_b", bool, False, tag=("_rowb", "")),
 ))
 
 
@@ -157,6 +158,6 @@ DECODE_KERNEL = KernelTemplate(  # the split-KV decoding kernel: flash_fwd_kerne
 DKDV_KERNEL = KernelTemplate(
     "flash_bwd_dkdv_kernel", "flash_bwd.cu", BWD_TRAITS, "bwd_dkdv",
     ("HEAD_DIM", "ACCUM_F16", "DROPOUT", "SOFTCAP", "DQ_ATOMIC", "QUAD_PAIR_ROWS", "BLOCK_M", "WARPS", "KV_IN_SMEM",
-     "LEAN", "OUT_SPLIT", "DQ_FROM_K"))
+     "LEAN", "OUT_SPLIT", "DQ_FROM_K", "DKDV_ROW_B"))
 
 KERNEL_TEMPLATES = (FWD_KERNEL, DQ_KERNEL, DECODE_KERNEL, DKDV_KERNEL)

@@ -127,6 +127,8 @@ class BwdTile:
     out_split: int = 1
     # dQ atomics read B from the K tile in shared memory (row-major B, kv_in_smem) instead of a K^T copy
     dq_from_k: bool = False
+    # dK / dV read B from the Q / dO tiles' rows (row-major B) instead of transposed copies (1x4 tiles, no split)
+    dkdv_row_b: bool = False
 
     def __post_init__(self) -> None:
         if self.out_split < 1:
@@ -135,6 +137,9 @@ class BwdTile:
             raise ValueError(f"BwdTile out_split={self.out_split} needs dq_atomic=False (dQ from the dQ kernel)")
         if self.dq_from_k and not (self.dq_atomic and self.kv_in_smem):
             raise ValueError("BwdTile dq_from_k=True needs dq_atomic=True and kv_in_smem=True (B is the K tile)")
+        if self.dkdv_row_b and not (self.quad_pair_rows == 1 and self.out_split == 1):
+            raise ValueError(f"BwdTile dkdv_row_b=True needs quad_pair_rows=1 and out_split=1, got quad_pair_rows="
+                             f"{self.quad_pair_rows}, out_split={self.out_split}")
 
     @property
     def block_n(self) -> int:
@@ -163,7 +168,7 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     64: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
     80: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
+    128: BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True, dkdv_row_b=True),
     256: BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
 BWD_TILES_EMULATED: dict[int, BwdTile] = {
