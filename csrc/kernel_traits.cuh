@@ -202,9 +202,10 @@ struct BwdKernelTraits {
     // output tiles, whose logical column c of tile 2j + e is the quad-pair's column 16 j + 8 (c >> 2) + 4 e + (c & 3),
     // and quad-pair q owns the dK / dV columns of slot (q & 1) * 2 + (q >> 1) (conflict-free reads, below).
     static constexpr bool kDkDvRowB = DKDV_ROW_B;
-    // dQ's atomics through two row pointers with immediate offsets and no branches (flash_bwd_kernel.cuh), except in
-    // tiles built for several CTAs per SM under emulation, whose 128-register cap on sm_90 it would make spill.
-    static constexpr bool kDqRowPointers = MIN_BLOCKS_EMULATED == 1;
+    // dQ's atomics through two row pointers with immediate offsets and no branches (flash_bwd_kernel.cuh), on the
+    // tiles that take dQ from the K tile (the sm_70 d112/d128 tile, which it was designed for). The emulated tiles keep
+    // a branch per row pair: there the branch-free form spilled under the 128-register cap or ran slower on sm_90.
+    static constexpr bool kDqRowPointers = kDqFromK;
     // dQ tile [kBlockM x head_dim], arranged like a forward output tile: warp w owns kDqRowsPerWarp queries and
     // kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
     // split head_dim.
