@@ -221,7 +221,8 @@ def _reads(s, L):
                         for half in (0, 4):
                             row = s.stile_q0(lane, x, nt) + half + (lane & 3)
                             yield b_name, row, col0 + 16 * j, off(b_name, row) + 2 * (col0 + 16 * j)
-        for bt in ("qt", "dot") if not s.dkdv_row_b else ():  # bwd_frags_times_tile: bt_rows = QtRows::offset(lane's row), + offset(8 ot)
+        # bwd_frags_times_tile: bt_rows = QtRows::offset(lane's row), + offset(8 ot)
+        for bt in ("qt", "dot") if not s.dkdv_row_b else ():
             base_row = qp_n * s.o_cols + _op_row(lane)
             for ot in range(s.o_tiles):
                 for x in range(s.qp_cols):
