@@ -5,8 +5,8 @@ Needs NVRTC, no GPU. ``python setup.py precompile --arch sm_70`` calls :func:`pr
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 from typing import Iterable, Sequence
 
@@ -92,7 +92,15 @@ def compile_variants(variants: Iterable[KernelVariant], arch: int | str, process
         return sum(pool.map(_compile_into_cache, slices))
 
 
-if __name__ == "__main__":  # the same command as `volta-train precompile` (its options, help and errors)
-    from ..cli import main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_70", help="target architecture, e.g. sm_70 (default) or sm_90")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    parser.add_argument("--head-dims", type=int, nargs="+",
+                        help="only the kernels of these head dims, e.g. 64 128 (default: every shipped kernel)")
+    args = parser.parse_args(argv)
+    precompile_all(args.arch, args.jobs, args.head_dims)
 
-    raise SystemExit(main(["precompile", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    main()
