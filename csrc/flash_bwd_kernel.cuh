@@ -270,7 +270,7 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
     const int lane = tid & 31, warp = tid >> 5;
     const LaneInQuadPair lq(lane);
     const int qp = (lane >> 2) & 3, qp_m = qp % kQpRows, qp_n = qp / kQpRows;
-    // (warp < kWarps: without a column split no modulo, and no column offset below)
+    // (warp < kDqWarps: without a column split no modulo, and no column offset below)
     const int row_warp = KT::kDqColWarps == 1 ? warp : warp % KT::kDqRowWarps;
     const int row0 = row_warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
     const int col_slot = KT::kDqFromK ? (qp_n & 1) * 2 + (qp_n >> 1) : qp_n;
@@ -486,7 +486,8 @@ __device__ __forceinline__ void bwd_query_block(BwdBlockState<KT>& st, int m0, b
             store_shared_16B(ds_tile + KT::DsRows::offset(g.stile_q0(0, nt) + lq.operand_row()) + key_in_block, w);
         }
         __syncthreads();  // dS complete
-        bwd_dq_atomic<KT>(ds_tile, st.smem, tid, m0, seqlen_q, dq_base, dq_row_stride);
+        if (KT::kDqWarps == KT::kWarps || tid < 32 * KT::kDqWarps)
+            bwd_dq_atomic<KT>(ds_tile, st.smem, tid, m0, seqlen_q, dq_base, dq_row_stride);
     }
 }
 

@@ -206,11 +206,13 @@ struct BwdKernelTraits {
     // tiles that take dQ from the K tile (the sm_70 d112/d128 tile, which it was designed for). The emulated tiles keep
     // a branch per row pair: there the branch-free form spilled under the 128-register cap or ran slower on sm_90.
     static constexpr bool kDqRowPointers = kDqFromK;
-    // dQ tile [kBlockM x head_dim], arranged like a forward output tile: warp w owns kDqRowsPerWarp queries and
-    // kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
+    // dQ tile [kBlockM x head_dim], arranged like a forward output tile over the first kDqWarps warps (the largest
+    // power of two of them: a 12-warp CTA's dQ runs on 8, the other 4 skip it): warp w owns kDqRowsPerWarp queries
+    // and kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
     // split head_dim.
-    static constexpr int kDqColWarps = kBlockM / kWarps >= 8 ? 1 : 8 * kWarps / kBlockM;
-    static constexpr int kDqRowWarps = kWarps / kDqColWarps;
+    static constexpr int kDqWarps = 1 << const_log2(kWarps);
+    static constexpr int kDqColWarps = kBlockM / kDqWarps >= 8 ? 1 : 8 * kDqWarps / kBlockM;
+    static constexpr int kDqRowWarps = kDqWarps / kDqColWarps;
     static constexpr int kDqRowsPerWarp = kBlockM / kDqRowWarps;
     static constexpr int kDqColsPerWarp = kHeadDim / kDqColWarps;
     static constexpr int kDqQuadPairRows = kDqRowsPerWarp / 8;
@@ -286,7 +288,7 @@ struct BwdKernelTraits {
                   "dQ rows per warp must be 8, 16 or 32");
     static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols * kDqColWarps) == 0,
                   "head_dim must split over dQ quad-pairs");
-    static_assert(!kDqAtomic || kDqColWarps * kDqRowWarps == kWarps, "dQ's warps must tile the query block");
+    static_assert(!kDqAtomic || kDqColWarps * kDqRowWarps == kDqWarps, "dQ's warps must tile the query block");
     static_assert(!kDqFromK || (kKvInSmem && kDqQuadPairCols == 4 && kDqTilesPerQuadPair % 2 == 0),
                   "dQ from the K tile needs K in shared memory, 1x4 dQ quad-pairs and pairs of 8-column tiles");
     static_assert(!kDkDvRowB || (kQuadPairRows == 1 && k1x4Layout && kOutSplit == 1 && kOTilesPerQuadPair % 2 == 0),

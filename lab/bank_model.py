@@ -523,12 +523,16 @@ class BwdShape(_QuadPairGeometry):
         return self.accum_f16 and not self.lean
 
     @property
+    def dq_warps(self):  # BwdKernelTraits::kDqWarps: the warps that add dQ (the largest power of two of them)
+        return 1 << (self.warps.bit_length() - 1)
+
+    @property
     def dq_col_warps(self):  # BwdKernelTraits::kDqColWarps: warps sharing 8 queries, splitting head_dim
-        return 1 if self.block_m // self.warps >= 8 else 8 * self.warps // self.block_m
+        return 1 if self.block_m // self.dq_warps >= 8 else 8 * self.dq_warps // self.block_m
 
     @property
     def dq_row_warps(self):
-        return self.warps // self.dq_col_warps
+        return self.dq_warps // self.dq_col_warps
 
     @property
     def dq_rows_per_warp(self):
@@ -729,6 +733,7 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
         for nt in range(s.s_tiles):  # dS^T -> dS [query][key] (8x8 transposes in the quad-pair)
             p.add("ds.st", "st", 16, _warps(T, lambda tid: L["ds"].addr(
                 s.stile_q0(tid & 31, 0, nt) + operand_row(tid & 31), s.key_in_block(tid))), blocks)
+        TQ = 32 * s.dq_warps  # the warps that add dQ
         dq_qp_rows = s.dq_rows_per_warp // 8
         dq_qp_cols = 4 // dq_qp_rows
         dq_cols = s.head_dim // s.dq_col_warps // dq_qp_cols  # per quad-pair
@@ -746,19 +751,19 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
                                     8 * kc)
             if s.dq_k_rows:  # one A load and two K-row loads (k-steps) per pair of 8-column tiles
                 for j in range(dq_cols // 16):
-                    p.add("dQ+=dSK.A", "ld", 16, _warps(T, a_addr), blocks)
+                    p.add("dQ+=dSK.A", "ld", 16, _warps(TQ, a_addr), blocks)
                     for step in (0, 4):
                         def b_addr(tid, j=j, step=step):
                             lane = tid & 31
                             return L["k"].addr(8 * kc + step + (lane & 3), col0(tid) + 16 * j + 8 * (lane >> 4))
-                        p.add("dQ+=dSK.B", "ld", 16, _warps(T, b_addr), blocks)
+                        p.add("dQ+=dSK.B", "ld", 16, _warps(TQ, b_addr), blocks)
                 continue
             for ot in range(dq_cols // 8):
-                p.add("dQ+=dSK.A", "ld", 16, _warps(T, a_addr), blocks)  # per use
+                p.add("dQ+=dSK.A", "ld", 16, _warps(TQ, a_addr), blocks)  # per use
                 def b_addr(tid, ot=ot):
                     lane = tid & 31
                     return L["kt"].addr(col0(tid) + operand_row(lane) + 8 * ot, 8 * kc)
-                p.add("dQ+=dSK.B", "ld", 16, _warps(T, b_addr), blocks)
+                p.add("dQ+=dSK.B", "ld", 16, _warps(TQ, b_addr), blocks)
     # epilogue: dK and dV staged, then written in 16-byte rows
     for out in ("dk", "dv"):
         for ot in range(s.o_tiles):

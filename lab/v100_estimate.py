@@ -362,7 +362,7 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
     if dq_atomic:
         shape = bank_model.bwd_tile_shape(tile, head_dim, dq_atomic)
         dq_rows = shape.dq_rows_per_warp // 8
-        if shape.dq_col_warps * shape.dq_row_warps != tile.warps or dq_rows not in (1, 2, 4):
+        if shape.dq_col_warps * shape.dq_row_warps != shape.dq_warps or dq_rows not in (1, 2, 4):
             return False
         qp_cols = 4 // dq_rows
         if head_dim % (8 * qp_cols * shape.dq_col_warps):
@@ -553,9 +553,7 @@ def load_sass_cost(path: Path):
     return module
 
 
-def analyse_cubin(sass_cost, cuobjdump: str, cubin: Path, mangled: str) -> dict:
-    """body and must views of the kernel's main loop: {view: (cycles, instructions, per-opcode counts)}."""
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+def _loop_views(sass_cost, sass: str, mangled: str, cubin: Path) -> dict:
     functions = sass_cost.parse_sass_text(sass)
     if mangled not in functions:
         raise RuntimeError(f"{cubin}: no function {mangled} in its SASS ({', '.join(functions)})")
@@ -569,6 +567,71 @@ def analyse_cubin(sass_cost, cuobjdump: str, cubin: Path, mangled: str) -> dict:
         tally = loop[tally_key]
         out[view] = (dict(loop[model_key]["cycles"]), tally.n, dict(tally.sub), tally.hmma)
     return out
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_GUARD = re.compile(r"^@!?P\d BRA (0x[0-9a-f]+)$")
+
+
+def without_dq_guard(sass: str, mangled: str) -> str:
+    """The SASS with the branch that lets a dK/dV kernel's extra warps skip dQ's atomics made a NOP: what the warps
+    that add dQ run. The guard is the last predicated forward branch before the function's first RED (dQ atomic)
+    that jumps past its last one."""
+    start = sass.find(f"Function : {mangled}")
+    if start < 0:
+        raise RuntimeError(f"no function {mangled} in the SASS")
+    end = sass.find("Function : ", start + 1)
+    lines = list(_SASS_LINE.finditer(sass, start, end if end > 0 else len(sass)))
+    reds = [int(m.group(1), 16) for m in lines if m.group(2).startswith("RED.")]
+    if not reds:
+        raise RuntimeError(f"{mangled}: no dQ atomics (RED) in its SASS")
+    for m in reversed([m for m in lines if int(m.group(1), 16) < reds[0]]):
+        guard = _GUARD.match(m.group(2))
+        if guard and int(guard.group(1), 16) > reds[-1]:
+            return sass[:m.start(2)] + "NOP" + sass[m.end(2):]
+    raise RuntimeError(f"{mangled}: no branch around its dQ atomics")
+
+
+def combine_warp_classes(dq: dict, rest: dict, dq_fraction: float) -> dict:
+    """One view of a CTA whose warps differ: a fraction ``dq_fraction`` runs ``dq``'s loop, the others ``rest``'s.
+    Pipe cycles and opcode counts are the warps' mean (the pipes are shared); the instruction count is the larger
+    one (a warp's own issue interval binds the slower warps)."""
+    cycles0, n0, detail0, hmma0 = dq
+    cycles1, n1, detail1, hmma1 = rest
+
+    def mean(a: dict, b: dict) -> dict:
+        return {k: dq_fraction * a.get(k, 0.0) + (1 - dq_fraction) * b.get(k, 0.0) for k in set(a) | set(b)}
+
+    return (mean(cycles0, cycles1), max(n0, n1), mean(detail0, detail1),
+            dq_fraction * hmma0 + (1 - dq_fraction) * hmma1)
+
+
+def analyse_cubin(sass_cost, cuobjdump: str, cubin: Path, mangled: str, dq_fraction: float = 1.0) -> dict:
+    """body and must views of the kernel's main loop: {view: (cycles, instructions, per-opcode counts, HMMA)}.
+    dq_fraction < 1: a dK/dV kernel whose first warps alone add dQ (BwdKernelTraits::kDqWarps); its views combine
+    the dQ warps' loop (the SASS without the guard around the atomics) with the others' (``combine_warp_classes``)."""
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    views = _loop_views(sass_cost, sass, mangled, cubin)
+    if dq_fraction >= 1.0:
+        return views
+    dq_views = _loop_views(sass_cost, without_dq_guard(sass, mangled), mangled, cubin)
+    # body: every block once, so the dQ region is in both; the other warps' body lacks it (must_dq - must)
+    region = {k: dq_views["must"][0].get(k, 0.0) - views["must"][0].get(k, 0.0) for k in dq_views["must"][0]}
+    region_n = dq_views["must"][1] - views["must"][1]
+    region_detail = {k: dq_views["must"][2].get(k, 0.0) - views["must"][2].get(k, 0.0) for k in dq_views["must"][2]}
+    rest_body = ({k: v - region.get(k, 0.0) for k, v in views["body"][0].items()}, views["body"][1] - region_n,
+                 {k: v - region_detail.get(k, 0.0) for k, v in views["body"][2].items()},
+                 views["body"][3] - (dq_views["must"][3] - views["must"][3]))
+    return {"body": combine_warp_classes(views["body"], rest_body, dq_fraction),
+            "must": combine_warp_classes(dq_views["must"], views["must"], dq_fraction)}
+
+
+def dq_warp_fraction(variant) -> float:
+    """The fraction of a dK/dV kernel's warps that add dQ by atomics (1 where every warp does, or none)."""
+    if variant.meta.get("pass") != "bwd_dkdv" or "_dqatomic" not in variant.name:
+        return 1.0
+    warps = variant.meta["tile"].warps
+    return (1 << (warps.bit_length() - 1)) / warps
 
 
 def ensure_cubin(variant, cubin_dir: Path, kernel_report) -> dict:
@@ -1020,7 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, k in enumerate(batch):
             k.report = ensure_cubin(k.variant, cubin_dir, kernel_report)
             k.factors, k.factor_source = borrow_factors(k.variant, measured, by_name)
-            views = analyse_cubin(sass_cost, cuobjdump, cubin_dir / f"{k.name}.cubin", k.report["mangled"])
+            views = analyse_cubin(sass_cost, cuobjdump, cubin_dir / f"{k.name}.cubin", k.report["mangled"],
+                                  dq_warp_fraction(k.variant))
             for view, (cycles, n, detail, _hmma) in views.items():
                 k.views[view] = view_estimate(cycles, n, detail, *k.factors, k.report["warps_per_sm"],
                                               options.issue_interval)

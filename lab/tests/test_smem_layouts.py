@@ -229,7 +229,9 @@ def _reads(s, L):
                     for nt in range(s.s_tiles):
                         q0 = s.stile_q0(lane, x, nt)
                         yield bt, base_row + 8 * ot, q0, off(bt, base_row) + step(bt, 8 * ot) + 2 * q0
-        if s.dq_atomic:  # bwd_dq_atomic: a_row = DsRows::offset(row0 + operand_row()); b_rows + KtRows::offset(8 ot)
+        # bwd_dq_atomic, on the first kDqWarps warps: a_row = DsRows::offset(row0 + operand_row()); b_rows +
+        # KtRows::offset(8 ot)
+        if s.dq_atomic and tid < 32 * s.dq_warps:
             dq_qp_rows = s.dq_rows_per_warp // 8
             dq_cols = s.head_dim // s.dq_col_warps // (4 // dq_qp_rows)
             qp = bm.qp_of(lane)

@@ -100,7 +100,7 @@ def test_variant_names_keep_their_form():
     assert tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True).name == \
         "bwd_dkdv_d64_f32acc_dqatomic_qp1x4_n64_m64_w8"
     assert tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True).name == \
-        "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n64_m32_w8_kvsmem_dqk_rowb"
+        "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n96_m32_w12_kvsmem_lean_dqk_rowb"
 
 
 @pytest.mark.parametrize("arch", [70, 90])

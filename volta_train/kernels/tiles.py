@@ -168,7 +168,7 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     64: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
     80: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True, dkdv_row_b=True),
+    128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True, dkdv_row_b=True),
     256: BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
 BWD_TILES_EMULATED: dict[int, BwdTile] = {
