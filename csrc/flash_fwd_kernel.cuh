@@ -76,11 +76,24 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
 #pragma unroll
     for (int a = 0; a < KT::kMTiles; ++a) {
         float exp_offset[kRowSlots], rescale[kRowSlots];
-        acc.softmax.update_max(a, s[a], score_scale, exp_offset, rescale);
+        if constexpr (KT::kLazyRescale) {
+            float tile_max[kRowSlots];
+            if (acc.softmax.lazy_block_max(a, s[a], score_scale, tile_max)) {
+                acc.softmax.lazy_raise(a, tile_max, rescale);
 #pragma unroll
-        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+                for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[Layout::row_slot(i)];
+                    for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[Layout::row_slot(i)];
+            }
+#pragma unroll
+            for (int r = 0; r < kRowSlots; ++r) exp_offset[r] = safe_row_max(acc.softmax.row_max[a][r]);
+        } else {
+            acc.softmax.update_max(a, s[a], score_scale, exp_offset, rescale);
+#pragma unroll
+            for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[Layout::row_slot(i)];
+        }
 #pragma unroll
         for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
 #pragma unroll

@@ -73,7 +73,7 @@ __host__ __device__ constexpr int launch_min_blocks(int sm70, int emulated) {
 // resident warps hide (a few L1 spills cost less there than idle issue slots).
 template <int HEAD_DIM, int QUAD_PAIR_ROWS, int M_TILES, int WARPS, int BLOCK_N, bool ACCUM_F16, bool DROPOUT,
           int MIN_BLOCKS_PER_SM = 1, int MIN_BLOCKS_EMULATED = 1, bool Q_IN_SMEM = false, bool SPLIT_MASKED_LOOP = false,
-          bool SOFTCAP = false, bool SPLIT_KV = false>
+          bool SOFTCAP = false, bool SPLIT_KV = false, bool LAZY_RESCALE = false>
 struct FwdKernelTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kQuadPairRows = QUAD_PAIR_ROWS;
@@ -98,6 +98,9 @@ struct FwdKernelTraits {
     // decoding tiles set it (volta_train/kernels/tiles.py DECODE_TILES_*).
     static constexpr bool kSplitKv = SPLIT_KV;
     using Params = typename type_if<SPLIT_KV, SplitKvParams, AttentionParams>::type;  // flash_fwd_kernel's parameter
+    // The online softmax rescales O only where a key block raises a row's max by more than 2^8 (softmax.cuh,
+    // OnlineSoftmax::kLazyRescaleLog2); fp32 accumulation only (an fp16 O would have 8 bits less headroom).
+    static constexpr bool kLazyRescale = LAZY_RESCALE && !ACCUM_F16;
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;

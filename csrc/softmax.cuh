@@ -65,6 +65,49 @@ struct OnlineSoftmax {
         }
     }
 
+    // Lazy rescaling (KT::kLazyRescale): a row keeps its running max unless a key block raises it by more than
+    // kLazyRescaleLog2, so p <= 2^kLazyRescaleLog2 (exact in fp16, far from fp32's range) and m, l and O stay
+    // consistent with each other; the warp rescales only where one of its rows must, which once the max has settled
+    // (after the first key blocks on real and random scores alike) almost no key block does.
+    static constexpr float kLazyRescaleLog2 = 8.f;
+
+    // The block's row maxima of m-tile a (scaled, over the row's lanes) and whether any row of the warp raises its
+    // max by more than kLazyRescaleLog2: a warp-uniform answer (the vote is opaque asm, so that the compiler cannot
+    // turn the skipped rescale of O into an unconditional multiply).
+    __device__ __forceinline__ bool lazy_block_max(int a, const float (&s)[KT::kSTilesPerQuadPair][8], float score_scale,
+                                                   float (&tile_max)[kRowSlots]) const {
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) tile_max[r] = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = Layout::row_slot(i);
+                tile_max[r] = fmaxf(tile_max[r], s[nt][i]);
+            }
+        u32 raise = 0u;
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            tile_max[r] = max_over_row_lanes(tile_max[r]) * score_scale;
+            raise |= tile_max[r] > row_max[a][r] + kLazyRescaleLog2 ? 1u : 0u;
+        }
+        u32 warp_raises;
+        asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tvote.sync.any.pred q, p, 0xffffffff;\n\t"
+                     "selp.u32 %0, 1, 0, q;\n\t}" : "=r"(warp_raises) : "r"(raise));
+        return warp_raises != 0u;
+    }
+
+    // Lazy rescaling, where lazy_block_max said so: every row of the warp takes its new max; returns the factors of O.
+    __device__ __forceinline__ void lazy_raise(int a, const float (&tile_max)[kRowSlots], float (&rescale)[kRowSlots]) {
+#pragma unroll
+        for (int r = 0; r < kRowSlots; ++r) {
+            const float new_max = fmaxf(row_max[a][r], tile_max[r]);
+            rescale[r] = fast_exp2(row_max[a][r] - safe_row_max(new_max));
+            row_max[a][r] = new_max;
+            row_sum[a][r] *= rescale[r];
+        }
+    }
+
     // p = 2^(score * score_scale - exp_offset) of one element of row slot r, added to the row's sum.
     __device__ __forceinline__ float exp2_and_sum(int a, int r, float score, float score_scale, float exp_offset) {
         const float p = fast_exp2(fmaf(score, score_scale, -exp_offset));

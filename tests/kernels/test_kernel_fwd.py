@@ -198,6 +198,28 @@ def test_large_scores_stay_finite(accum, d):
         assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-2
 
 
+@pytest.mark.parametrize("accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rising_row_maxima_against_float64(accum, d):
+    """Scores that ramp up along the keys (about 1.4 in log2 per 16-key block, 86 in all, plus noise): the lazy
+    rescale of the V100 tiles (FWD_TILES_SM70, lazy_rescale) keeps stale maxima for several blocks (p up to 2^8)
+    and then raises them, many times per row; both tables against float64, O and the log-sum-exp."""
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    sq, sk, h = 77, 1000, 2
+    u = torch.randn(d, generator=gen, device="cuda")
+    u = u / u.norm()
+    ramp = torch.linspace(0, 7.5, sk, device="cuda")  # s_j = 8 * 7.5 * j / sk (scale 1): 60 nats over the keys
+    q = (8 * u + 0.3 * torch.randn(1, sq, h, d, generator=gen, device="cuda")).half()
+    k = (ramp[None, :, None, None] * u + 0.3 * torch.randn(1, sk, h, d, generator=gen, device="cuda")).half()
+    v = torch.randn(1, sk, h, d, generator=gen, device="cuda").half()
+    ref, ref_lse = naive_attention(q, k, v, softmax_scale=1.0)
+    for tile in (None, tiles.fwd_tile(d, False, 70)):
+        out, lse = _kernel_forward(q, k, v, scale=1.0, accum=accum, tile=tile)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert _rel(out, ref) < (2e-3 if accum == "fp32" else 1e-2), tile
+        assert (lse.double() - ref_lse).abs().max() < (1e-3 if accum == "fp32" else 6e-2), tile
+
+
 def _revealed_mask(seed, offset, p, batch, heads, sq, sk, d=128, accum="fp32"):
     """The kernel's dropout mask, read off its output: q = 0 gives uniform P > 0 and V = identity on a
     window of d keys makes output column j equal to the (dropped, rescaled) probability of key j."""

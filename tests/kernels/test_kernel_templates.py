@@ -67,7 +67,7 @@ def _random_fwd_tile(rng: random.Random) -> tiles.FwdTile:
     return tiles.FwdTile(quad_pair_rows=rng.choice((1, 2, 4)), m_tiles=rng.choice((1, 2)), warps=rng.choice((1, 4, 8)),
                          block_n=rng.choice((16, 32, 64)), min_blocks_per_sm=rng.randint(1, 4),
                          min_blocks_emulated=rng.randint(1, 4), q_in_smem=rng.random() < 0.5,
-                         split_masked=rng.random() < 0.5)
+                         split_masked=rng.random() < 0.5, lazy_rescale=rng.random() < 0.5)
 
 
 def test_expression_lists_every_parameter_in_order(rng):
@@ -80,11 +80,15 @@ def test_expression_lists_every_parameter_in_order(rng):
     assert variant.name_expressions == (
         f"flash_fwd_kernel<FwdKernelTraits<{head_dim}, {tile.quad_pair_rows}, {tile.m_tiles}, {tile.warps}, "
         f"{tile.block_n}, {b(accum_f16)}, {b(dropout)}, {tile.min_blocks_per_sm}, {tile.min_blocks_emulated}, "
-        f"{b(tile.q_in_smem)}, {b(tile.split_masked)}, {b(softcap)}, false>>",)
+        f"{b(tile.q_in_smem)}, {b(tile.split_masked)}, {b(softcap)}, false, {b(tile.lazy_rescale and not accum_f16)}>>",)
+    # lazy rescaling is the forward's alone: the decoding and dQ kernels keep the exact rescale
     decode = tiles.decode_variant(head_dim, tile, softcap)
-    assert decode.name_expressions[0].endswith(f", {b(softcap)}, true>>") and ", false, false, " in decode.name_expressions[0]
+    assert decode.name_expressions[0].endswith(f", {b(softcap)}, true, false>>")
+    assert ", false, false, " in decode.name_expressions[0]
+    exact = variant.name_expressions[0].removesuffix(", true>>").removesuffix(", false>>") + ", false>>"
     assert tiles.dq_variant(head_dim, tile, accum_f16, dropout, softcap).name_expressions[0] == \
-        variant.name_expressions[0].replace("flash_fwd_kernel<", "flash_bwd_dq_kernel<")
+        exact.replace("flash_fwd_kernel<", "flash_bwd_dq_kernel<")
+    assert variant.name.endswith("_lazy") == (tile.lazy_rescale and not accum_f16)
 
 
 def test_variant_names_keep_their_form():

@@ -95,6 +95,7 @@ FWD_TRAITS = TraitsTemplate("FwdKernelTraits", (
     TemplateParam("SPLIT_MASKED_LOOP", "split_masked", bool, False, tag=("_split", "")),
     TemplateParam("SOFTCAP", "softcap", bool, False, tag=("_softcap", "")),
     TemplateParam("SPLIT_KV", "split_kv", bool, False),  # fixed per kernel (DECODE_KERNEL)
+    TemplateParam("LAZY_RESCALE", "lazy_rescale", bool, False, tag=("_lazy", "")),
 ))
 
 BWD_TRAITS = TraitsTemplate("BwdKernelTraits", (
@@ -147,14 +148,15 @@ class KernelTemplate:
 
 
 _FWD_NAME = ("HEAD_DIM", "ACCUM_F16", "DROPOUT", "SOFTCAP", "QUAD_PAIR_ROWS", "M_TILES", "BLOCK_N", "WARPS",
-             "MIN_BLOCKS_PER_SM", "Q_IN_SMEM", "SPLIT_MASKED_LOOP")
+             "MIN_BLOCKS_PER_SM", "Q_IN_SMEM", "SPLIT_MASKED_LOOP", "LAZY_RESCALE")
 FWD_KERNEL = KernelTemplate("flash_fwd_kernel", "flash_fwd.cu", FWD_TRAITS, "fwd", _FWD_NAME, {"split_kv": False})
 DQ_KERNEL = KernelTemplate(  # the dQ tables keep the default occupancy and a single loop: not in the name
     "flash_bwd_dq_kernel", "flash_bwd.cu", FWD_TRAITS, "bwd_dq",
-    tuple(n for n in _FWD_NAME if n not in ("MIN_BLOCKS_PER_SM", "SPLIT_MASKED_LOOP")), {"split_kv": False})
+    tuple(n for n in _FWD_NAME if n not in ("MIN_BLOCKS_PER_SM", "SPLIT_MASKED_LOOP", "LAZY_RESCALE")),
+    {"split_kv": False, "lazy_rescale": False})
 DECODE_KERNEL = KernelTemplate(  # the split-KV decoding kernel: flash_fwd_kernel without dropout, with SPLIT_KV
     "flash_fwd_kernel", "flash_fwd.cu", FWD_TRAITS, "decode", tuple(n for n in _FWD_NAME if n != "DROPOUT"),
-    {"dropout": False, "split_kv": True})
+    {"dropout": False, "split_kv": True, "lazy_rescale": False})
 DKDV_KERNEL = KernelTemplate(
     "flash_bwd_dkdv_kernel", "flash_bwd.cu", BWD_TRAITS, "bwd_dkdv",
     ("HEAD_DIM", "ACCUM_F16", "DROPOUT", "SOFTCAP", "DQ_ATOMIC", "QUAD_PAIR_ROWS", "BLOCK_M", "WARPS", "KV_IN_SMEM",

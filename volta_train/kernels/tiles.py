@@ -31,6 +31,9 @@ class FwdTile:
     min_blocks_emulated: int = 1  # the same on sm_80+, where m8n8k4 is emulated (see kernel_traits.cuh)
     q_in_smem: bool = False  # Q read from shared memory per use instead of held in registers
     split_masked: bool = False  # masked key blocks in their own loop, skipped by warps that see none of them
+    # the forward rescales O only where a key block raises a row's max by more than 2^8 (fp32 accumulation; the
+    # forward tile only: the dQ and decoding kernels keep the exact rescale)
+    lazy_rescale: bool = False
 
     @property
     def rows_per_warp(self) -> int:
@@ -53,16 +56,21 @@ EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, 
 #   within the 168-register cap of min_blocks_per_sm=3, spill-free): at the issue latency calibrated on a real-V100
 #   profile, more resident warps beat the 8-warp tiles with Q in registers that the pipe model alone prefers. Full
 #   and causal attention share a tile. head_dim 256 fits one CTA of 8 warps per SM (Q in registers would take 128 of
-#   them). docs/performance.md, "Forward tile choice" and "Latency hiding".
+#   them). docs/performance.md, "Forward tile choice" and "Latency hiding". With fp32 accumulation they rescale O
+#   lazily (lazy_rescale): the V100 runs latency-bound, and the skipped rescale is 11% of a d128 key block's
+#   instructions (docs/performance.md, "Lazy rescaling").
 # sm_80+ (the Volta build on an H100/H200, m8n8k4 emulated): the fastest tiles of the H100 sweeps. Q lives in shared
 #   memory there: the emulated m8n8k4 wants resident warps more than shared-memory bandwidth; the occupancy targets
 #   trade a few bytes of L1 spills for more resident warps. docs/performance.md, "Forward tile choice".
 FWD_TILES_SM70: dict[int, FwdTile] = {
-    48: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, min_blocks_per_sm=3, q_in_smem=True),
-    64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, min_blocks_per_sm=3),
-    96: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, min_blocks_per_sm=3, q_in_smem=True),
-    128: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, min_blocks_per_sm=3, q_in_smem=True),
-    256: FwdTile(quad_pair_rows=2, m_tiles=1, warps=8, block_n=16, q_in_smem=True),
+    48: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, min_blocks_per_sm=3, q_in_smem=True,
+                lazy_rescale=True),
+    64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, min_blocks_per_sm=3, lazy_rescale=True),
+    96: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, min_blocks_per_sm=3, q_in_smem=True,
+                lazy_rescale=True),
+    128: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, min_blocks_per_sm=3, q_in_smem=True,
+                 lazy_rescale=True),
+    256: FwdTile(quad_pair_rows=2, m_tiles=1, warps=8, block_n=16, q_in_smem=True, lazy_rescale=True),
 }
 FWD_TILES_EMULATED: dict[int, FwdTile] = {
     64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32, min_blocks_emulated=4, q_in_smem=True),
@@ -103,8 +111,9 @@ def _variant(kernel: KernelTemplate, head_dim: int, tile: FwdTile | BwdTile, **a
 
 
 def fwd_variant(head_dim: int, tile: FwdTile, accum_f16: bool, dropout: bool, softcap: bool = False) -> KernelVariant:
+    # (lazy rescaling applies to fp32 accumulation only: an fp16 variant of a lazy tile is the exact one)
     return _variant(FWD_KERNEL, head_dim, tile, accum_f16=accum_f16, dropout=dropout,
-                    softcap=softcap)
+                    softcap=softcap, lazy_rescale=tile.lazy_rescale and not accum_f16)
 
 
 @dataclass(frozen=True, kw_only=True)
