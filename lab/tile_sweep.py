@@ -45,10 +45,10 @@ def run_bwd_sweep(args) -> list[dict]:
     candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
                   B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
     if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated[,lean[,out_split
-        # [,dq_from_k]]]]]]
+        # [,dq_from_k[,dkdv_row_b]]]]]]]
         candidates = [B(*t[:3], bool(t[3]) if len(t) > 3 else False, *t[4:6], lean=len(t) > 6 and bool(t[6]),
                         out_split=t[7] if len(t) > 7 else 1, dq_atomic=len(t) <= 7 or t[7] == 1,
-                        dq_from_k=len(t) > 8 and bool(t[8]))
+                        dq_from_k=len(t) > 8 and bool(t[8]), dkdv_row_b=len(t) > 9 and bool(t[9]))
                       for t in args.tiles]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal
@@ -75,7 +75,8 @@ def run_bwd_sweep(args) -> list[dict]:
         rows.append(dict(backend=f"volta-bwd-{accum}acc", tile=f"qp{tile.quad_pair_rows}x{4 // tile.quad_pair_rows} "
                          f"n{tile.block_n} m{tile.block_m} w{tile.warps}{' kvsmem' if tile.kv_in_smem else ''} "
                          f"occ{tile.min_blocks_per_sm}.{tile.min_blocks_emulated}{' lean' if tile.lean else ''}"
-                         f"{f' split{tile.out_split}' if tile.out_split > 1 else ''}{' dqk' if tile.dq_from_k else ''}",
+                         f"{f' split{tile.out_split}' if tile.out_split > 1 else ''}{' dqk' if tile.dq_from_k else ''}"
+                         f"{' rowb' if tile.dkdv_row_b else ''}",
                          head_dim=d, seqlen=n, causal=causal, ms=ms,
                          tflops=(flops("bwd", batch, heads, n, n, d, causal) / ms / 1e9) if ms else None,
                          peak_mib=peak, note=note))
@@ -166,7 +167,8 @@ def main() -> None:
     parser.add_argument("--tiles", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="*",
                         help="candidates: forward qp_rows,m_tiles,warps,block_n[,min_blocks_sm70,min_blocks_emulated"
                              "[,q_in_smem[,split]]]; backward qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70"
-                             "[,min_blocks_emulated[,lean[,out_split[,dq_from_k]]]]]]] (out_split > 1: dQ by the dQ kernel)")
+                             "[,min_blocks_emulated[,lean[,out_split[,dq_from_k[,dkdv_row_b]]]]]]]] (out_split > 1: dQ by "
+                             "the dQ kernel)")
     parser.set_defaults(seqlens=[1024, 2048, 4096, 8192], passes=["fwd"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
