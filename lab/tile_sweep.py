@@ -41,14 +41,17 @@ def forward_on_tile(causal: bool, accum: str, tile: tiles.FwdTile):
 
 
 def run_bwd_sweep(args) -> list[dict]:
-    B = tiles.BwdTile
+    def B(qp_rows, warps, block_m, kv_in_smem=False, min_blocks_sm70=1, min_blocks_emulated=1, **more):
+        return tiles.BwdTile(quad_pair_rows=qp_rows, warps=warps, block_m=block_m, kv_in_smem=bool(kv_in_smem),
+                             min_blocks_per_sm=min_blocks_sm70, min_blocks_emulated=min_blocks_emulated, **more)
+
     candidates = [B(1, 4, 32), B(1, 8, 64), B(1, 4, 64), B(2, 4, 32), B(1, 4, 32, kv_in_smem=True),
                   B(1, 8, 64, kv_in_smem=True), B(1, 4, 64, kv_in_smem=True), B(2, 4, 32, kv_in_smem=True)]
     if args.tiles:  # qp_rows,warps,block_m[,kv_in_smem[,min_blocks_sm70[,min_blocks_emulated[,lean[,out_split
         # [,dq_from_k[,dkdv_row_b]]]]]]]
-        candidates = [B(*t[:3], bool(t[3]) if len(t) > 3 else False, *t[4:6], lean=len(t) > 6 and bool(t[6]),
-                        out_split=t[7] if len(t) > 7 else 1, dq_atomic=len(t) <= 7 or t[7] == 1,
-                        dq_from_k=len(t) > 8 and bool(t[8]), dkdv_row_b=len(t) > 9 and bool(t[9]))
+        candidates = [B(*t[:6], lean=len(t) > 6 and bool(t[6]), out_split=t[7] if len(t) > 7 else 1,
+                        dq_atomic=len(t) <= 7 or t[7] == 1, dq_from_k=len(t) > 8 and bool(t[8]),
+                        dkdv_row_b=len(t) > 9 and bool(t[9]))
                       for t in args.tiles]
     rows = []
     cases = [(d, n, c, t, a) for d in args.head_dims for n in args.seqlens for c in args.causal

@@ -198,12 +198,12 @@ def test_large_scores_stay_finite(accum, d):
         assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-2
 
 
-@pytest.mark.parametrize("accum", ["fp32", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_rising_row_maxima_against_float64(accum, d):
+def test_rising_row_maxima_against_float64(d):
     """Scores that ramp up along the keys (about 1.4 in log2 per 16-key block, 86 in all, plus noise): the lazy
     rescale of the V100 tiles (FWD_TILES_SM70, lazy_rescale) keeps stale maxima for several blocks (p up to 2^8)
-    and then raises them, many times per row; both tables against float64, O and the log-sum-exp."""
+    and then raises them, many times per row; both tables against float64, O and the log-sum-exp. fp32 accumulation,
+    the only mode that rescales lazily (fp16 scores of this size carry fp16 rounding: docs/accuracy.md)."""
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     sq, sk, h = 77, 1000, 2
     u = torch.randn(d, generator=gen, device="cuda")
@@ -214,10 +214,10 @@ def test_rising_row_maxima_against_float64(accum, d):
     v = torch.randn(1, sk, h, d, generator=gen, device="cuda").half()
     ref, ref_lse = naive_attention(q, k, v, softmax_scale=1.0)
     for tile in (None, tiles.fwd_tile(d, False, 70)):
-        out, lse = _kernel_forward(q, k, v, scale=1.0, accum=accum, tile=tile)
+        out, lse = _kernel_forward(q, k, v, scale=1.0, accum="fp32", tile=tile)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-        assert _rel(out, ref) < (2e-3 if accum == "fp32" else 1e-2), tile
-        assert (lse.double() - ref_lse).abs().max() < (1e-3 if accum == "fp32" else 6e-2), tile
+        assert _rel(out, ref) < 2e-3, tile
+        assert (lse.double() - ref_lse).abs().max() < 1e-3, tile
 
 
 def _revealed_mask(seed, offset, p, batch, heads, sq, sk, d=128, accum="fp32"):
