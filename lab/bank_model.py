@@ -778,7 +778,7 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
                     p.add("kv_stage.st", "st", 4, _warps(T, lambda tid: L["o_stage"].addr(
                         s.key_in_block(tid) + acc_row(tid & 31, i), col0(tid & 31) + acc_col(tid & 31, i))), 1)
         _row_major_drain(p, "kv_stage.ld", s.block_n, s.out_dim, T, L["o_stage"], 1, groups8=L["staging_lanes"])
-    return p.scaled(ctas=(SEQLEN // s.block_n) * HEADS * BATCH * s.out_split)
+    return p.scaled(ctas=-(-SEQLEN // s.block_n) * HEADS * BATCH * s.out_split)  # the grid: ceil(N / block_n) key blocks
 
 
 # --- from the tile tables --------------------------------------------------------------------------------------------
