@@ -645,7 +645,8 @@ def bwd_layouts(s: BwdShape, plain: bool = False) -> dict:
             L[name] = replace(L[name], gaps=A_ROWS_8_APART)
         L["ds"] = replace(L["ds"], pitch=cn + 2)
     if not plain and (bwd_1x4_layout(s) or (s.quad_pair_rows == 2 and s.kv_in_smem)) and s.dq_rows_per_warp == 8:
-        L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // 4)),))  # 1x4 dQ: K^T rows d/4 apart
+        # 1x4 dQ: K^T rows kDqColsPerQuadPair apart
+        L["kt"] = replace(L["kt"], gaps=((3, half_line_gap_chunks(s.head_dim // s.dq_col_warps // 4)),))
     return {**restack(BWD_TILE_ORDER, L, bwd_tile_rows(s)), "row_fragments": not plain, "staging_lanes": not plain}
 
 

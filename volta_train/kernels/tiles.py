@@ -163,13 +163,15 @@ class BwdTile:
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other head
 # dims take 2x2 tiles.
 # sm_70: the best tile of the V100 estimate per head_dim: 8 warps per SM wherever a spill-free tile within 96 KB has
-#   them (1x4, 8 warps: d 32/64 with dQ atomics; d 96/128 with K/V in shared memory and the dQ kernel, for
-#   registers); d80 a 2x2 tile of 4 warps; d 16/48/112 have no 8-warp tile and take 2x2 tiles of 2 warps (d112 runs
-#   on the d128 kernels instead: BWD_KERNEL_HEAD_DIMS_SM70). head_dim 256: 2x2, 4 warps, K/V in shared memory, lean,
-#   dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+ tile. docs/performance.md, "Backward tile choice",
-#   "Latency hiding" and "head_dim 256".
+#   them (1x4, 8 warps: d 32/64 with dQ atomics; d96 with K/V in shared memory and the dQ kernel, for registers);
+#   d128 a 1x4 tile of 12 warps (K/V in shared memory, lean, dQ atomics on 8 warps reading the K tile, dK/dV's B
+#   from the Q/dO rows); d80 a 2x2 tile of 4 warps; d 16/48/112 have no 8-warp tile and take 2x2 tiles of 2 warps
+#   (d112 runs on the d128 kernels instead: BWD_KERNEL_HEAD_DIMS_SM70). head_dim 256: 2x2, 4 warps, K/V in shared
+#   memory, lean, dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+ tile. docs/performance.md, "Backward tile
+#   choice", "Latency hiding" and "head_dim 256".
 # sm_80+ (emulated m8n8k4): the fastest tiles of the H100 backward sweeps, per accumulation mode (the emulated
-#   fp16-accumulating m8n8k4 is the slower one and prefers other shapes).
+#   fp16-accumulating m8n8k4 is the slower one and prefers other shapes); d128 a 1x4 tile of 12 warps with K^T, Q^T
+#   and dO^T copies (.row.col products, 127 KB: sm_80+ only), lean in both modes.
 BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
     32: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
@@ -187,15 +189,16 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
     80: BwdTile(quad_pair_rows=2, warps=2, block_m=32, kv_in_smem=True, dq_atomic=False),
     96: BwdTile(quad_pair_rows=1, warps=4, block_m=32, kv_in_smem=True),
     112: BwdTile(quad_pair_rows=2, warps=2, block_m=32, kv_in_smem=True, dq_atomic=False),
-    128: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True),
+    128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True),
 }
-# bwd_accum="fp16" on sm_80+, d 32-128: 2x2 tiles; at d 64/128 the register-lean one, whose dK/dV products accumulate
-# in fp32 (dQ's block sums stay fp16): the emulated fp32-accumulating m8n8k4 is the faster one.
+# bwd_accum="fp16" on sm_80+: register-lean tiles at d 64/128 (2x2 at d64, the 12-warp 1x4 tile at d128), whose
+# dK/dV products accumulate in fp32 (dQ's block sums stay fp16): the emulated fp32-accumulating m8n8k4 is the faster
+# one; d32 a 2x2 tile.
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     **BWD_TILES_EMULATED,
     32: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True),
     64: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
-    128: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
+    128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True),
 }
 # The dQ kernel: 1x4 where head_dim % 32 == 0, else 2x2; head_dim 256 a 2x2 tile of 4 warps (one CTA per SM).
 DQ_TILES_SM70: dict[int, FwdTile] = {
@@ -239,10 +242,10 @@ def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
 
 
 # Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
-# float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others. Only the
-# register-lean 2x2 tiles (dK/dV products in fp32, dQ's block sums in fp16) meet it (lab/kernel_accuracy_sweep.py,
-# docs/accuracy.md). The sm_70 table has no lean tile below head_dim 256, so the V100 takes fp32 accumulation
-# throughout: there both modes run at the same HMMA rate and fp16 saves registers only.
+# float64) with bwd_accum="fp16"; bwd_accum="auto" (the default) takes fp32 accumulation for the others. Only
+# register-lean tiles (dK/dV products in fp32, dQ's block sums in fp16) meet it (lab/kernel_accuracy_sweep.py,
+# docs/accuracy.md). The V100 takes fp32 accumulation throughout: there both modes run at the same HMMA rate and
+# fp16 saves registers only (its d128 tile is lean for registers, not listed: not swept on the sm_70 table).
 BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset()
 BWD_FP16_MEETS_STANDARD_EMULATED: frozenset[int] = frozenset({128})
 
