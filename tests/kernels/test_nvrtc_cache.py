@@ -506,6 +506,16 @@ def test_precompile_head_dims_refuses_what_no_kernel_has(head_dims, named):
         precompile_all("sm_70", head_dims=head_dims)
 
 
+def test_precompile_module_form_names_the_command():
+    """The command's options live in one parser (volta-train precompile): the module form says so and fails."""
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "volta_train.kernels.precompile", "--arch", "sm_70"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == ""
+    assert "run `volta-train precompile` instead (options --arch, --jobs, --head-dims" in run.stderr
+
+
 def _load_kernel_report():
     spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "lab" / "kernel_report.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,11 +1,9 @@
-"""Fill the kernel cache ahead of time: ``python -m volta_train.kernels.precompile [--arch sm_70] [--head-dims 64]``.
-
-Needs NVRTC, no GPU. ``python setup.py precompile --arch sm_70`` calls :func:`precompile_all` too.
+"""Fill the kernel cache ahead of time: :func:`precompile_all`, which ``volta-train precompile [--arch sm_70]
+[--jobs 2] [--head-dims 64]`` and ``python setup.py precompile --arch sm_70`` run. Needs NVRTC, no GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Iterable, Sequence
@@ -92,15 +90,6 @@ def compile_variants(variants: Iterable[KernelVariant], arch: int | str, process
         return sum(pool.map(_compile_into_cache, slices))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="sm_70", help="target architecture, e.g. sm_70 (default) or sm_90")
-    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
-    parser.add_argument("--head-dims", type=int, nargs="+",
-                        help="only the kernels of these head dims, e.g. 64 128 (default: every shipped kernel)")
-    args = parser.parse_args(argv)
-    precompile_all(args.arch, args.jobs, args.head_dims)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command's options live in one parser, the CLI's
+    raise SystemExit("python -m volta_train.kernels.precompile: run `volta-train precompile` instead "
+                     "(options --arch, --jobs, --head-dims; `volta-train precompile --help`)")
