@@ -592,7 +592,15 @@ def without_dq_guard(sass: str, mangled: str) -> str:
     raise RuntimeError(f"{mangled}: no branch around its dQ atomics")
 
 
-def combine_warp_classes(dq: dict, rest: dict, dq_fraction: float) -> dict:
+def view_minus(view: tuple, other: tuple) -> tuple:
+    """One loop view (cycles, instructions, per-opcode counts, HMMA) less another, element by element."""
+    def minus(a: dict, b: dict) -> dict:
+        return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
+
+    return minus(view[0], other[0]), view[1] - other[1], minus(view[2], other[2]), view[3] - other[3]
+
+
+def combine_warp_classes(dq: tuple, rest: tuple, dq_fraction: float) -> tuple:
     """One view of a CTA whose warps differ: a fraction ``dq_fraction`` runs ``dq``'s loop, the others ``rest``'s.
     Pipe cycles and opcode counts are the warps' mean (the pipes are shared); the instruction count is the larger
     one (a warp's own issue interval binds the slower warps)."""
@@ -616,12 +624,7 @@ def analyse_cubin(sass_cost, cuobjdump: str, cubin: Path, mangled: str, dq_fract
         return views
     dq_views = _loop_views(sass_cost, without_dq_guard(sass, mangled), mangled, cubin)
     # body: every block once, so the dQ region is in both; the other warps' body lacks it (must_dq - must)
-    region = {k: dq_views["must"][0].get(k, 0.0) - views["must"][0].get(k, 0.0) for k in dq_views["must"][0]}
-    region_n = dq_views["must"][1] - views["must"][1]
-    region_detail = {k: dq_views["must"][2].get(k, 0.0) - views["must"][2].get(k, 0.0) for k in dq_views["must"][2]}
-    rest_body = ({k: v - region.get(k, 0.0) for k, v in views["body"][0].items()}, views["body"][1] - region_n,
-                 {k: v - region_detail.get(k, 0.0) for k, v in views["body"][2].items()},
-                 views["body"][3] - (dq_views["must"][3] - views["must"][3]))
+    rest_body = view_minus(views["body"], view_minus(dq_views["must"], views["must"]))
     return {"body": combine_warp_classes(views["body"], rest_body, dq_fraction),
             "must": combine_warp_classes(dq_views["must"], views["must"], dq_fraction)}
 
@@ -630,8 +633,8 @@ def dq_warp_fraction(variant) -> float:
     """The fraction of a dK/dV kernel's warps that add dQ by atomics (1 where every warp does, or none)."""
     if variant.meta.get("pass") != "bwd_dkdv" or "_dqatomic" not in variant.name:
         return 1.0
-    warps = variant.meta["tile"].warps
-    return (1 << (warps.bit_length() - 1)) / warps
+    tile = variant.meta["tile"]
+    return bank_model.bwd_tile_shape(tile, variant.meta["head_dim"], True).dq_warps / tile.warps
 
 
 def ensure_cubin(variant, cubin_dir: Path, kernel_report) -> dict:

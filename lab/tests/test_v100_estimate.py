@@ -337,3 +337,49 @@ def test_candidate_fwd_tiles_allow_three_ctas():
 def test_bound_pipes_match_the_pipe_model():
     path = ve.find_sass_cost(None)
     assert tuple(ve.load_sass_cost(path).BOUND_PIPES) == ve.BOUND_PIPES
+
+
+_SASS = """
+        Function : _Zkernel
+        .headerflags    @"EF_CUDA_SM70 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM70)"
+        /*0000*/                   BAR.SYNC 0x0 ;
+        /*0010*/                   @P1 BRA 0x0060 ;
+        /*0020*/                   @!P2 BRA 0x0040 ;
+        /*0030*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R2], R3 ;
+        /*0040*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R2+0x4], R5 ;
+        /*0050*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_without_dq_guard_nops_only_the_branch_around_the_atomics():
+    """The dQ warps' loop: the last predicated branch before the first RED that jumps past the last one becomes a
+    NOP (not the branch inside the atomics), and nothing else changes."""
+    out = ve.without_dq_guard(_SASS, "_Zkernel")
+    assert "/*0010*/                   NOP ;" in out and "@P1 BRA" not in out
+    assert out.replace("/*0010*/                   NOP ;", "/*0010*/                   @P1 BRA 0x0060 ;") == _SASS
+    with pytest.raises(RuntimeError, match="no dQ atomics"):
+        ve.without_dq_guard(_SASS.replace("RED.", "ATOMS."), "_Zkernel")
+    with pytest.raises(RuntimeError, match="no branch around its dQ atomics"):
+        ve.without_dq_guard(_SASS.replace("@P1 BRA 0x0060", "@P1 BRA 0x0040"), "_Zkernel")
+    with pytest.raises(RuntimeError, match="no function _Zother"):
+        ve.without_dq_guard(_SASS, "_Zother")
+
+
+def test_two_warp_classes_share_the_pipes_and_the_slower_warps_set_the_count():
+    dq = ({"tensor": 1408.0, "issue": 1422.0}, 1422.0, {"HMMA": 704.0, "RED.32": 16.0}, 704.0)
+    rest = ({"tensor": 1024.0, "issue": 1097.0}, 1097.0, {"HMMA": 512.0}, 512.0)
+    cycles, n, detail, hmma = ve.combine_warp_classes(dq, rest, 2 / 3)
+    assert cycles == pytest.approx({"tensor": 1280.0, "issue": (2 * 1422 + 1097) / 3})
+    assert n == 1422.0 and hmma == pytest.approx(640.0)
+    assert detail == pytest.approx({"HMMA": 640.0, "RED.32": 32 / 3})
+    less = ve.view_minus(dq, rest)
+    assert less == ({"tensor": 384.0, "issue": 325.0}, 325.0, {"HMMA": 192.0, "RED.32": 16.0}, 192.0)
+
+
+def test_dq_warp_fraction_is_the_kernels_kDqWarps_share():
+    twelve = tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True)
+    assert twelve.meta["tile"].warps == 12 and ve.dq_warp_fraction(twelve) == pytest.approx(8 / 12)
+    assert ve.dq_warp_fraction(tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True)) == 1.0
+    assert ve.dq_warp_fraction(tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, False)) == 1.0
+    assert ve.dq_warp_fraction(tiles.fwd_variant(128, tiles.fwd_tile(128, False, 70), False, False)) == 1.0
