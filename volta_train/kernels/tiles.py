@@ -191,14 +191,13 @@ BWD_TILES_EMULATED: dict[int, BwdTile] = {
     112: BwdTile(quad_pair_rows=2, warps=2, block_m=32, kv_in_smem=True, dq_atomic=False),
     128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True),
 }
-# bwd_accum="fp16" on sm_80+: register-lean tiles at d 64/128 (2x2 at d64, the 12-warp 1x4 tile at d128), whose
-# dK/dV products accumulate in fp32 (dQ's block sums stay fp16): the emulated fp32-accumulating m8n8k4 is the faster
-# one; d32 a 2x2 tile.
+# bwd_accum="fp16" on sm_80+: register-lean tiles at d 64/128 (2x2 at d64; at d128 the fp32 table's 12-warp 1x4
+# tile, lean already), whose dK/dV products accumulate in fp32 (dQ's block sums stay fp16): the emulated
+# fp32-accumulating m8n8k4 is the faster one; d32 a 2x2 tile.
 BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     **BWD_TILES_EMULATED,
     32: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True),
     64: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
-    128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True),
 }
 # The dQ kernel: 1x4 where head_dim % 32 == 0, else 2x2; head_dim 256 a 2x2 tile of 4 warps (one CTA per SM).
 DQ_TILES_SM70: dict[int, FwdTile] = {
