@@ -99,8 +99,10 @@ struct FwdKernelTraits {
     static constexpr bool kSplitKv = SPLIT_KV;
     using Params = typename type_if<SPLIT_KV, SplitKvParams, AttentionParams>::type;  // flash_fwd_kernel's parameter
     // The online softmax rescales O only where a key block raises a row's max by more than 2^8 (softmax.cuh,
-    // OnlineSoftmax::kLazyRescaleLog2); fp32 accumulation only (an fp16 O would have 8 bits less headroom).
-    static constexpr bool kLazyRescale = LAZY_RESCALE && !ACCUM_F16;
+    // OnlineSoftmax::kLazyRescaleLog2). fp32 accumulation only: the FP16-ACC forward keeps the exact rescale its
+    // accuracy was measured with (tiles.fwd_variant passes LAZY_RESCALE for fp32 variants alone).
+    static constexpr bool kLazyRescale = LAZY_RESCALE;
+    static_assert(!LAZY_RESCALE || !ACCUM_F16, "lazy rescaling takes fp32 accumulation (ACCUM_F16 = false)");
 
     static constexpr int kRowsPerWarp = 8 * kQuadPairRows * kMTiles;
     static constexpr int kBlockM = kWarps * kRowsPerWarp;
@@ -198,7 +200,7 @@ struct BwdKernelTraits {
     static constexpr int kQRegs = kHeadDim / 2;
 
     // dQ by atomics with B = the K tile's rows (row-major B, DQ_FROM_K) instead of a K^T copy: no K^T tile in
-    // shared memory (what lets the sm_70 d128 tile of 8 warps fit 96 KB).
+    // shared memory (what lets the sm_70 d128 tile fit 96 KB).
     static constexpr bool kDqFromK = DQ_FROM_K && DQ_ATOMIC;
     // dV += P^T dO and dK += dS^T Q with B = the Q / dO tiles' rows (row-major B, DKDV_ROW_B) instead of Q^T / dO^T
     // copies: the query block is stored once, untransposed. One 16-byte load of a Q / dO row feeds a pair of 8-column

@@ -57,7 +57,7 @@ EMULATED_MMA_ARCH = 80  # from sm_80 on, mma.m8n8k4 is an emulation subroutine, 
 #   profile, more resident warps beat the 8-warp tiles with Q in registers that the pipe model alone prefers. Full
 #   and causal attention share a tile. head_dim 256 fits one CTA of 8 warps per SM (Q in registers would take 128 of
 #   them). docs/performance.md, "Forward tile choice" and "Latency hiding". With fp32 accumulation they rescale O
-#   lazily (lazy_rescale): the V100 runs latency-bound, and the skipped rescale is 11% of a d128 key block's
+#   lazily (lazy_rescale): the V100 runs latency-bound, and the rescale of O is a sizeable share of a key block's
 #   instructions (docs/performance.md, "Lazy rescaling").
 # sm_80+ (the Volta build on an H100/H200, m8n8k4 emulated): the fastest tiles of the H100 sweeps. Q lives in shared
 #   memory there: the emulated m8n8k4 wants resident warps more than shared-memory bandwidth; the occupancy targets
@@ -222,8 +222,8 @@ def _pick(table: dict, head_dim: int):
 
 
 # sm_70: head dims whose backward runs the kernels of a larger head_dim on zero-padded inputs. d112 has no spill-free
-# tile of 8 warps per SM (1x4 tiles need head_dim % 32 == 0, 2x2 ones do not fit 8 warps in 96 KB); the 8-warp d128
-# kernels on inputs padded to 128 are estimated faster despite 14% more MMA work and the padding copies
+# tile of 8 warps per SM (1x4 tiles need head_dim % 32 == 0, 2x2 ones do not fit 8 warps in 96 KB); the 12-warp
+# d128 kernels on inputs padded to 128 are estimated faster despite the extra MMA work and the padding copies
 # (docs/performance.md, "d112 backward").
 BWD_KERNEL_HEAD_DIMS_SM70: dict[int, int] = {112: 128}
 
