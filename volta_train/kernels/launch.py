@@ -135,6 +135,37 @@ def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
     return "fp16" if tiles.fp16_backward_meets_standard(head_dim, arch) else "fp32"
 
 
+# D's fp32 temporaries (dO in fp32 and the product) hold at most this many elements each: heads are taken in groups
+DOT_CHUNK_ELEMENTS = 1 << 24
+
+
+def dot_do_o(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """D = rowsum(dO * O), products and sums in fp32, laid out like lse ([B, H, Nq], or [H, total_q] for varlen).
+
+    Computed over groups of heads so that its fp32 temporaries stay within DOT_CHUNK_ELEMENTS (one head's rows at
+    the least) instead of three fp32 copies of O's size at the backward's peak; O is cast as it is read."""
+    nheads = out.shape[-2]
+    per_head = out.numel() // max(nheads, 1)
+    group = max(1, DOT_CHUNK_ELEMENTS // max(per_head, 1))
+    dsum = torch.empty((nheads, out.shape[0]) if varlen else (out.shape[0], nheads, out.shape[1]),
+                       dtype=torch.float32, device=out.device)
+    for h0 in range(0, nheads, group):
+        h1 = min(h0 + group, nheads)
+        rows = (dout[..., h0:h1, :].float() * out[..., h0:h1, :]).sum(-1)  # [..., heads of the group]
+        if varlen:
+            dsum[h0:h1] = rows.t()
+        else:
+            dsum[:, h0:h1] = rows.transpose(1, 2)
+    return dsum
+
+
+def finish_dq(dq_accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ from its fp32 atomics' sums: scaled by softmax_scale in fp32 and rounded to dtype in one pass (no second
+    fp32 buffer of q's size)."""
+    dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
+    return torch.mul(dq_accum, softmax_scale, out=dq)
+
+
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              options: AttentionOptions, alibi_slopes=None, *, tile: tiles.BwdTile | None = None,
              dq_tile: tiles.FwdTile | None = None, kernel_head_dim: int | None = None):
@@ -174,9 +205,7 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     accum_f16, dropout = bwd_accum == "fp16", options.dropout_p > 0
     tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
     use_atomics = tiles.dq_by_atomics(tile, options.deterministic)
-    # D = rowsum(dO * O) in fp32, laid out like lse ([B, H, Nq] or [H, total_q])
-    dsum = (dout.float() * out.float()).sum(-1)
-    dsum = (dsum.t() if varlen else dsum.transpose(1, 2)).contiguous()
+    dsum = dot_do_o(dout, out, varlen)
 
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     kernel = _kernel(variant, q.device)
@@ -200,8 +229,8 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
     kernel.launch(grid, [bp])
-    if use_atomics:  # scaled in place: no second fp32 buffer of q's size at the backward's peak
-        return dq_accum.mul_(options.softmax_scale).to(q.dtype), dk, dv
+    if use_atomics:
+        return finish_dq(dq_accum, options.softmax_scale, q.dtype), dk, dv
     dq_tile = dq_tile or tiles.dq_tile(head_dim, arch)
     dq_kernel = _kernel(tiles.dq_variant(head_dim, dq_tile, False, dropout, options.softcap > 0), q.device)
     grid = fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,

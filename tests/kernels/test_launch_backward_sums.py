@@ -1,0 +1,77 @@
+"""The backward's sums around the kernels, on the CPU: D = rowsum(dO * O) (launch.dot_do_o), taken over groups of
+heads, and dQ's scaling and rounding from its fp32 atomics (launch.finish_dq)."""
+
+import pytest
+import torch
+
+from volta_train.kernels import launch
+
+
+def _pair(rng, shape, dtype):
+    dout = (torch.randn(*shape, generator=rng) * 30).to(dtype)  # |dO| of tens: products far from fp16's range
+    out = torch.randn(*shape, generator=rng).to(dtype)
+    return dout, out
+
+
+def _unchunked(dout, out, varlen):
+    rows = (dout.float() * out.float()).sum(-1)
+    return (rows.t() if varlen else rows.transpose(1, 2)).contiguous()
+
+
+@pytest.mark.parametrize("varlen, shape", [(False, (3, 37, 5, 64)), (False, (2, 1, 1, 8)), (False, (1, 130, 7, 128)),
+                                           (True, (77, 5, 64)), (True, (1, 3, 8))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group_heads", [None, 1, 2])
+def test_dot_do_o_matches_float64_and_the_unchunked_sum(varlen, shape, dtype, group_heads, rng, monkeypatch):
+    dout, out = _pair(rng, shape, dtype)
+    if group_heads is not None:  # groups of 1 or 2 heads (uneven last group with 5 or 7 heads)
+        per_head = out.numel() // out.shape[-2]
+        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", group_heads * per_head)
+    got = launch.dot_do_o(dout, out, varlen)
+    want = _unchunked(dout, out, varlen)
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == want.shape
+    assert torch.equal(got, want)  # fp32 products of the same values, the same per-row order
+    exact = (dout.double() * out.double()).sum(-1)
+    exact = exact.t() if varlen else exact.transpose(1, 2)
+    scale = (dout.double().abs() * out.double().abs()).sum(-1)
+    scale = scale.t() if varlen else scale.transpose(1, 2)
+    assert ((got.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("group_heads", [None, 1])
+def test_dot_do_o_of_a_heads_major_dout_gives_the_same_bits(group_heads, rng, monkeypatch):
+    """dO as the dispatcher hands it over (head_dim innermost, any other layout): here heads-major memory."""
+    dout, out = _pair(rng, (2, 45, 3, 64), torch.float16)
+    if group_heads is not None:
+        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", out.numel() // 3)
+    heads_major = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not heads_major.is_contiguous() and heads_major.stride(-1) == 1
+    assert torch.equal(launch.dot_do_o(heads_major, out, False), launch.dot_do_o(dout, out, False))
+
+
+def test_dot_do_o_groups_keep_their_temporaries_bounded(rng, monkeypatch):
+    """Each group's fp32 product holds at most DOT_CHUNK_ELEMENTS elements, or one head where a head is larger."""
+    dout, out = _pair(rng, (2, 33, 6, 16), torch.float16)
+    per_head = out.numel() // 6
+    sizes = []
+    float_ = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: sizes.append(t.numel()) or float_(t))
+    for limit, largest in ((4 * per_head, 4 * per_head), (per_head // 3, per_head), (10**9, 6 * per_head)):
+        sizes.clear()
+        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", limit)
+        launch.dot_do_o(dout, out, False)
+        assert max(sizes) == largest and sum(sizes) == out.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_finish_dq_scales_in_fp32_and_rounds_once(dtype, rng):
+    acc = torch.randn(3, 29, 4, 96, generator=rng) * 1e3
+    scale = 0.05 + torch.rand((), generator=rng).item()
+    before = acc.clone()
+    got = launch.finish_dq(acc, scale, dtype)
+    assert got.dtype == dtype and got.shape == acc.shape
+    assert torch.equal(got, (acc * scale).to(dtype))  # fp32 product, one rounding
+    assert torch.equal(acc, before)  # the fp32 sums are read, not changed
+    exact = acc.double() * scale
+    ulp = torch.finfo(dtype).eps
+    assert ((got.double() - exact).abs() <= ulp * exact.abs()).all()
