@@ -13,8 +13,8 @@ Differences from flash-attn, all explicit:
   padded to multiples of 128), computed in PyTorch for either backend with seqlen_q x seqlen_k
   memory: a testing aid (:mod:`volta_train.attn_probs`); an empty tensor with ``dropout_p == 0``.
 * ``accum`` ("fp32" or "fp16") picks the forward's tensor-core accumulation and
-  ``bwd_accum`` ("auto", "fp32" or "fp16") the backward's: "auto" takes FP16-ACC on the
-  tiles where it meets flash-attn's accuracy standard and fp32 elsewhere (docs/accuracy.md);
+  ``bwd_accum`` ("auto", "fp32" or "fp16") the backward's: "auto" takes FP16-ACC only where it
+  meets flash-attn's accuracy standard and is the faster mode, today nowhere (docs/accuracy.md);
   accum="fp16" is for inference (with gradients it warns once: docs/accuracy.md). Both are
   keyword-only and ignored by the reference backend, which always accumulates in fp32
   (fp64 for fp64 inputs).

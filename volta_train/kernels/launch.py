@@ -128,11 +128,11 @@ def _set_strides(prm, name: str, t: torch.Tensor, varlen: bool) -> None:
 
 
 def resolve_bwd_accum(bwd_accum: str, head_dim: int, arch: int) -> str:
-    """"fp16" or "fp32": ``"auto"`` takes FP16-ACC where the tile of (head_dim, arch) meets flash-attn's accuracy
-    standard with it, else fp32 accumulation (tiles.fp16_backward_meets_standard; docs/accuracy.md)."""
+    """"fp16" or "fp32": ``"auto"`` takes FP16-ACC where it meets flash-attn's accuracy standard and is the faster
+    mode on arch (tiles.fp16_backward_is_default), else fp32 accumulation (docs/accuracy.md)."""
     if bwd_accum != "auto":
         return bwd_accum
-    return "fp16" if tiles.fp16_backward_meets_standard(head_dim, arch) else "fp32"
+    return "fp16" if tiles.fp16_backward_is_default(head_dim, arch) else "fp32"
 
 
 # D's fp32 temporaries (dO in fp32 and the product) hold at most this many elements each: heads are taken in groups
