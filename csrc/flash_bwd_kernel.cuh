@@ -259,6 +259,21 @@ __device__ __forceinline__ void bwd_frags_times_tile(const u32 (&own)[KT::kSTile
     }
 }
 
+// Element i of dQ's output tile ot in fp32, from the fp32 or the packed fp16 accumulators.
+template <class KT>
+__device__ __forceinline__ float dq_value(const float (&acc)[KT::kDqTilesPerQuadPair][8],
+                                          const u32 (&acc16)[KT::kDqTilesPerQuadPair][4], int ot, int i) {
+    if (KT::kAccumF16) return (i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]);
+    return acc[ot][i];
+}
+
+// The column of logical column c of dQ's output tile ot, from the quad-pair's first column `base`: base + 8 ot + c,
+// or with kDqFromK the interleaved columns of a tile pair (bwd_dq_atomic).
+template <class KT>
+__device__ __forceinline__ int dq_column(int base, int ot, int c) {
+    return KT::kDqFromK ? base + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3) : base + 8 * ot + c;
+}
+
 // dQ (query block) += dS K, each warp its kDqRowsPerWarp queries and kDqColsPerWarp columns, then added into
 // dq_accum by fp32 atomics. A = dS [query][key] rows (row-major A); B = K^T [head_dim][key] rows (col-major B) or,
 // kDqFromK, the K tile's [key][head_dim] rows (row-major B): there one 16-byte load of a K row feeds a pair of 8-column
@@ -334,12 +349,10 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
         for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
-                                                  : acc[ot][i];
+                const float value = dq_value<KT>(acc, acc16, ot, i);
                 const int row = m0 + row0 + (KT::kAccumF16 ? lq.operand_row() : lq.acc_row(i));
                 const int c = KT::kAccumF16 ? i : lq.acc_col(i);  // logical column within tile ot
-                const int col = KT::kDqFromK ? col0 + 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3)
-                                             : col0 + 8 * ot + c;
+                const int col = dq_column<KT>(col0, ot, c);
                 if (row < seqlen_q) atomicAdd(dq_base + (long long)row * dq_row_stride + col, value);
             }
         return;
@@ -357,12 +370,10 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
     for (int ot = 0; ot < KT::kDqTilesPerQuadPair; ++ot)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float value = KT::kAccumF16 ? ((i & 1) ? high_half_to_float(acc16[ot][i / 2]) : low_half_to_float(acc16[ot][i / 2]))
-                                              : acc[ot][i];
+            const float value = dq_value<KT>(acc, acc16, ot, i);
             const bool second = !KT::kAccumF16 && (i & 2);  // acc_row(i) = acc_row(0) + (i & 2)
             const int c = KT::kAccumF16 ? i : (i & 4) + (i & 1);  // logical column within tile ot, less lane_col
-            const int col = KT::kDqFromK ? 16 * (ot >> 1) + 8 * (c >> 2) + 4 * (ot & 1) + (c & 3) : 8 * ot + c;
-            atomicAdd((second ? row2_ptr : row_ptr) + col, (second ? row2_ok : row_ok) ? value : 0.f);
+            atomicAdd((second ? row2_ptr : row_ptr) + dq_column<KT>(0, ot, c), (second ? row2_ok : row_ok) ? value : 0.f);
         }
 }
 

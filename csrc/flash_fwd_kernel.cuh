@@ -39,6 +39,14 @@ struct FwdAccumulators {
             softmax.init_rows(a);
         }
     }
+
+    // O's rows of m-tile a times their factors (the online softmax's rescale of a raised max).
+    __device__ __forceinline__ void rescale_rows(int a, const float (&rescale)[FwdFragmentLayout<KT>::kRowSlots]) {
+#pragma unroll
+        for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[a][ot][i] *= rescale[FwdFragmentLayout<KT>::row_slot(i)];
+    }
 };
 
 // One key block for one warp: S = Q K^T, mask, online softmax update (rescaling O), P in A layout,
@@ -80,19 +88,13 @@ __device__ __forceinline__ void fwd_scores_to_probs(const QOperand<KT>& q, const
             float tile_max[kRowSlots];
             if (acc.softmax.lazy_block_max(a, s[a], score_scale, tile_max)) {
                 acc.softmax.lazy_raise(a, tile_max, rescale);
-#pragma unroll
-                for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[Layout::row_slot(i)];
+                acc.rescale_rows(a, rescale);
             }
 #pragma unroll
             for (int r = 0; r < kRowSlots; ++r) exp_offset[r] = safe_row_max(acc.softmax.row_max[a][r]);
         } else {
             acc.softmax.update_max(a, s[a], score_scale, exp_offset, rescale);
-#pragma unroll
-            for (int ot = 0; ot < KT::kOTilesPerQuadPair; ++ot)
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc.o[a][ot][i] *= rescale[Layout::row_slot(i)];
+            acc.rescale_rows(a, rescale);
         }
 #pragma unroll
         for (int nt = 0; nt < KT::kSTilesPerQuadPair; ++nt) {
