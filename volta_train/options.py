@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 ACCUM_CHOICES = ("fp32", "fp16")
-# "auto": FP16-ACC where the kernel's tile meets flash-attn's accuracy standard with it, else fp32 (docs/accuracy.md)
+# "auto": FP16-ACC where the kernel's tile meets flash-attn's accuracy standard with it and is the faster mode, else
+# fp32 (kernels.launch.resolve_bwd_accum; docs/accuracy.md)
 BWD_ACCUM_CHOICES = ("auto", "fp32", "fp16")
 _INT64_WRAP = 1 << 64
 
