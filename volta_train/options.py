@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 ACCUM_CHOICES = ("fp32", "fp16")
-# "auto": FP16-ACC where the kernel's tile meets flash-attn's accuracy standard with it and is the faster mode, else
-# fp32 (kernels.launch.resolve_bwd_accum; docs/accuracy.md)
+# "auto": the kernels' choice, fp32 accumulation on every target today (kernels.launch.resolve_bwd_accum)
 BWD_ACCUM_CHOICES = ("auto", "fp32", "fp16")
 _INT64_WRAP = 1 << 64
 

@@ -63,8 +63,7 @@ def _options(q, causal=False, window=(-1, -1), scale=None, dropout_p=0.0, seed=0
 def kernel_call(q, k, v, dout=None, *, table="default", causal=False, window=(-1, -1), scale=None, accum="fp32",
                 bwd_accum=DEFAULT_BWD_ACCUM, deterministic=False, dropout_p=0.0, seed=0, offset=0, softcap=0.0):
     """(out, lse) or (out, lse, dq, dk, dv) from the kernels, outputs poisoned with NaN before the launch."""
-    arch = 70 if table == "sm70" else launch._arch(q.device)
-    bwd_accum = launch.resolve_bwd_accum(bwd_accum, q.shape[-1], arch)
+    bwd_accum = launch.resolve_bwd_accum(bwd_accum)
     prm = _options(q, causal, window, scale, dropout_p, seed, offset, softcap, accum=accum, bwd_accum=bwd_accum,
                    deterministic=deterministic)
     tiles = _tiles(table, q.shape[-1], causal, bwd_accum)
@@ -202,7 +201,7 @@ def test_forward_and_backward_within_twice_pytorch_fp16(case, table):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_explicit_backward_modes_meet_the_standard_or_are_documented(head_dim, table, bwd_accum):
     """bwd_accum given explicitly: fp32 meets the standard everywhere; fp16 within FP16_PRODUCT_LIMIT of it
-    (docs/accuracy.md); the default ("auto") never picks fp16 where it does not meet it (launch.resolve_bwd_accum)."""
+    (docs/accuracy.md); the default ("auto") is fp32 (launch.resolve_bwd_accum)."""
     batch, sq, sk, h, hk = 2, 203, 187, 4, 2
     q, k, v, dout = _inputs(batch, sq, sk, h, hk, head_dim, _seed())
     out, lse, dq, dk, dv = kernel_call(q, k, v, dout, table=table, causal=True, bwd_accum=bwd_accum)

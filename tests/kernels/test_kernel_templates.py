@@ -146,18 +146,9 @@ def test_wrong_value_types_are_refused():
         templates.DECODE_KERNEL.values(tile, head_dim=64, accum_f16=False, softcap=False, dropout=True)
 
 
-@pytest.mark.parametrize("arch", [70, 90])
-def test_auto_backward_accumulation_takes_fp16_only_where_it_meets_the_standard(arch, monkeypatch):
+def test_auto_backward_accumulation_is_fp32_and_explicit_modes_pass_through():
     from volta_train.kernels import launch
 
-    for head_dim in range(1, 257):
-        assert launch.resolve_bwd_accum("fp16", head_dim, arch) == "fp16"
-        assert launch.resolve_bwd_accum("fp32", head_dim, arch) == "fp32"
-        if launch.resolve_bwd_accum("auto", head_dim, arch) == "fp16":
-            assert tiles.fp16_backward_meets_standard(head_dim, arch), head_dim
-    # listing a head_dim as the faster mode is not enough: it must also meet the standard
-    monkeypatch.setattr(tiles, "BWD_FP16_DEFAULT_SM70", frozenset({64, 128}))
-    monkeypatch.setattr(tiles, "BWD_FP16_DEFAULT_EMULATED", frozenset({64, 128}))
-    monkeypatch.setattr(tiles, "BWD_FP16_MEETS_STANDARD_SM70", frozenset({128}))
-    monkeypatch.setattr(tiles, "BWD_FP16_MEETS_STANDARD_EMULATED", frozenset({128}))
-    assert [launch.resolve_bwd_accum("auto", d, arch) for d in (64, 120, 128, 256)] == ["fp32", "fp16", "fp16", "fp32"]
+    assert launch.resolve_bwd_accum("auto") == "fp32"
+    assert launch.resolve_bwd_accum("fp32") == "fp32"
+    assert launch.resolve_bwd_accum("fp16") == "fp16"

@@ -243,31 +243,16 @@ def bwd_tile(head_dim: int, arch: int = 70, accum_f16: bool = False) -> BwdTile:
 # Head dims whose backward tile meets flash-attn's accuracy standard (max-abs error <= 2x PyTorch fp16's against
 # float64) with bwd_accum="fp16" (lab/kernel_accuracy_sweep.py, docs/accuracy.md; the gpu tests hold the listed ones
 # to the standard). Only register-lean tiles (dK/dV products in fp32, dQ's block sums in fp16) meet it; the sm_70
-# d128 tile is lean but was not swept in fp16 mode.
+# d128 tile is lean but was not swept in fp16 mode. bwd_accum="auto" takes fp32 regardless: FP16-ACC is not the
+# faster mode on any target (launch.resolve_bwd_accum).
 BWD_FP16_MEETS_STANDARD_SM70: frozenset[int] = frozenset()
 BWD_FP16_MEETS_STANDARD_EMULATED: frozenset[int] = frozenset({128})
 
-# Of those, the head dims where bwd_accum="auto" (the default) takes FP16-ACC: it must also be the faster mode. None
-# today. On a V100 both modes run at the same HMMA rate and FP16-ACC only saves registers, which no sm_70 tile needs
-# (all are spill-free in fp32). On sm_80+ the emulated fp32-accumulating m8n8k4 is the faster one: at d128 the
-# same tile runs 7-11% faster in fp32 (docs/performance.md, "Backward tile choice").
-BWD_FP16_DEFAULT_SM70: frozenset[int] = frozenset()
-BWD_FP16_DEFAULT_EMULATED: frozenset[int] = frozenset()
-
-
-def _listed(table: frozenset[int], head_dim: int) -> bool:
-    listed = [d for d in sorted(SUPPORTED_HEAD_DIMS) if head_dim <= d]
-    return bool(listed) and listed[0] in table
-
 
 def fp16_backward_meets_standard(head_dim: int, arch: int = 70) -> bool:
-    return _listed(BWD_FP16_MEETS_STANDARD_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_FP16_MEETS_STANDARD_SM70,
-                   head_dim)
-
-
-def fp16_backward_is_default(head_dim: int, arch: int = 70) -> bool:
-    table = BWD_FP16_DEFAULT_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_FP16_DEFAULT_SM70
-    return _listed(table, head_dim) and fp16_backward_meets_standard(head_dim, arch)
+    table = BWD_FP16_MEETS_STANDARD_EMULATED if arch >= EMULATED_MMA_ARCH else BWD_FP16_MEETS_STANDARD_SM70
+    listed = [d for d in sorted(SUPPORTED_HEAD_DIMS) if head_dim <= d]
+    return bool(listed) and listed[0] in table
 
 
 def dq_tile(head_dim: int, arch: int = 70) -> FwdTile:
