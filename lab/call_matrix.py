@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from volta_train.kernels.nvrtc import normalize_arch
 from volta_train.kernels.tiles import (SOFTCAP_CHOICES, SUPPORTED_HEAD_DIMS, BwdTile, FwdTile, bwd_kernel_head_dim,
                                        bwd_tile, bwd_variant, combine_variant, decode_tile, decode_variant,
-                                       dq_by_atomics, dq_tile, dq_variant, fwd_tile, fwd_variant)
+                                       dq_by_atomics, dq_tile, dq_variant, fwd_tile, fwd_variant,
+                                       preprocess_variant)
 from volta_train.kernels.variants import KernelVariant
 
 TILE_TABLES = ("default", "sm70")
@@ -65,8 +66,9 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
     """The calls that launch the shipped variants of table on a GPU of arch: per head_dim, mask and dropout, the
     forward in each accumulation mode, then the backward in each mode, dQ by atomics and deterministic.
 
-    With every argument at its default the calls launch every variant of ``shipped_fwd_variants`` and
-    ``shipped_bwd_variants`` of the table's arch (70 for "sm70", else arch). ``unique`` drops the calls that
+    With every argument at its default the calls launch every variant of ``shipped_fwd_variants``,
+    ``shipped_bwd_variants`` and ``shipped_preprocess_variants`` (each backward starts with its preprocess) of the
+    table's arch (70 for "sm70", else arch). ``unique`` drops the calls that
     launch no variant an earlier call did not (the causal calls of a table whose causal tile is the full one, the
     "non-deterministic" backward of a tile without atomics), and the backward calls of a head_dim that runs the
     kernels of a larger one (``kernel_head_dim``: sm_70 d112) when that one is among ``head_dims``.
@@ -92,7 +94,8 @@ def table_calls(table: str, arch: int, head_dims=SUPPORTED_HEAD_DIMS, causal=(Fa
                             tile = bwd_tile(kernel_d, table_arch, accum == "fp16")
                             for deterministic in (False, True):
                                 atomics = dq_by_atomics(tile, deterministic)
-                                launches = (bwd_variant(kernel_d, tile, accum == "fp16", has_dropout, atomics, cap),)
+                                launches = (preprocess_variant(kernel_d),
+                                            bwd_variant(kernel_d, tile, accum == "fp16", has_dropout, atomics, cap))
                                 if not atomics:
                                     launches += (dq_variant(kernel_d, q_tile, False, has_dropout, cap),)
                                 calls.append(TableCall(table, "bwd", head_dim, is_causal, accum, has_dropout,

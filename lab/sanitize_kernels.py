@@ -275,7 +275,8 @@ def precompile_tables(arch: int, processes: int | None = None) -> int:
 
     variants = [v for table_arch in sorted({70, arch})
                 for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)
-                + tiles.shipped_decode_variants(table_arch)]
+                + tiles.shipped_decode_variants(table_arch) + tiles.shipped_preprocess_variants(table_arch)]
+    variants += tiles.shipped_combine_variants()
     return compile_variants(variants, arch, processes)
 
 

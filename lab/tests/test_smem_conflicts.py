@@ -44,7 +44,8 @@ def _key(variant):
 @pytest.mark.parametrize("table, arch", [("sm70", 90), ("sm70", 70), ("default", 90), ("default", 80), ("default", 70)])
 def test_table_calls_launch_exactly_the_shipped_variants(table, arch):
     table_arch = 70 if table == "sm70" else arch
-    shipped = {_key(v) for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)}
+    shipped = {_key(v) for v in tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)
+               + tiles.shipped_preprocess_variants(table_arch)}
     for unique in (False, True):
         calls = call_matrix.table_calls(table, arch, unique=unique)
         assert {_key(v) for call in calls for v in call.launches} == shipped
@@ -64,17 +65,20 @@ def test_table_calls_overrides_and_backward_launches():
     assert [c.pass_name for c in sm70] == ["fwd", "fwd", "bwd", "bwd", "bwd", "bwd"]
     capped = call_matrix.table_calls("sm70", 90, head_dims=(64,), causal=(False,), dropout=(False,))
     assert [c.softcap for c in capped] == [False] * 6 + [True] * 6
-    assert all("_softcap" in v.name for c in capped[6:] for v in c.launches)
+    assert all("_softcap" in v.name for c in capped[6:] for v in c.launches if v.meta["pass"] != "preprocess")
     assert all(c.overrides == {} for c in default)
     assert sm70[0].overrides == {"tile": tiles.FWD_TILES_SM70[64]}
     det = [c for c in sm70 if c.pass_name == "bwd" and c.deterministic]
     atomic = [c for c in sm70 if c.pass_name == "bwd" and not c.deterministic]
     assert all(c.overrides == {"tile": tiles.BWD_TILES_SM70[64], "dq_tile": tiles.DQ_TILES_SM70[64]} for c in det)
-    assert all(len(c.launches) == 2 and c.launches[1].meta["pass"] == "bwd_dq" for c in det)
-    assert all(len(c.launches) == 1 and "_dqatomic" in c.launches[0].name for c in atomic)
+    # every backward starts with its preprocess (D and dQ's sums zeroed), then the dK/dV kernel, then any dQ kernel
+    bwd = det + atomic
+    assert all(c.launches[0] == tiles.preprocess_variant(64) for c in bwd)
+    assert all(len(c.launches) == 3 and c.launches[2].meta["pass"] == "bwd_dq" for c in det)
+    assert all(len(c.launches) == 2 and "_dqatomic" in c.launches[1].name for c in atomic)
     # a tile without the atomic path runs the dQ kernel either way
     no_atomic = call_matrix.table_calls("sm70", 90, head_dims=(16,), causal=(False,), dropout=(False,), passes=("bwd",))
-    assert all(len(c.launches) == 2 for c in no_atomic)
+    assert all(len(c.launches) == 3 for c in no_atomic)
     with pytest.raises(ValueError, match="table 'v100'; accepted: default, sm70"):
         call_matrix.table_calls("v100", 90)
 
@@ -86,12 +90,13 @@ def test_plan_launches_every_sm70_variant_and_tile_once_plus_a_causal_forward_pe
     assert plan[0].function == "volta_probe_mma_kernel"
     # every variant without soft-capping (which changes no shared-memory access)
     shipped = {_key(v) for v in tiles.shipped_fwd_variants(70, softcap=(False,))
-               + tiles.shipped_bwd_variants(70, softcap=(False,))}
+               + tiles.shipped_bwd_variants(70, softcap=(False,)) + tiles.shipped_preprocess_variants(70)}
     launched = [_key(p.variant) for p in plan[1:]]
     assert set(launched) == shipped
-    # each variant once, but for the dQ kernel (after every deterministic backward) and the causal forwards
+    # each variant once, but for the preprocess (before every backward), the dQ kernel (after every deterministic
+    # backward) and the causal forwards
     repeated = {k for k in launched if launched.count(k) > 1}
-    assert all(k[0].startswith(("bwd_dq_", "fwd_")) for k in repeated)
+    assert all(k[0].startswith(("bwd_preprocess_", "bwd_dq_", "fwd_")) for k in repeated)
     calls = sc.plan_calls(90)
     names = [c.name for c in calls]
     assert len(names) == len(set(names))
@@ -112,7 +117,8 @@ def test_plan_launches_every_sm70_variant_and_tile_once_plus_a_causal_forward_pe
     assert set(tiles.BWD_TILES_SM70.values()) <= {t for p, _, t in used if p == "bwd"}
     assert set(tiles.DQ_TILES_SM70.values()) <= {t for p, _, t in used if p == "dq"}
     # the kernels' function names, as ncu's filter sees them
-    assert {p.function for p in plan[1:]} == {"flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"}
+    assert {p.function for p in plan[1:]} == {"flash_fwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel",
+                                              "flash_bwd_dq_kernel"}
     quick = sc.launch_plan(90, quick=True)
     assert {p.variant.meta["head_dim"] for p in quick[1:]} == {32, 96} and len(quick) < len(plan)
 
@@ -162,6 +168,7 @@ def _values(ld=(1000, 4000, 0), st=(200, 800, 0), inst=None):
 FWD = "void flash_fwd_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>(AttentionParams)"
 DKDV = "void flash_bwd_dkdv_kernel<BwdKernelTraits<64, 1, 8, 64, false, false, false, false, 1, 1>>(BackwardParams)"
 DQ = "void flash_bwd_dq_kernel<FwdKernelTraits<64, 2, 1, 4, 32, false, false, 1, 1, false, false>>(BackwardParams)"
+PRE = "void flash_bwd_preprocess_kernel<64>(BackwardParams, int)"
 PROBE_NAME = "void volta_probe_mma_kernel<2>(ProbeParams)"
 
 
@@ -301,7 +308,8 @@ def test_driver_runs_ncu_once_reads_the_report_back_and_writes_the_table(monkeyp
     from volta_train.kernels import nvrtc, precompile
 
     plan = sc.launch_plan(90, quick=True)
-    kernels = {"flash_fwd_kernel": FWD, "flash_bwd_dkdv_kernel": DKDV, "flash_bwd_dq_kernel": DQ,
+    kernels = {"flash_fwd_kernel": FWD, "flash_bwd_preprocess_kernel": PRE, "flash_bwd_dkdv_kernel": DKDV,
+               "flash_bwd_dq_kernel": DQ,
                "volta_probe_mma_kernel": PROBE_NAME}
     conflicted = plan[-1].index  # a causal forward with store conflicts
     launches = [(kernels[p.function], p.call, _values(st=(100, 500, 100) if p.index == conflicted else (100, 400, 0)))

@@ -380,6 +380,7 @@ def test_two_warp_classes_share_the_pipes_and_the_slower_warps_set_the_count():
 def test_dq_warp_fraction_is_the_kernels_kDqWarps_share():
     twelve = tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True)
     assert twelve.meta["tile"].warps == 12 and ve.dq_warp_fraction(twelve) == pytest.approx(8 / 12)
-    assert ve.dq_warp_fraction(tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True)) == 1.0
+    eight = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64)  # the 8-warp 1x4 tile: every warp adds dQ
+    assert ve.dq_warp_fraction(tiles.bwd_variant(64, eight, False, False, True)) == 1.0
     assert ve.dq_warp_fraction(tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, False)) == 1.0
     assert ve.dq_warp_fraction(tiles.fwd_variant(128, tiles.fwd_tile(128, False, 70), False, False)) == 1.0

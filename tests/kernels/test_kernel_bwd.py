@@ -302,3 +302,50 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
     for name, g, r in zip("qkv", grads, ref):
         assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
         assert _rel(g, r) < tolerance, f"d{name} {_rel(g, r):.2e}"
+
+
+@pytest.mark.parametrize("varlen, shape", [(False, (2, 77, 5, 64)), (False, (1, 130, 3, 128)), (False, (3, 9, 2, 96)),
+                                           (False, (1, 33, 2, 16)), (False, (2, 40, 2, 256)), (True, (151, 4, 128)),
+                                           (True, (1, 1, 80))])
+@pytest.mark.parametrize("with_dq_accum", [True, False], ids=["atomics", "dq_kernel"])
+def test_backward_preprocess_matches_float64_and_zeroes_dq(varlen, shape, with_dq_accum):
+    """csrc/flash_bwd_preprocess.cu: D = rowsum(dO * O) in fp32 (against float64 and launch.dot_do_o, its
+    specification) written only where lse's strides put it, and dQ's fp32 sums zeroed where the atomics need them;
+    dO heads-major (strided), D's rows padded, every output poisoned first, a second launch bit for bit the same."""
+    from volta_train.kernels.params import BackwardKernelParams
+
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    dout = (torch.randn(*shape, generator=gen, device="cuda") * 30).half()
+    dout = dout.transpose(-2, -3).contiguous().transpose(-2, -3)  # heads-major memory, head_dim innermost
+    out = torch.randn(*shape, generator=gen, device="cuda").half()
+    nheads, rows = shape[-2], shape[-3]
+    lse_shape = (nheads, rows) if varlen else (shape[0], nheads, rows)
+    dsum_padded = torch.full(lse_shape[:-1] + (rows + 7,), float("nan"), device="cuda")
+    dsum = dsum_padded[..., :rows]  # strided like a padded lse: the 7 columns past each row must stay NaN
+    dq_accum = torch.full(shape, float("nan"), device="cuda")
+    bp = BackwardKernelParams()
+    bp.fwd.o, bp.dout, bp.dsum = out.data_ptr(), dout.data_ptr(), dsum.data_ptr()
+    launch._set_strides(bp.fwd, "o", out, varlen)
+    launch._set_strides(bp, "do", dout, varlen)
+    bp.fwd.lse_batch_stride, bp.fwd.lse_head_stride = (0, dsum.stride(0)) if varlen else dsum.stride()[:2]
+    bp.dq_accum = dq_accum.data_ptr() if with_dq_accum else None
+    launch._set_strides(bp, "dq", dq_accum, varlen)
+    q_like = torch.empty(shape, dtype=torch.float16, device="cuda")
+
+    launch.backward_preprocess(bp, q_like, varlen)
+    first = dsum.clone()
+    launch.backward_preprocess(bp, q_like, varlen)
+    torch.cuda.synchronize()
+    assert torch.equal(first, dsum)
+    assert torch.isnan(dsum_padded[..., rows:]).all(), "D was written outside lse's rows"
+    if with_dq_accum:
+        assert torch.equal(dq_accum, torch.zeros_like(dq_accum))
+    else:
+        assert torch.isnan(dq_accum).all(), "dq_accum was written though the params hold no pointer"
+    exact = (dout.double() * out.double()).sum(-1)
+    scale = (dout.double().abs() * out.double().abs()).sum(-1)
+    exact, scale = ((t.t() if varlen else t.transpose(1, 2)) for t in (exact, scale))
+    err = (dsum.double() - exact).abs()
+    assert (err <= 1e-6 * scale + 1e-30).all(), f"max error {err.max().item():.3e}"
+    spec = launch.dot_do_o(dout, out, varlen)
+    assert ((dsum.double() - spec.double()).abs() <= 2e-6 * scale + 1e-30).all()

@@ -101,7 +101,7 @@ def test_variant_names_keep_their_form():
     assert tiles.decode_variant(128, tile, True).name == "decode_d128_f32acc_softcap_qp2x2_m64_n16_w4_occ3.1_qsmem_split"
     bwd = tiles.BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2)
     assert tiles.bwd_variant(256, bwd, True, False, False).name == "bwd_dkdv_d256_f16acc_qp2x2_n64_m16_w4_kvsmem_lean_split2"
-    assert tiles.bwd_variant(64, tiles.bwd_tile(64, 70), False, False, True).name == \
+    assert tiles.bwd_variant(64, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64), False, False, True).name == \
         "bwd_dkdv_d64_f32acc_dqatomic_qp1x4_n64_m64_w8"
     assert tiles.bwd_variant(128, tiles.bwd_tile(128, 70), False, False, True).name == \
         "bwd_dkdv_d128_f32acc_dqatomic_qp1x4_n96_m32_w12_kvsmem_lean_dqk_rowb"

@@ -1,6 +1,6 @@
 """The sm_70 kernels compile with NVRTC 11.8 (what PyTorch cu118 and CUDA 11 drivers on older V100 clusters carry)
-as well as NVRTC 12: a representative set, one variant of every kernel kind (forward, backward dK/dV and dQ, decode,
-split-KV combine) in each of its accumulation, dropout and softcap flavours, the widest head_dim of each.
+as well as NVRTC 12: a representative set, one variant of every kernel kind (forward, backward preprocess, dK/dV and dQ,
+decode, split-KV combine) in each of its accumulation, dropout and softcap flavours, the widest head_dim of each.
 
 ``VOLTA_TRAIN_NVRTC`` names the wheel (``nvidia-cuda-nvrtc-cu11``, from the test extra) whose libnvrtc compiles;
 each version is skipped where its wheel is not installed. The compile runs in a child process with that setting, into
@@ -37,7 +37,7 @@ def representative_variants(arch: int = 70) -> list:
 def test_the_representative_set_covers_every_kind_and_flavour():
     chosen = representative_variants()
     passes = {v.meta.get("pass") for v in chosen}
-    assert passes == {"fwd", "bwd_dkdv", "bwd_dq", "decode", "combine"}
+    assert passes == {"fwd", "bwd_dkdv", "bwd_dq", "preprocess", "decode", "combine"}
     fwd = {(v.meta["accum_f16"], v.meta["dropout"], v.meta["softcap"]) for v in chosen if v.meta.get("pass") == "fwd"}
     assert len(fwd) == 8  # both accumulations x dropout x softcap
     assert any(v.meta.get("softcap") for v in chosen if v.meta.get("pass") == "decode")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -139,7 +140,8 @@ DOT_CHUNK_ELEMENTS = 1 << 24
 
 
 def dot_do_o(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """D = rowsum(dO * O), products and sums in fp32, laid out like lse ([B, H, Nq], or [H, total_q] for varlen).
+    """D = rowsum(dO * O), products and sums in fp32, laid out like lse ([B, H, Nq], or [H, total_q] for varlen): the
+    specification of the preprocess kernel's D (:func:`backward_preprocess`), and the CPU tests' emulation of it.
 
     Computed over groups of heads so that its fp32 temporaries stay within DOT_CHUNK_ELEMENTS (one head's rows at
     the least) instead of three fp32 copies of O's size at the backward's peak; O is cast as it is read."""
@@ -156,6 +158,21 @@ def dot_do_o(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tenso
         else:
             dsum[:, h0:h1] = rows.transpose(1, 2)
     return dsum
+
+
+def backward_preprocess(bp: BackwardKernelParams, q: torch.Tensor, varlen: bool) -> None:
+    """D = rowsum(dO * O) into bp.dsum and, where bp.dq_accum is set, dQ's fp32 sums zeroed: one kernel, one read of
+    dO and O (csrc/flash_bwd_preprocess.cu; :func:`dot_do_o` is its specification). Packed tensors run as one batch
+    of all their rows."""
+    batch, rows = (1, q.shape[0]) if varlen else (q.shape[0], q.shape[1])
+    nheads = q.shape[-2]
+    if rows == 0:
+        return
+    if nheads > 65535 or batch > 65535:
+        raise ValueError(f"the backward preprocess's grid takes heads ({nheads}) and batch ({batch}) <= 65535 each")
+    kernel = _kernel(tiles.preprocess_variant(q.shape[-1]), q.device)
+    grid = (-(-rows // kernel.geometry.block_m), nheads, batch)
+    kernel.launch(grid, [bp, ctypes.c_int(rows)])
 
 
 def finish_dq(dq_accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -204,13 +221,14 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     accum_f16, dropout = bwd_accum == "fp16", options.dropout_p > 0
     tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
     use_atomics = tiles.dq_by_atomics(tile, options.deterministic)
-    dsum = dot_do_o(dout, out, varlen)
 
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     kernel = _kernel(variant, q.device)
     bp = BackwardKernelParams()
     fill_common(bp.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
                 kernel.geometry.block_m, alibi_slopes)
+    # D, written by the preprocess and read by the kernels through lse's strides
+    dsum = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=q.device)
     bp.dout, bp.dk, bp.dv, bp.dsum = dout.data_ptr(), dk.data_ptr(), dv.data_ptr(), dsum.data_ptr()
     for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
         _set_strides(bp, name, t, varlen)
@@ -218,12 +236,13 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     nheads_kv = k.shape[-2]
     bp.num_n_blocks = -(-max_seqlen_k // kernel.geometry.block_n)
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if use_atomics else None
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if use_atomics else None  # zeroed below
     dq = None if use_atomics else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dq_target = dq_accum if use_atomics else dq
     bp.dq_accum = dq_accum.data_ptr() if use_atomics else None
     bp.dq = dq.data_ptr() if dq is not None else None
     _set_strides(bp, "dq", dq_target, varlen)
+    backward_preprocess(bp, q, varlen)
 
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())

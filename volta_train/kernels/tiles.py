@@ -176,9 +176,9 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     16: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
     32: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
     48: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
-    64: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
+    64: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True),
     80: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True, dq_atomic=False),
+    96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_atomic=False),
     128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True, dkdv_row_b=True),
     256: BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
@@ -367,8 +367,27 @@ def shipped_decode_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_
             for cap in softcap for head_dim in SUPPORTED_HEAD_DIMS]
 
 
+PREPROCESS_ROWS_PER_CTA = 8  # csrc/flash_bwd_preprocess.cu kPreprocessRowsPerCta: one warp per row
+
+
+def preprocess_variant(head_dim: int) -> KernelVariant:
+    """The backward's preprocess (csrc/flash_bwd_preprocess.cu): D = rowsum(dO * O) and dQ's fp32 sums zeroed, in one
+    read, before the dK/dV kernel. One per kernel head_dim, no tile (a warp per row)."""
+    return KernelVariant(
+        name=f"bwd_preprocess_d{head_dim}",
+        sources=("flash_bwd_preprocess.cu",),
+        name_expressions=(f"flash_bwd_preprocess_kernel<{head_dim}>",),
+        meta={"head_dim": head_dim, "pass": "preprocess"},
+    )
+
+
+def shipped_preprocess_variants(arch: int = 70) -> list[KernelVariant]:
+    """The preprocess of every backward kernel head_dim on arch."""
+    return [preprocess_variant(d) for d in sorted({bwd_kernel_head_dim(h, arch) for h in SUPPORTED_HEAD_DIMS})]
+
+
 def shipped_variants(arch: int | str = 70) -> list[KernelVariant]:
     """The variants to compile for arch: every kernel the dispatcher can launch there."""
     target = normalize_arch(arch)
     return (shipped_fwd_variants(target) + shipped_bwd_variants(target) + shipped_decode_variants(target)
-            + shipped_combine_variants())
+            + shipped_combine_variants() + shipped_preprocess_variants(target))
