@@ -162,11 +162,12 @@ class BwdTile:
 # Backward tiles: the dK/dV kernel, and the dQ kernel of the deterministic path (a forward-shaped tile).
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other head
 # dims take 2x2 tiles.
-# sm_70: the best tile of the V100 estimate per head_dim: 8 warps per SM wherever a spill-free tile within 96 KB has
-#   them (1x4, 8 warps: d 32/64 with dQ atomics; d96 with K/V in shared memory and the dQ kernel, for registers);
-#   d128 a 1x4 tile of 12 warps (K/V in shared memory, lean, dQ atomics on 8 warps reading the K tile, dK/dV's B
-#   from the Q/dO rows); d80 a 2x2 tile of 4 warps; d 16/48/112 have no 8-warp tile and take 2x2 tiles of 2 warps
-#   (d112 runs on the d128 kernels instead: BWD_KERNEL_HEAD_DIMS_SM70). head_dim 256: 2x2, 4 warps, K/V in shared
+# sm_70: the best tile of the V100 estimate per head_dim: 1x4 tiles of 12 warps with K/V in shared memory at d 64-128
+#   (d64 dQ atomics on 8 warps from a K^T copy, with Q^T / dO^T copies; d96 lean with the dQ kernel, for registers;
+#   d128 lean, dQ atomics on 8 warps reading the K tile, dK/dV's B from the Q/dO rows), where latency outweighs their
+#   lower pipe bound; d32 a 1x4 tile of 8 warps with dQ atomics; d80 a 2x2 tile of 4 warps (no 12-warp tile is
+#   spill-free); d 16/48/112 have no 8-warp tile and take 2x2 tiles of 2 warps (d112 runs on the d128 kernels
+#   instead: BWD_KERNEL_HEAD_DIMS_SM70). head_dim 256: 2x2, 4 warps, K/V in shared
 #   memory, lean, dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+ tile. docs/performance.md, "Backward tile
 #   choice", "Latency hiding" and "head_dim 256".
 # sm_80+ (emulated m8n8k4): the fastest tiles of the H100 backward sweeps, per accumulation mode (the emulated
