@@ -1,5 +1,6 @@
 """The backward's sums around the kernels, on the CPU: D = rowsum(dO * O) (launch.dot_do_o), taken over groups of
-heads, and dQ's scaling and rounding from its fp32 atomics (launch.finish_dq)."""
+heads, dQ's scaling and rounding from its fp32 atomics (launch.finish_dq), and the preprocess kernel's launch
+(launch.backward_preprocess) with a stand-in kernel."""
 
 import pytest
 import torch
@@ -75,3 +76,52 @@ def test_finish_dq_scales_in_fp32_and_rounds_once(dtype, rng):
     exact = acc.double() * scale
     ulp = torch.finfo(dtype).eps
     assert ((got.double() - exact).abs() <= ulp * exact.abs()).all()
+
+
+class _FakeKernel:
+    """Stands in for a compiled kernel: records each launch's grid and arguments."""
+
+    def __init__(self, block_m):
+        from volta_train.kernels.variants import LaunchGeometry
+
+        self.geometry = LaunchGeometry(0, 32 * block_m, block_m, 0)
+        self.launches = []
+
+    def launch(self, grid, args, stream=None):
+        self.launches.append((grid, args))
+
+
+@pytest.mark.parametrize("varlen, shape, grid", [(False, (3, 37, 5, 64), (5, 5, 3)), (False, (1, 8, 2, 128), (1, 2, 1)),
+                                                 (True, (77, 6, 96), (10, 6, 1))])
+def test_backward_preprocess_launch_covers_every_row(varlen, shape, grid, monkeypatch):
+    """One warp per row (tiles.PREPROCESS_ROWS_PER_CTA rows per CTA), grid (row blocks, heads, batch); packed rows as
+    one batch of all of them; the row count travels as the kernel's second argument."""
+    import ctypes
+
+    from volta_train.kernels import tiles
+    from volta_train.kernels.params import BackwardKernelParams
+
+    fake = _FakeKernel(tiles.PREPROCESS_ROWS_PER_CTA)
+    chosen = []
+    monkeypatch.setattr(launch, "_kernel", lambda variant, device: chosen.append(variant) or fake)
+    q = torch.empty(shape, dtype=torch.float16)
+    bp = BackwardKernelParams()
+    launch.backward_preprocess(bp, q, varlen)
+    assert chosen == [tiles.preprocess_variant(shape[-1])]
+    (got_grid, args), = fake.launches
+    assert got_grid == grid
+    assert args[0] is bp and isinstance(args[1], ctypes.c_int) and args[1].value == shape[-3]
+    rows = shape[-3]
+    assert got_grid[0] * tiles.PREPROCESS_ROWS_PER_CTA >= rows > (got_grid[0] - 1) * tiles.PREPROCESS_ROWS_PER_CTA
+
+
+def test_backward_preprocess_refuses_a_grid_past_its_limits(monkeypatch):
+    from volta_train.kernels.params import BackwardKernelParams
+
+    fake = _FakeKernel(8)
+    monkeypatch.setattr(launch, "_kernel", lambda variant, device: fake)
+    q = torch.empty((65536, 1, 1, 16), dtype=torch.float16)  # batch 65536: past gridDim.z's 65535
+    with pytest.raises(ValueError, match=r"heads \(1\) and batch \(65536\) <= 65535"):
+        launch.backward_preprocess(BackwardKernelParams(), q, False)
+    launch.backward_preprocess(BackwardKernelParams(), torch.empty((2, 0, 3, 64), dtype=torch.float16), False)
+    assert fake.launches == []  # no rows: nothing to launch
