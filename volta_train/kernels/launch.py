@@ -12,6 +12,7 @@ from ..options import AttentionOptions
 from . import head_dim as head_dims
 from . import tiles
 from .params import BackwardKernelParams, KernelParams
+from .support import MAX_GRID_Y
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -69,10 +70,10 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     prm.dropout_rescale = 1.0 / (1.0 - options.dropout_p)
     prm.softcap_log2 = options.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
-    prm.m_blocks_fastest = 0 if (options.causal or batch * nheads > 65535) else 1
+    prm.m_blocks_fastest = 0 if (options.causal or batch * nheads > MAX_GRID_Y) else 1
     grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
-    if grid[1] > 65535:
-        raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= 65535")
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= {MAX_GRID_Y}")
     return grid
 
 
@@ -168,8 +169,8 @@ def backward_preprocess(bp: BackwardKernelParams, q: torch.Tensor, varlen: bool)
     nheads = q.shape[-2]
     if rows == 0:
         return
-    if nheads > 65535 or batch > 65535:
-        raise ValueError(f"the backward preprocess's grid takes heads ({nheads}) and batch ({batch}) <= 65535 each")
+    if nheads > MAX_GRID_Y or batch > MAX_GRID_Y:
+        raise ValueError(f"the backward preprocess's grid takes heads ({nheads}) and batch ({batch}) <= {MAX_GRID_Y} each")
     kernel = _kernel(tiles.preprocess_variant(q.shape[-1]), q.device)
     grid = (-(-rows // kernel.geometry.block_m), nheads, batch)
     kernel.launch(grid, [bp, ctypes.c_int(rows)])
@@ -221,6 +222,11 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     accum_f16, dropout = bwd_accum == "fp16", options.dropout_p > 0
     tile = tile or tiles.bwd_tile(head_dim, arch, accum_f16)
     use_atomics = tiles.dq_by_atomics(tile, options.deterministic)
+    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+    nheads_kv = k.shape[-2]
+    if batch * nheads_kv > MAX_GRID_Y:  # support.unsupported_reason sends such calls to another backend
+        raise ValueError(f"{batch} sequences x {nheads_kv} key/value heads = {batch * nheads_kv}: the dK/dV kernel's "
+                         f"grid takes at most {MAX_GRID_Y}")
 
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     kernel = _kernel(variant, q.device)
@@ -233,8 +239,6 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     for name, t in (("do", dout), ("dk", dk), ("dv", dv)):
         _set_strides(bp, name, t, varlen)
     bp.softmax_scale = options.softmax_scale
-    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
-    nheads_kv = k.shape[-2]
     bp.num_n_blocks = -(-max_seqlen_k // kernel.geometry.block_n)
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if use_atomics else None  # zeroed below
     dq = None if use_atomics else torch.empty(q.shape, dtype=q.dtype, device=q.device)
