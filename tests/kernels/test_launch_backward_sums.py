@@ -1,5 +1,5 @@
-"""The backward's sums around the kernels, on the CPU: D = rowsum(dO * O) (launch.dot_do_o), taken over groups of
-heads, dQ's scaling and rounding from its fp32 atomics (launch.finish_dq), and the preprocess kernel's launch
+"""The backward's sums around the kernels, on the CPU: D = rowsum(dO * O) (launch.dot_do_o, the preprocess kernel's
+specification), dQ's scaling and rounding from its fp32 atomics (launch.finish_dq), and the preprocess kernel's launch
 (launch.backward_preprocess) with a stand-in kernel."""
 
 import pytest
@@ -14,54 +14,26 @@ def _pair(rng, shape, dtype):
     return dout, out
 
 
-def _unchunked(dout, out, varlen):
-    rows = (dout.float() * out.float()).sum(-1)
-    return (rows.t() if varlen else rows.transpose(1, 2)).contiguous()
-
-
 @pytest.mark.parametrize("varlen, shape", [(False, (3, 37, 5, 64)), (False, (2, 1, 1, 8)), (False, (1, 130, 7, 128)),
                                            (True, (77, 5, 64)), (True, (1, 3, 8))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group_heads", [None, 1, 2])
-def test_dot_do_o_matches_float64_and_the_unchunked_sum(varlen, shape, dtype, group_heads, rng, monkeypatch):
+def test_dot_do_o_matches_float64(varlen, shape, dtype, rng):
     dout, out = _pair(rng, shape, dtype)
-    if group_heads is not None:  # groups of 1 or 2 heads (uneven last group with 5 or 7 heads)
-        per_head = out.numel() // out.shape[-2]
-        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", group_heads * per_head)
     got = launch.dot_do_o(dout, out, varlen)
-    want = _unchunked(dout, out, varlen)
-    assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == want.shape
-    assert torch.equal(got, want)  # fp32 products of the same values, the same per-row order
     exact = (dout.double() * out.double()).sum(-1)
     exact = exact.t() if varlen else exact.transpose(1, 2)
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == exact.shape
     scale = (dout.double().abs() * out.double().abs()).sum(-1)
     scale = scale.t() if varlen else scale.transpose(1, 2)
     assert ((got.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
 
 
-@pytest.mark.parametrize("group_heads", [None, 1])
-def test_dot_do_o_of_a_heads_major_dout_gives_the_same_bits(group_heads, rng, monkeypatch):
+def test_dot_do_o_of_a_heads_major_dout_gives_the_same_bits(rng):
     """dO as the dispatcher hands it over (head_dim innermost, any other layout): here heads-major memory."""
     dout, out = _pair(rng, (2, 45, 3, 64), torch.float16)
-    if group_heads is not None:
-        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", out.numel() // 3)
     heads_major = dout.transpose(1, 2).contiguous().transpose(1, 2)
     assert not heads_major.is_contiguous() and heads_major.stride(-1) == 1
     assert torch.equal(launch.dot_do_o(heads_major, out, False), launch.dot_do_o(dout, out, False))
-
-
-def test_dot_do_o_groups_keep_their_temporaries_bounded(rng, monkeypatch):
-    """Each group's fp32 product holds at most DOT_CHUNK_ELEMENTS elements, or one head where a head is larger."""
-    dout, out = _pair(rng, (2, 33, 6, 16), torch.float16)
-    per_head = out.numel() // 6
-    sizes = []
-    float_ = torch.Tensor.float
-    monkeypatch.setattr(torch.Tensor, "float", lambda t: sizes.append(t.numel()) or float_(t))
-    for limit, largest in ((4 * per_head, 4 * per_head), (per_head // 3, per_head), (10**9, 6 * per_head)):
-        sizes.clear()
-        monkeypatch.setattr(launch, "DOT_CHUNK_ELEMENTS", limit)
-        launch.dot_do_o(dout, out, False)
-        assert max(sizes) == largest and sum(sizes) == out.numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -76,6 +48,9 @@ def test_finish_dq_scales_in_fp32_and_rounds_once(dtype, rng):
     exact = acc.double() * scale
     ulp = torch.finfo(dtype).eps
     assert ((got.double() - exact).abs() <= ulp * exact.abs()).all()
+
+
+ROWS_PER_CTA = 8  # the stand-in kernel's block_m (the real one exports its own: csrc/flash_bwd_preprocess.cu)
 
 
 class _FakeKernel:
@@ -94,14 +69,14 @@ class _FakeKernel:
 @pytest.mark.parametrize("varlen, shape, grid", [(False, (3, 37, 5, 64), (5, 5, 3)), (False, (1, 8, 2, 128), (1, 2, 1)),
                                                  (True, (77, 6, 96), (10, 6, 1))])
 def test_backward_preprocess_launch_covers_every_row(varlen, shape, grid, monkeypatch):
-    """One warp per row (tiles.PREPROCESS_ROWS_PER_CTA rows per CTA), grid (row blocks, heads, batch); packed rows as
-    one batch of all of them; the row count travels as the kernel's second argument."""
+    """Grid (row blocks of the kernel's block_m rows, heads, batch); packed rows as one batch of all of them; the row
+    count travels as the kernel's second argument."""
     import ctypes
 
     from volta_train.kernels import tiles
     from volta_train.kernels.params import BackwardKernelParams
 
-    fake = _FakeKernel(tiles.PREPROCESS_ROWS_PER_CTA)
+    fake = _FakeKernel(ROWS_PER_CTA)
     chosen = []
     monkeypatch.setattr(launch, "_kernel", lambda variant, device: chosen.append(variant) or fake)
     q = torch.empty(shape, dtype=torch.float16)
@@ -112,7 +87,7 @@ def test_backward_preprocess_launch_covers_every_row(varlen, shape, grid, monkey
     assert got_grid == grid
     assert args[0] is bp and isinstance(args[1], ctypes.c_int) and args[1].value == shape[-3]
     rows = shape[-3]
-    assert got_grid[0] * tiles.PREPROCESS_ROWS_PER_CTA >= rows > (got_grid[0] - 1) * tiles.PREPROCESS_ROWS_PER_CTA
+    assert got_grid[0] * ROWS_PER_CTA >= rows > (got_grid[0] - 1) * ROWS_PER_CTA
 
 
 def test_backward_preprocess_refuses_a_grid_past_its_limits(monkeypatch):

@@ -136,29 +136,11 @@ def resolve_bwd_accum(bwd_accum: str) -> str:
     return "fp32" if bwd_accum == "auto" else bwd_accum
 
 
-# D's fp32 temporaries (dO in fp32 and the product) hold at most this many elements each: heads are taken in groups
-DOT_CHUNK_ELEMENTS = 1 << 24
-
-
 def dot_do_o(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
     """D = rowsum(dO * O), products and sums in fp32, laid out like lse ([B, H, Nq], or [H, total_q] for varlen): the
-    specification of the preprocess kernel's D (:func:`backward_preprocess`), and the CPU tests' emulation of it.
-
-    Computed over groups of heads so that its fp32 temporaries stay within DOT_CHUNK_ELEMENTS (one head's rows at
-    the least) instead of three fp32 copies of O's size at the backward's peak; O is cast as it is read."""
-    nheads = out.shape[-2]
-    per_head = out.numel() // max(nheads, 1)
-    group = max(1, DOT_CHUNK_ELEMENTS // max(per_head, 1))
-    dsum = torch.empty((nheads, out.shape[0]) if varlen else (out.shape[0], nheads, out.shape[1]),
-                       dtype=torch.float32, device=out.device)
-    for h0 in range(0, nheads, group):
-        h1 = min(h0 + group, nheads)
-        rows = (dout[..., h0:h1, :].float() * out[..., h0:h1, :]).sum(-1)  # [..., heads of the group]
-        if varlen:
-            dsum[h0:h1] = rows.t()
-        else:
-            dsum[:, h0:h1] = rows.transpose(1, 2)
-    return dsum
+    preprocess kernel's D (:func:`backward_preprocess`) in PyTorch, its specification in the kernel tests."""
+    rows = (dout.float() * out.float()).sum(-1)
+    return (rows.t() if varlen else rows.transpose(1, 2)).contiguous()
 
 
 def backward_preprocess(bp: BackwardKernelParams, q: torch.Tensor, varlen: bool) -> None:

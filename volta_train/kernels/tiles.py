@@ -368,9 +368,6 @@ def shipped_decode_variants(arch: int = 70, softcap: tuple[bool, ...] = SOFTCAP_
             for cap in softcap for head_dim in SUPPORTED_HEAD_DIMS]
 
 
-PREPROCESS_ROWS_PER_CTA = 8  # csrc/flash_bwd_preprocess.cu kPreprocessRowsPerCta: one warp per row
-
-
 def preprocess_variant(head_dim: int) -> KernelVariant:
     """The backward's preprocess (csrc/flash_bwd_preprocess.cu): D = rowsum(dO * O) and dQ's fp32 sums zeroed, in one
     read, before the dK/dV kernel. One per kernel head_dim, no tile (a warp per row)."""
