@@ -25,6 +25,8 @@ def test_describe_counts_sequences_times_kv_heads_for_the_backward_only():
     packed = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # [total, heads, head_dim]
     call = support.describe(*packed, OPTIONS, varlen=True, alibi=False, backward=True, batch=4097)
     assert call.batch_kv_heads == 4097 * 2
+    with pytest.raises(ValueError, match=r"needs batch: the number of sequences \(cu_seqlens_q.numel\(\) - 1\)"):
+        support.describe(*packed, OPTIONS, varlen=True, alibi=False, backward=True)
 
 
 @pytest.mark.parametrize("kv_heads_times_batch, refused", [(MAX_GRID_Y, False), (MAX_GRID_Y + 1, True)])

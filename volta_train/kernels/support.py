@@ -73,7 +73,11 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     """The call as the kernels would run it. Padded copies are fresh, hence aligned; a call at a kernel head_dim is
     run on its own tensors, which must then be aligned (the decoding kernel's inputs are made so: decode.py).
     ``page_block_size``: a varlen call on a paged cache (k/v page pools) for the decoding kernel. ``batch``: the
-    number of sequences (varlen: ``cu_seqlens_q.numel() - 1``; dense calls take q's first dimension)."""
+    number of sequences, which a varlen backward must give (``cu_seqlens_q.numel() - 1``; dense calls default to q's
+    first dimension)."""
+    if backward and varlen and batch is None:
+        raise ValueError("describe(backward=True, varlen=True) needs batch: the number of sequences "
+                         "(cu_seqlens_q.numel() - 1)")
     head_dim = q.shape[-1]
     padded = head_dims.forward_head_dim(head_dim) != head_dim or v.shape[-1] != head_dim
     decoding = kvcache or page_block_size > 0
@@ -82,7 +86,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
         value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi,
         backward=backward, kvcache=kvcache, page_block_size=page_block_size,
         aligned=q.is_cuda and (decoding or padded or tensors_aligned(q, k, v, *extra)),
-        batch_kv_heads=(batch if batch is not None else (1 if varlen else q.shape[0])) * k.shape[-2] if backward else 0,
+        batch_kv_heads=(q.shape[0] if batch is None else batch) * k.shape[-2] if backward else 0,
     )
 
 
