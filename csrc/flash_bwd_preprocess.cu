@@ -10,7 +10,7 @@
 #include "launch_geometry.cuh"
 #include "params.cuh"
 
-constexpr int kPreprocessRowsPerCta = 8;  // warps per CTA, one row each (tiles.py PREPROCESS_ROWS_PER_CTA)
+constexpr int kPreprocessRowsPerCta = 8;  // warps per CTA, one row each (exported as block_m below)
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(32 * kPreprocessRowsPerCta)
@@ -35,8 +35,7 @@ __global__ void __launch_bounds__(32 * kPreprocessRowsPerCta)
             dot += low_half_to_float(d) * low_half_to_float(o) + high_half_to_float(d) * high_half_to_float(o);
         }
     }
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) dot = sum_over_lanes(dot, mask);
+    dot = sum_over_warp(dot);
     if (lane == 0)  // the one kernel that writes dsum: the dK/dV and dQ kernels read it through const
         const_cast<float*>(bp.dsum)[batch * p.lse_batch_stride + head * p.lse_head_stride + row] = dot;
 

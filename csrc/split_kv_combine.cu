@@ -19,18 +19,6 @@ constexpr int kCombineRowsPerCta = 4;  // warps per CTA, one row each (decode.py
 
 struct __align__(8) f32x2 { float x, y; };
 
-__device__ __forceinline__ float max_over_warp(float x) {
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) x = max_over_lanes(x, mask);
-    return x;
-}
-
-__device__ __forceinline__ float sum_over_warp(float x) {
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) x = sum_over_lanes(x, mask);
-    return x;
-}
-
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta) flash_split_kv_combine_kernel(const SplitKvParams p) {
     static_assert(HEAD_DIM % 2 == 0, "columns are combined in pairs");

@@ -33,6 +33,19 @@ __device__ __forceinline__ float sum_over_lanes(float x, int lane_mask) {
     return x + __shfl_xor_sync(0xffffffffu, x, lane_mask);
 }
 
+// The reductions over the whole warp (every lane gets the result; the whole warp must call them).
+__device__ __forceinline__ float max_over_warp(float x) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) x = max_over_lanes(x, mask);
+    return x;
+}
+
+__device__ __forceinline__ float sum_over_warp(float x) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) x = sum_over_lanes(x, mask);
+    return x;
+}
+
 __device__ __forceinline__ float half_to_float(half_bits h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -5,8 +5,8 @@ Compiles, with the local NVRTC (no GPU needed), every variant the dispatcher can
 - ``sm_70``: the sm_70 tile tables (``shipped_fwd_variants(70)`` + ``shipped_bwd_variants(70)``) for sm_70;
 - ``sm_90``: the sm_80+ tile tables (``shipped_*_variants(90)``) for sm_90;
 - ``sm70-tiles@sm_90``: the sm_70 tile tables compiled for sm_90 (the sm_90 build of the V100 shapes);
-- with ``--decode``, also the decoding kernels and split combines (``shipped_decode_variants`` and
-  ``shipped_combine_variants``) in each group.
+- with ``--decode``, also the decoding kernels, split combines and backward preprocess kernels
+  (``shipped_decode_variants``, ``shipped_combine_variants`` and ``shipped_preprocess_variants``) in each group.
 
 and writes a JSON mapping ``<group>/<variant name>/<name expression>`` to the sha256 of that kernel's executable
 code (the bytes of the cubin's ``.text.<mangled name>`` ELF section), its mangled name and, for reference, the sha256
@@ -103,6 +103,7 @@ def collect(jobs: int, only: str | None = None, decode: bool = False) -> dict[st
         variants = tiles.shipped_fwd_variants(table_arch) + tiles.shipped_bwd_variants(table_arch)
         if decode:
             variants += tiles.shipped_decode_variants(table_arch) + tiles.shipped_combine_variants()
+            variants += getattr(tiles, "shipped_preprocess_variants", lambda arch: [])(table_arch)  # (older baselines)
         for variant in variants:
             if only is None or only in variant.name:
                 work.append((group, variant, target))
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, help="an earlier --out file to compare against")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads (default: CPUs)")
     parser.add_argument("--only", help="compile only the variants whose name contains this (a quick check)")
-    parser.add_argument("--decode", action="store_true", help="also the decoding kernels and split combines")
+    parser.add_argument("--decode", action="store_true",
+                        help="also the decoding kernels, split combines and backward preprocess kernels")
     args = parser.parse_args(argv)
     library = find_nvrtc(90)
     kernels = collect(args.jobs, args.only, args.decode)
