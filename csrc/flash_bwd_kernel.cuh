@@ -595,9 +595,13 @@ template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocksPerSM) flash_bwd_dkdv_kernel(const BackwardParams bp) {
     extern __shared__ __align__(16) unsigned char smem[];
     const AttentionParams& prm = bp.fwd;
-    const int n_block = (int)blockIdx.x;
-    const int kv_head = (int)blockIdx.y % (prm.nheads / prm.heads_per_kv);
-    const int batch = (int)blockIdx.y / (prm.nheads / prm.heads_per_kv);
+    // Grid order (launch.py): x the key block and y the (batch, kv head), or, with m_blocks_fastest 0, the other way
+    // round, so that every head's longest (causal) key blocks are dispatched first.
+    const bool keys_fastest = prm.m_blocks_fastest != 0;
+    const int n_block = (int)(keys_fastest ? blockIdx.x : blockIdx.y);
+    const int bh = (int)(keys_fastest ? blockIdx.y : blockIdx.x);
+    const int kv_head = bh % (prm.nheads / prm.heads_per_kv);
+    const int batch = bh / (prm.nheads / prm.heads_per_kv);
     const SequenceExtent seq(prm, batch);
     const int n0 = n_block * KT::kBlockN;
     if (n0 >= seq.seqlen_k) return;

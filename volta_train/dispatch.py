@@ -163,7 +163,7 @@ def attention_backward(
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dsinks
     call = kernels.describe(q, k, v, options, varlen=varlen, alibi=alibi_slopes is not None, backward=True,
-                            extra=(dout, out), batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0])
+                            extra=(dout, out))
     choice = choose_backend(call)
     _log_choice(choice, "backward", q.is_cuda)
     shape = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

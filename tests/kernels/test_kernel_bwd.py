@@ -304,6 +304,37 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
         assert _rel(g, r) < tolerance, f"d{name} {_rel(g, r):.2e}"
 
 
+@pytest.mark.parametrize("varlen, batch, seqlen, heads, kv_heads, head_dim, causal", [
+    (True, 8192, 3, 16, 8, 64, False),  # 65,536 sequences x kv heads: the dK/dV grid takes them in x
+    (True, 8192, 5, 8, 8, 128, True),
+    (False, 65537, 2, 1, 1, 16, False),  # and the preprocess runs the batch in two slices (grid z)
+], ids=["varlen_8192x8_full", "varlen_8192x8_causal", "dense_65537"])
+def test_backward_past_cuda_grid_limits(varlen, batch, seqlen, heads, kv_heads, head_dim, causal):
+    """More than 65,535 sequences x key/value heads (CUDA's limit on grid y and z): the gradients against float64,
+    norm and max-abs within twice PyTorch's fp16 eager error (sequences of one length: the packed call is a dense
+    one too)."""
+    gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
+    q, k, v = _inputs(batch, seqlen, seqlen, heads, kv_heads, head_dim, gen)
+    dout = torch.randn(batch, seqlen, heads, head_dim, generator=gen, device="cuda").half()
+    params = AttentionOptions(softmax_scale=head_dim**-0.5, causal=causal)
+    if varlen:
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+        packed = [t.flatten(0, 1) for t in (q, k, v, dout)]
+        out, lse = launch.forward(*packed[:3], cu, cu, seqlen, seqlen, params, None)
+        grads = launch.backward(packed[3], *packed[:3], out, lse, cu, cu, seqlen, seqlen, params, None)
+        grads = [g.unflatten(0, (batch, seqlen)) for g in grads]
+    else:
+        grads = _kernel_grads(q, k, v, dout, causal, "fp32")
+    ref = _reference_grads(q, k, v, dout, causal)
+    eager = _eager_fp16_grads(q, k, v, dout, causal)
+    for name, g, r, e in zip("qkv", grads, ref, eager):
+        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+        err, torch_err = _rel(g, r), _rel(e, r)
+        assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+        worst = (g.double() - r).abs().max().item()
+        assert worst <= 2 * (e.double() - r).abs().max().item() + 1e-3, f"d{name}: max-abs error {worst:.2e}"
+
+
 @pytest.mark.parametrize("varlen, shape", [(False, (2, 77, 5, 64)), (False, (1, 130, 3, 128)), (False, (3, 9, 2, 96)),
                                            (False, (1, 33, 2, 16)), (False, (2, 40, 2, 256)), (True, (151, 4, 128)),
                                            (True, (1, 1, 80))])

@@ -90,13 +90,34 @@ def test_backward_preprocess_launch_covers_every_row(varlen, shape, grid, monkey
     assert got_grid[0] * ROWS_PER_CTA >= rows > (got_grid[0] - 1) * ROWS_PER_CTA
 
 
-def test_backward_preprocess_refuses_a_grid_past_its_limits(monkeypatch):
+def test_backward_preprocess_runs_a_batch_past_grid_z_in_slices(monkeypatch):
+    """A dense batch of 65535 * 2 + 3 sequences: three launches of at most 65535 batches, each with o, dO, D and dQ's
+    sums moved to its first batch (the strides unchanged); no rows or too many heads: no launch."""
     from volta_train.kernels.params import BackwardKernelParams
 
     fake = _FakeKernel(8)
     monkeypatch.setattr(launch, "_kernel", lambda variant, device: fake)
-    q = torch.empty((65536, 1, 1, 16), dtype=torch.float16)  # batch 65536: past gridDim.z's 65535
-    with pytest.raises(ValueError, match=r"heads \(1\) and batch \(65536\) <= 65535"):
-        launch.backward_preprocess(BackwardKernelParams(), q, False)
+    limit, rows, heads = launch.MAX_GRID_Y, 3, 2
+    q = torch.empty((2 * limit + 3, rows, heads, 16), dtype=torch.float16)
+    bp = BackwardKernelParams()
+    bp.fwd.o, bp.dout, bp.dsum, bp.dq_accum = 1 << 20, 1 << 30, 1 << 34, 1 << 38
+    bp.fwd.o_batch_stride, bp.do_batch_stride, bp.fwd.lse_batch_stride, bp.dq_batch_stride = 96, 128, 7, 112
+    launch.backward_preprocess(bp, q, False)
+    assert [grid for grid, _ in fake.launches] == [(1, heads, limit), (1, heads, limit), (1, heads, 3)]
+    assert fake.launches[0][1][0] is bp
+    for n, (_, (part, _)) in enumerate(fake.launches[1:], start=1):
+        first = n * limit
+        assert part.fwd.o == bp.fwd.o + 2 * 96 * first and part.dout == bp.dout + 2 * 128 * first
+        assert part.dsum == bp.dsum + 4 * 7 * first and part.dq_accum == bp.dq_accum + 4 * 112 * first
+        assert part.fwd.o_batch_stride == 96 and part.fwd.q == bp.fwd.q and part.dq == bp.dq
+    bp.dq_accum = None  # the dQ kernel's path: no sums to zero, and none to move
+    fake.launches.clear()
+    launch.backward_preprocess(bp, q, False)
+    assert [part.dq_accum for _, (part, _) in fake.launches[1:]] == [None] * 2
+
+    fake.launches.clear()
+    with pytest.raises(ValueError, match=r"q has 65536 heads: the backward preprocess's grid takes at most 65535"):
+        launch.backward_preprocess(BackwardKernelParams(), torch.empty((1, 1, limit + 1, 16), dtype=torch.float16),
+                                   False)
     launch.backward_preprocess(BackwardKernelParams(), torch.empty((2, 0, 3, 64), dtype=torch.float16), False)
     assert fake.launches == []  # no rows: nothing to launch

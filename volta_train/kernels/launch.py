@@ -146,16 +146,29 @@ def dot_do_o(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tenso
 def backward_preprocess(bp: BackwardKernelParams, q: torch.Tensor, varlen: bool) -> None:
     """D = rowsum(dO * O) into bp.dsum and, where bp.dq_accum is set, dQ's fp32 sums zeroed: one kernel, one read of
     dO and O (csrc/flash_bwd_preprocess.cu; :func:`dot_do_o` is its specification). Packed tensors run as one batch
-    of all their rows."""
+    of all their rows; a dense batch past grid z's limit runs in slices of batches (pointers moved, strides kept)."""
     batch, rows = (1, q.shape[0]) if varlen else (q.shape[0], q.shape[1])
     nheads = q.shape[-2]
     if rows == 0:
         return
-    if nheads > MAX_GRID_Y or batch > MAX_GRID_Y:
-        raise ValueError(f"the backward preprocess's grid takes heads ({nheads}) and batch ({batch}) <= {MAX_GRID_Y} each")
+    if nheads > MAX_GRID_Y:
+        raise ValueError(f"q has {nheads} heads: the backward preprocess's grid takes at most {MAX_GRID_Y}")
     kernel = _kernel(tiles.preprocess_variant(q.shape[-1]), q.device)
-    grid = (-(-rows // kernel.geometry.block_m), nheads, batch)
-    kernel.launch(grid, [bp, ctypes.c_int(rows)])
+    for first in range(0, batch, MAX_GRID_Y):
+        part = bp if first == 0 else _from_batch(bp, first, q.element_size())
+        grid = (-(-rows // kernel.geometry.block_m), nheads, min(MAX_GRID_Y, batch - first))
+        kernel.launch(grid, [part, ctypes.c_int(rows)])
+
+
+def _from_batch(bp: BackwardKernelParams, first: int, half: int) -> BackwardKernelParams:
+    """A copy of bp whose o, dO, D and dQ sums start at batch ``first`` (the preprocess's reads and writes)."""
+    part = BackwardKernelParams.from_buffer_copy(bp)
+    part.fwd.o += first * bp.fwd.o_batch_stride * half
+    part.dout += first * bp.do_batch_stride * half
+    part.dsum += first * bp.fwd.lse_batch_stride * 4
+    if bp.dq_accum is not None:
+        part.dq_accum += first * bp.dq_batch_stride * 4
+    return part
 
 
 def finish_dq(dq_accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -206,9 +219,6 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     use_atomics = tiles.dq_by_atomics(tile, options.deterministic)
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     nheads_kv = k.shape[-2]
-    if batch * nheads_kv > MAX_GRID_Y:  # support.unsupported_reason sends such calls to another backend
-        raise ValueError(f"{batch} sequences x {nheads_kv} key/value heads = {batch * nheads_kv}: the dK/dV kernel's "
-                         f"grid takes at most {MAX_GRID_Y}")
 
     variant = tiles.bwd_variant(head_dim, tile, accum_f16, dropout, use_atomics, options.softcap > 0)
     kernel = _kernel(variant, q.device)
@@ -230,8 +240,17 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     _set_strides(bp, "dq", dq_target, varlen)
     backward_preprocess(bp, q, varlen)
 
+    # Grid order: key blocks fastest (a head's CTAs share Q and dO in L2), or (batch, kv head) fastest, which
+    # dispatches every head's longest causal key blocks first (none left for the grid's tail): for causal calls on
+    # the emulated m8n8k4 (compute-bound), and wherever batch x kv heads passes grid y's limit.
+    keys_fastest = not (options.causal and arch >= tiles.EMULATED_MMA_ARCH) and batch * nheads_kv <= MAX_GRID_Y
+    bp.fwd.m_blocks_fastest = int(keys_fastest)
+    blocks = (bp.num_n_blocks, batch * nheads_kv) if keys_fastest else (batch * nheads_kv, bp.num_n_blocks)
+    if blocks[1] > MAX_GRID_Y:
+        raise ValueError(f"{bp.num_n_blocks} key blocks of {kernel.geometry.block_n}: the dK/dV kernel's grid takes "
+                         f"at most {MAX_GRID_Y}")
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
-    grid = (bp.num_n_blocks, batch * nheads_kv) + ((tile.out_split,) if tile.out_split > 1 else ())
+    grid = blocks + ((tile.out_split,) if tile.out_split > 1 else ())
     kernel.launch(grid, [bp])
     if use_atomics:
         return finish_dq(dq_accum, options.softmax_scale, q.dtype), dk, dv

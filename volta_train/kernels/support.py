@@ -13,7 +13,7 @@ from . import nvrtc, tiles
 
 MIN_ARCH = 70  # sm_70 (Volta): mma.sync.m8n8k4 and nothing newer
 ALIGN_BYTES = 16  # the kernels move K, V, Q and O in 16-byte vectors
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the dK/dV kernel's grid y is batch x key/value heads
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y and z: launch.py orders each grid so that its larger count is x
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ class CallDescription:
     kvcache: bool = False
     aligned: bool = True  # 16-byte aligned pointers and strides that are multiples of 8 elements
     page_block_size: int = 0  # flash_attn_varlen_func reading a paged cache on the decoding kernel (0: not such a call)
-    batch_kv_heads: int = 0  # backward: sequences x key/value heads, the dK/dV kernel's grid y (launch.py)
 
     @property
     def widest_head_dim(self) -> int:
@@ -69,15 +68,10 @@ def tensors_aligned(*tensors: torch.Tensor | None) -> bool:
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *, varlen: bool,
              alibi: bool, backward: bool = False, kvcache: bool = False, page_block_size: int = 0,
-             extra: tuple[torch.Tensor, ...] = (), batch: int | None = None) -> CallDescription:
+             extra: tuple[torch.Tensor, ...] = ()) -> CallDescription:
     """The call as the kernels would run it. Padded copies are fresh, hence aligned; a call at a kernel head_dim is
     run on its own tensors, which must then be aligned (the decoding kernel's inputs are made so: decode.py).
-    ``page_block_size``: a varlen call on a paged cache (k/v page pools) for the decoding kernel. ``batch``: the
-    number of sequences, which a varlen backward must give (``cu_seqlens_q.numel() - 1``; dense calls default to q's
-    first dimension)."""
-    if backward and varlen and batch is None:
-        raise ValueError("describe(backward=True, varlen=True) needs batch: the number of sequences "
-                         "(cu_seqlens_q.numel() - 1)")
+    ``page_block_size``: a varlen call on a paged cache (k/v page pools) for the decoding kernel."""
     head_dim = q.shape[-1]
     padded = head_dims.forward_head_dim(head_dim) != head_dim or v.shape[-1] != head_dim
     decoding = kvcache or page_block_size > 0
@@ -86,7 +80,6 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
         value_head_dim=v.shape[-1] if v.shape[-1] != head_dim else None, varlen=varlen, alibi=alibi,
         backward=backward, kvcache=kvcache, page_block_size=page_block_size,
         aligned=q.is_cuda and (decoding or padded or tensors_aligned(q, k, v, *extra)),
-        batch_kv_heads=(q.shape[0] if batch is None else batch) * k.shape[-2] if backward else 0,
     )
 
 
@@ -128,9 +121,6 @@ def unsupported_reason(call: CallDescription) -> str | None:
         if call.page_block_size % block_n:
             return (f"page_block_size {call.page_block_size}: the decoding kernel reads key blocks of {block_n} "
                     "within one page")
-    if call.backward and call.batch_kv_heads > MAX_GRID_Y:
-        return (f"{call.batch_kv_heads} sequences x key/value heads: the backward's dK/dV kernel takes at most "
-                f"{MAX_GRID_Y} (its grid's y dimension)")
     if not call.aligned:
         return "a tensor is not 16-byte aligned or has a stride that is not a multiple of 8 elements"
     if call.options.softmax_scale <= 0:
