@@ -288,7 +288,7 @@ __device__ __forceinline__ void bwd_dq_atomic(const half_bits* ds_tile, const un
     // (warp < kDqWarps: without a column split no modulo, and no column offset below)
     const int row_warp = KT::kDqColWarps == 1 ? warp : warp % KT::kDqRowWarps;
     const int row0 = row_warp * KT::kDqRowsPerWarp + 8 * qp_m;  // first query of the quad-pair's tile
-    const int col_slot = KT::kDqFromK ? (qp_n & 1) * 2 + (qp_n >> 1) : qp_n;
+    const int col_slot = KT::kDqFromK && KT::kDqQuadPairCols == 4 ? (qp_n & 1) * 2 + (qp_n >> 1) : qp_n;
     const int col0 = (KT::kDqColWarps == 1 ? 0 : (warp / KT::kDqRowWarps) * KT::kDqColsPerWarp) +
                      col_slot * KT::kDqColsPerQuadPair;
     const half_bits* a_row = ds_tile + KT::DsRows::offset(row0 + lq.operand_row());

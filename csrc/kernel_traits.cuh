@@ -25,6 +25,26 @@ __host__ __device__ constexpr int const_log2(int n) { return n > 1 ? 1 + const_l
 __host__ __device__ constexpr bool const_is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 __host__ __device__ constexpr int const_trailing_zeros(int n) { return n > 0 && (n & 1) == 0 ? 1 + const_trailing_zeros(n / 2) : 0; }
 
+// The backward's dQ block [block_m x head_dim] over `warps` warps, each owning `rows` (8, 16 or 32) queries and
+// head_dim / col_warps columns, in quad-pairs of 8 rows: true when that tiles the block with a multiple of
+// `tile_cols` columns per quad-pair.
+__host__ __device__ constexpr bool dq_split_ok(int warps, int rows, int block_m, int head_dim, int tile_cols) {
+    const int row_warps = block_m % rows == 0 ? block_m / rows : 0;
+    const int col_warps = row_warps > 0 && warps % row_warps == 0 ? warps / row_warps : 0;
+    return col_warps > 0 && head_dim % (col_warps * (32 / rows) * tile_cols) == 0;
+}
+// The fewest rows per warp (8, 16 or 32) with which `warps` warps tile the dQ block; 0: none does.
+__host__ __device__ constexpr int dq_split_rows(int warps, int block_m, int head_dim, int tile_cols) {
+    return dq_split_ok(warps, 8, block_m, head_dim, tile_cols)    ? 8
+           : dq_split_ok(warps, 16, block_m, head_dim, tile_cols) ? 16
+           : dq_split_ok(warps, 32, block_m, head_dim, tile_cols) ? 32 : 0;
+}
+// The most warps, up to `warps`, that tile the dQ block (the others skip dQ); 0: none.
+__host__ __device__ constexpr int dq_split_warps(int warps, int block_m, int head_dim, int tile_cols) {
+    return warps == 0 || dq_split_rows(warps, block_m, head_dim, tile_cols) > 0
+               ? warps : dq_split_warps(warps - 1, block_m, head_dim, tile_cols);
+}
+
 // Layout of a shared-memory tile of rows (of halves, in 16-byte chunks): row r starts at half
 //   offset(r) = r * PITCH + GAP1 * (r >> SHIFT1) + GAP2 * (r >> SHIFT2)
 // The gaps (multiples of 8 halves, 0 for most tiles: plain padded rows) move rows that the two quad-pairs of a
@@ -211,12 +231,13 @@ struct BwdKernelTraits {
     // tiles that take dQ from the K tile (the sm_70 d112/d128 tile, which it was designed for). The emulated tiles keep
     // a branch per row pair: there the branch-free form spilled under the 128-register cap or ran slower on sm_90.
     static constexpr bool kDqRowPointers = kDqFromK;
-    // dQ tile [kBlockM x head_dim], arranged like a forward output tile over the first kDqWarps warps (the largest
-    // power of two of them: a 12-warp CTA's dQ runs on 8, the other 4 skip it): warp w owns kDqRowsPerWarp queries
-    // and kDqColsPerWarp columns; where the block has under 8 queries per warp, kDqColWarps warps share 8 queries and
-    // split head_dim.
-    static constexpr int kDqWarps = 1 << const_log2(kWarps);
-    static constexpr int kDqColWarps = kBlockM / kDqWarps >= 8 ? 1 : 8 * kDqWarps / kBlockM;
+    // dQ tile [kBlockM x head_dim], arranged like a forward output tile over the first kDqWarps warps: the most warps
+    // that tile it with 8-column tiles (pairs of them with kDqFromK), in as few rows per warp as they can (a
+    // 12-warp d64 or d128 CTA's dQ runs on 8 warps of 8 queries, d96's from the K tile on 6 of 16; the others skip
+    // it): warp w owns kDqRowsPerWarp queries and kDqColsPerWarp columns, kDqColWarps warps sharing a row range.
+    static constexpr int kDqWarps = const_max(1, dq_split_warps(kWarps, kBlockM, kHeadDim, kDqFromK ? 16 : 8));
+    static constexpr int kDqColWarps =
+        const_max(1, kDqWarps * const_max(8, dq_split_rows(kDqWarps, kBlockM, kHeadDim, kDqFromK ? 16 : 8)) / kBlockM);
     static constexpr int kDqRowWarps = kDqWarps / kDqColWarps;
     static constexpr int kDqRowsPerWarp = kBlockM / kDqRowWarps;
     static constexpr int kDqColsPerWarp = kHeadDim / kDqColWarps;
@@ -237,7 +258,9 @@ struct BwdKernelTraits {
     //   2^z rows, z the trailing zeros of kOColsPerQuadPair (an odd count of them between the partners).
     // dQ atomics on 1x4 dQ quad-pairs (8 queries per warp): K^T rows kDqColsPerQuadPair apart, a gap every 8 rows.
     // dQ from the K tile (1x4 K rows, a pitch of 4 words modulo 32): quad-pair q takes column slot (q & 1) * 2 +
-    //   (q >> 1) of the warp's columns, so that the two quad-pairs of a quarter-warp read their 4 K rows 64 bytes apart.
+    //   (q >> 1) of the warp's columns, so that the two quad-pairs of a quarter-warp read their 4 K rows 64 bytes apart;
+    //   2x2 dQ quad-pairs: the two of a quarter-warp share their columns (one row range each), so they read the same
+    //   K words (a broadcast), and q takes slot q >> 1.
     // Other tiles: plain rows (gaps 0).
     static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
     static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart);
@@ -294,8 +317,8 @@ struct BwdKernelTraits {
     static_assert(!kDqAtomic || kHeadDim % (8 * kDqQuadPairCols * kDqColWarps) == 0,
                   "head_dim must split over dQ quad-pairs");
     static_assert(!kDqAtomic || kDqColWarps * kDqRowWarps == kDqWarps, "dQ's warps must tile the query block");
-    static_assert(!kDqFromK || (kKvInSmem && kDqQuadPairCols == 4 && kDqTilesPerQuadPair % 2 == 0),
-                  "dQ from the K tile needs K in shared memory, 1x4 dQ quad-pairs and pairs of 8-column tiles");
+    static_assert(!kDqFromK || (kKvInSmem && kDqQuadPairCols >= 2 && kDqTilesPerQuadPair % 2 == 0),
+                  "dQ from the K tile needs K in shared memory, 1x4 or 2x2 dQ quad-pairs and pairs of 8-column tiles");
     static_assert(!kDkDvRowB || (kQuadPairRows == 1 && k1x4Layout && kOutSplit == 1 && kOTilesPerQuadPair % 2 == 0),
                   "dK / dV from Q / dO rows needs 1x4 quad-pairs, their Q / dO layout, no split and pairs of 8-column tiles");
     // (sm_70 builds only: the emulated tiles of sm_80+, where an SM has 227 KB, may take more; the d128 one does)

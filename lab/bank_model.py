@@ -523,20 +523,24 @@ class BwdShape(_QuadPairGeometry):
         return self.accum_f16 and not self.lean
 
     @property
-    def dq_warps(self):  # BwdKernelTraits::kDqWarps: the warps that add dQ (the largest power of two of them)
-        return 1 << (self.warps.bit_length() - 1)
+    def dq_tile_cols(self):  # BwdKernelTraits::kDqTileCols: pairs of 8-column tiles from the K tile
+        return 16 if self.dq_k_rows else 8
 
     @property
-    def dq_col_warps(self):  # BwdKernelTraits::kDqColWarps: warps sharing 8 queries, splitting head_dim
-        return 1 if self.block_m // self.dq_warps >= 8 else 8 * self.dq_warps // self.block_m
+    def dq_warps(self):  # BwdKernelTraits::kDqWarps: the most warps that tile dQ (kernel_traits.cuh dq_split_warps)
+        return max(1, dq_split_warps(self.warps, self.block_m, self.head_dim, self.dq_tile_cols))
+
+    @property
+    def dq_rows_per_warp(self):  # BwdKernelTraits::kDqRowsPerWarp: as few as the dQ warps can take
+        return max(8, dq_split_rows(self.dq_warps, self.block_m, self.head_dim, self.dq_tile_cols))
 
     @property
     def dq_row_warps(self):
-        return self.dq_warps // self.dq_col_warps
+        return max(1, self.block_m // self.dq_rows_per_warp)
 
     @property
-    def dq_rows_per_warp(self):
-        return self.block_m // self.dq_row_warps
+    def dq_col_warps(self):  # BwdKernelTraits::kDqColWarps: warps sharing a row range, splitting head_dim
+        return max(1, self.dq_warps // self.dq_row_warps)
 
     @property
     def dq_k_rows(self):  # dQ by atomics reading B from the K tile
@@ -551,6 +555,24 @@ class BwdShape(_QuadPairGeometry):
 
     def stile_q0(self, lane, x, nt):
         return ((self.qp_mn(lane)[1] ^ x) * self.s_tiles + nt) * 8
+
+
+def dq_split_ok(warps: int, rows: int, block_m: int, head_dim: int, tile_cols: int) -> bool:
+    """csrc/kernel_traits.cuh dq_split_ok: ``warps`` warps of ``rows`` queries tile a dQ block in quad-pairs with a
+    multiple of ``tile_cols`` columns each."""
+    row_warps = block_m // rows if block_m % rows == 0 else 0
+    col_warps = warps // row_warps if row_warps > 0 and warps % row_warps == 0 else 0
+    return col_warps > 0 and head_dim % (col_warps * (32 // rows) * tile_cols) == 0
+
+
+def dq_split_rows(warps: int, block_m: int, head_dim: int, tile_cols: int) -> int:
+    """csrc/kernel_traits.cuh dq_split_rows: the fewest rows per warp (8, 16, 32) that tile; 0: none."""
+    return next((r for r in (8, 16, 32) if dq_split_ok(warps, r, block_m, head_dim, tile_cols)), 0)
+
+
+def dq_split_warps(warps: int, block_m: int, head_dim: int, tile_cols: int) -> int:
+    """csrc/kernel_traits.cuh dq_split_warps: the most warps, up to ``warps``, that tile the dQ block; 0: none."""
+    return next((w for w in range(warps, 0, -1) if dq_split_rows(w, block_m, head_dim, tile_cols)), 0)
 
 
 def log2_exact(n: int) -> int:
@@ -741,7 +763,7 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
 
         def col0(tid):  # the quad-pair's first dQ column (flash_bwd_kernel.cuh bwd_dq_atomic)
             qp_n = qp_of(tid & 31) // dq_qp_rows
-            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows else qp_n
+            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows and dq_qp_cols == 4 else qp_n
             return ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
 
         for kc in range(s.block_n // 8):

@@ -994,8 +994,8 @@ def markdown(kernels: list[Kernel], cutlass: list[dict], passes: list[dict], can
     out += ["", f"## Shipped kernels under {TARGET_WARPS_PER_SM} warps per SM", ""]
     out += [f"- {label} d{d}: " + ", ".join(f"{c} CTA x {w} warps (limited by {why})" for c, w, why in sorted(v))
             for (label, d), v in sorted(below.items(), key=lambda kv: kv[0][1])] or ["- none"]
-    for pass_name, title in (("bwd", "Candidate backward tiles for the head dims under 8 warps per SM (fp32 "
-                                      "accumulation, no dropout)"),
+    for pass_name, title in (("bwd", "Candidate backward tiles for the head dims under 8 warps per SM, and the V100 "
+                                      "table's next tiles (tiles.BWD_TILES_SM70_NEXT; fp32 accumulation, no dropout)"),
                              ("fwd", "Candidate forward tiles with 12 warps per SM for the head dims at 8 "
                                      "(no dropout)")):
         rows = [r for r in candidates if r["pass"] == pass_name]
@@ -1113,6 +1113,10 @@ def main(argv: list[str] | None = None) -> int:
                          and k.report["warps_per_sm"] < TARGET_WARPS_PER_SM})
         extra += [Kernel(tiles.dq_variant(d, tile, False, False), "candidate", source)
                   for d in dq_low for tile, source in candidate_dq_tiles(d)]
+        # tiles waiting for a GPU lease to ship (tiles.BWD_TILES_SM70_NEXT), both accumulations
+        extra += [Kernel(tiles.bwd_variant(d, tile, accum_f16, False, tile.dq_atomic), "candidate",
+                         "tiles.BWD_TILES_SM70_NEXT") for d, tile in tiles.BWD_TILES_SM70_NEXT.items()
+                  for accum_f16 in (False, True)]
         extra = [k for k in extra if k.name not in by_name]
         evaluate(extra)
         kernels += extra

@@ -12,11 +12,19 @@ import bank_model as bm
 from volta_train.kernels import tiles
 
 
+def _next_bwd_variants():
+    """The dK/dV variants of the tiles the V100 table takes next (tiles.BWD_TILES_SM70_NEXT), with and without atomics."""
+    return [tiles.bwd_variant(d, tile, f16, False, atomic, False) for d, tile in tiles.BWD_TILES_SM70_NEXT.items()
+            for f16 in (False, True) for atomic in (True, False)]
+
+
 def _variants(pass_name: str, traits_name: str):
-    """(variant, traits expression) of every distinct shipped traits instance of one kernel, both tables."""
+    """(variant, traits expression) of every distinct shipped traits instance of one kernel, both tables, and of the
+    V100 table's next tiles."""
     seen, out = set(), []
     for arch in (70, 90):
-        for v in tiles.shipped_fwd_variants(arch, softcap=(False,)) + tiles.shipped_bwd_variants(arch, softcap=(False,)):
+        shipped = tiles.shipped_fwd_variants(arch, softcap=(False,)) + tiles.shipped_bwd_variants(arch, softcap=(False,))
+        for v in shipped + (_next_bwd_variants() if arch == 70 else []):
             if v.meta["pass"] != pass_name:
                 continue
             traits = re.search(rf"<({traits_name}<.*>)>$", v.name_expressions[0]).group(1)
@@ -92,6 +100,8 @@ def test_traits_layouts_equal_the_mirror():
         rows = bm.bwd_tile_rows(s)
         lines.append(f"using KT{n} = {traits};")
         lines.append(f'static_assert(KT{n}::kSmemBytes == {bm.variant_smem_bytes(v)}, "{v.name}: kSmemBytes");')
+        lines.append(f"static_assert(KT{n}::kDqWarps == {s.dq_warps} && KT{n}::kDqRowsPerWarp == {s.dq_rows_per_warp} && "
+                     f'KT{n}::kDqColWarps == {s.dq_col_warps}, "{v.name}: the dQ warps");')
         for name, count in rows.items():
             lay = L[name]
             lines.append(f'static_assert(KT{n}::{_OFFSETS[name]} == {lay.base}, "{v.name}: {name} base");')
@@ -237,7 +247,7 @@ def _reads(s, L):
             dq_cols = s.head_dim // s.dq_col_warps // (4 // dq_qp_rows)
             qp = bm.qp_of(lane)
             qp_n = qp // dq_qp_rows
-            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows else qp_n
+            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows and dq_qp_rows == 1 else qp_n
             col0 = ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
             a_row = ((tid >> 5) % s.dq_row_warps) * s.dq_rows_per_warp + 8 * (qp % dq_qp_rows) + _op_row(lane)
             b_row = col0 + _op_row(lane)

@@ -277,6 +277,21 @@ def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, drop
     kernel without atomics + the sm_70 dQ kernel)."""
     kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)
     tile, dq_tile = tiles.BWD_TILES_SM70[kernel_d], tiles.dq_tile(kernel_d, 70)
+    _check_backward_tile(head_dim, kernel_d, tile, dq_tile, bwd_accum, causal, dropout, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["nodrop", "dropout"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bwd_accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("head_dim", sorted(tiles.BWD_TILES_SM70_NEXT), ids=lambda d: f"d{d}")
+def test_next_sm70_backward_tiles(head_dim, bwd_accum, causal, dropout, deterministic):
+    """The tiles BWD_TILES_SM70 takes next (BWD_TILES_SM70_NEXT), as the V100 tiles above."""
+    tile, dq_tile = tiles.BWD_TILES_SM70_NEXT[head_dim], tiles.dq_tile(head_dim, 70)
+    _check_backward_tile(head_dim, head_dim, tile, dq_tile, bwd_accum, causal, dropout, deterministic)
+
+
+def _check_backward_tile(head_dim, kernel_d, tile, dq_tile, bwd_accum, causal, dropout, deterministic):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(2, 203, 237, 4, 2, head_dim, gen)
     dout = torch.randn(2, 203, 4, head_dim, generator=gen, device="cuda").half()

@@ -200,6 +200,12 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     32: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True),
     64: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
 }
+# What BWD_TILES_SM70 takes once a GPU lease has run it (the gpu tests, the sanitizer): reached only through tile=
+# until then. d96: the d128 design's 12 warps with dQ by atomics from the K tile, on 6 warps of 2x2 dQ quad-pairs
+# (BwdKernelTraits::kDqWarps), no K^T copy: 78 KB, 144-148 registers (docs/performance.md, "Backward tile choice").
+BWD_TILES_SM70_NEXT: dict[int, BwdTile] = {
+    96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True),
+}
 # The dQ kernel: 1x4 where head_dim % 32 == 0, else 2x2; head_dim 256 a 2x2 tile of 4 warps (one CTA per SM).
 DQ_TILES_SM70: dict[int, FwdTile] = {
     64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
