@@ -1,6 +1,7 @@
-"""The dK/dV kernel's grid order (launch._run_backward) on the CPU through a stand-in kernel: key blocks in x, or
-(batch, key/value head) in x for causal calls on the emulated m8n8k4 and wherever batch x kv heads passes grid y's
-limit; the kernel reads the order from m_blocks_fastest (csrc/flash_bwd_kernel.cuh)."""
+"""The kernels' grid order on the CPU, through a stand-in kernel: the dK/dV kernel's (launch._run_backward) key
+blocks in x, or (batch, key/value head) in x for causal calls on the emulated m8n8k4, and the forward's
+(launch.fill_common) query blocks or heads; either turns round where its y count passes grid y's limit. The kernels
+read the order from m_blocks_fastest."""
 
 import pytest
 import torch
@@ -71,15 +72,51 @@ def test_batch_times_kv_heads_past_grid_y_goes_to_x(monkeypatch):
     assert grid == (1, 8191 * 8) and bp.fwd.m_blocks_fastest == 1
 
 
-def test_key_blocks_past_grid_y_are_refused_before_launching(monkeypatch):
-    """With batch x kv heads in x the key blocks go to y: more than 65,535 of them is an error naming the count."""
+def test_key_blocks_past_grid_y_turn_the_causal_order_round(monkeypatch):
+    """Causal on sm_90 prefers (batch, kv head) fastest; with more than 65,535 key blocks (blocks of 1 key here) the
+    key blocks go to x instead."""
     fake = _FakeKernel(block_n=1)
     monkeypatch.setattr(launch, "_kernel", lambda variant, device: fake)
     monkeypatch.setattr(launch, "backward_preprocess", lambda bp, q, varlen: None)
     n = MAX_GRID_Y + 1
     q = torch.zeros(1, n, 1, 16, dtype=torch.float16)
     options = AttentionOptions(softmax_scale=0.25, causal=True)
-    with pytest.raises(ValueError, match=rf"{n} key blocks of 1: the dK/dV kernel's grid takes at most {MAX_GRID_Y}"):
-        launch._run_backward(q, q, q, q, q, torch.zeros(1, 1, n), None, None, n, n, options, None,
-                             tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64), None, 90)
+    launch._run_backward(q, q, q, q, q, torch.zeros(1, 1, n), None, None, n, n, options, None,
+                         tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64), None, 90)
+    (grid, (bp,)), = fake.launches
+    assert grid == (n, 1) and bp.fwd.m_blocks_fastest == 1
+
+
+def test_both_counts_past_grid_y_are_refused_before_launching(monkeypatch):
+    """65,536 packed sequences (one of 65,536 keys, the others empty) x 1 kv head, blocks of 1 key: neither order
+    fits, and the error names both counts."""
+    fake = _FakeKernel(block_n=1)
+    monkeypatch.setattr(launch, "_kernel", lambda variant, device: fake)
+    monkeypatch.setattr(launch, "backward_preprocess", lambda bp, q, varlen: None)
+    n = MAX_GRID_Y + 1
+    q = torch.zeros(n, 1, 16, dtype=torch.float16)
+    cu = torch.full((n + 1,), n, dtype=torch.int32)
+    cu[0] = 0
+    options = AttentionOptions(softmax_scale=0.25, causal=False)
+    with pytest.raises(ValueError, match=rf"^{n} key blocks and {n} batch x heads: a launch takes one of them above "
+                                         rf"{MAX_GRID_Y} \(CUDA's limit on grid y\), not both"):
+        launch._run_backward(q, q, q, q, q, torch.zeros(1, n), cu, cu, n, n, options, None,
+                             tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64), None, 70)
     assert fake.launches == []
+
+
+@pytest.mark.parametrize("causal, m_blocks, heads, fastest", [
+    (False, 5, 6, True), (True, 5, 6, False),  # the preferred orders
+    (False, 5, MAX_GRID_Y + 1, False), (True, MAX_GRID_Y + 1, 6, True),  # turned round at grid y's limit
+])
+def test_forward_grid_turns_round_at_grid_y(causal, m_blocks, heads, fastest):
+    """The forward's (and decoding's) grid from fill_common: query blocks or batch x heads in x."""
+    from volta_train.kernels.params import KernelParams
+
+    rows = m_blocks  # block_m 1: one query per block
+    q = torch.zeros(1, rows, heads, 8, dtype=torch.float16)
+    prm = KernelParams()
+    options = AttentionOptions(softmax_scale=0.25, causal=causal)
+    grid = launch.fill_common(prm, q, q, q, q, torch.zeros(1, heads, rows), None, None, rows, rows, options, 1)
+    assert prm.m_blocks_fastest == int(fastest)
+    assert grid == ((m_blocks, heads) if fastest else (heads, m_blocks))

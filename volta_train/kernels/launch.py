@@ -70,11 +70,21 @@ def fill_common(prm: KernelParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     prm.dropout_rescale = 1.0 / (1.0 - options.dropout_p)
     prm.softcap_log2 = options.softcap * LOG2E  # read only by the softcap variants (softcap > 0)
     # causal: heads fastest (longest query blocks first everywhere); full: query blocks fastest (L2 reuse of K/V)
-    prm.m_blocks_fastest = 0 if (options.causal or batch * nheads > MAX_GRID_Y) else 1
-    grid = (prm.num_m_blocks, batch * nheads) if prm.m_blocks_fastest else (batch * nheads, prm.num_m_blocks)
-    if grid[1] > MAX_GRID_Y:
-        raise ValueError(f"grid {grid}: its second dimension (query blocks or batch * heads) must be <= {MAX_GRID_Y}")
+    fastest, grid = order_grid(prm.num_m_blocks, batch * nheads, not options.causal, "query blocks")
+    prm.m_blocks_fastest = int(fastest)
     return grid
+
+
+def order_grid(blocks: int, heads: int, blocks_fastest: bool, what: str) -> tuple[bool, tuple[int, int]]:
+    """(blocks_fastest, grid): a kernel's blocks and its batch x heads in grid x and y in the preferred order, or
+    the other way round where the preferred y count passes CUDA's limit on grid y (x takes 2^31 - 1)."""
+    if (heads if blocks_fastest else blocks) > MAX_GRID_Y:
+        blocks_fastest = not blocks_fastest
+    grid = (blocks, heads) if blocks_fastest else (heads, blocks)
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"{blocks} {what} and {heads} batch x heads: a launch takes one of them above {MAX_GRID_Y} "
+                         f"(CUDA's limit on grid y), not both; accepted: fewer sequences x heads or shorter sequences")
+    return blocks_fastest, grid
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options: AttentionOptions,
@@ -242,13 +252,10 @@ def _run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     # Grid order: key blocks fastest (a head's CTAs share Q and dO in L2), or (batch, kv head) fastest, which
     # dispatches every head's longest causal key blocks first (none left for the grid's tail): for causal calls on
-    # the emulated m8n8k4 (compute-bound), and wherever batch x kv heads passes grid y's limit.
-    keys_fastest = not (options.causal and arch >= tiles.EMULATED_MMA_ARCH) and batch * nheads_kv <= MAX_GRID_Y
+    # the emulated m8n8k4 (compute-bound). Either turns round where its y count passes grid y's limit.
+    keys_fastest, blocks = order_grid(bp.num_n_blocks, batch * nheads_kv,
+                                      not (options.causal and arch >= tiles.EMULATED_MMA_ARCH), "key blocks")
     bp.fwd.m_blocks_fastest = int(keys_fastest)
-    blocks = (bp.num_n_blocks, batch * nheads_kv) if keys_fastest else (batch * nheads_kv, bp.num_n_blocks)
-    if blocks[1] > MAX_GRID_Y:
-        raise ValueError(f"{bp.num_n_blocks} key blocks of {kernel.geometry.block_n}: the dK/dV kernel's grid takes "
-                         f"at most {MAX_GRID_Y}")
     # split tiles: tile.out_split CTAs per key block (grid z: the slice of dK / dV columns each one writes)
     grid = blocks + ((tile.out_split,) if tile.out_split > 1 else ())
     kernel.launch(grid, [bp])
