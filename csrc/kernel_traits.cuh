@@ -178,7 +178,7 @@ struct FwdKernelTraits {
 // query blocks of kBlockM queries of every query head of its group. Roles are swapped with respect to the
 // forward: warps own keys (rows of S^T = K Q^T and dP^T = V dO^T), quad-pairs are arranged
 // kQuadPairRows (along keys) x kQuadPairCols (along queries in S^T, along head_dim in dK and dV).
-// dQ = dS K is computed by all warps from dS in shared memory, each warp owning kDqRowsPerWarp queries, and
+// dQ = dS K is computed by the first kDqWarps warps from dS in shared memory, each owning kDqRowsPerWarp queries, and
 // added into an fp32 buffer with atomics (DQ_ATOMIC; the deterministic path computes dQ in its own kernel).
 // OUT_SPLIT > 1: OUT_SPLIT CTAs (blockIdx.z, the slice) share one key block, each accumulating kOutDim =
 // head_dim / OUT_SPLIT columns of dK and dV; every one of them computes the full S^T and dP^T (head_dim 256,
@@ -232,9 +232,9 @@ struct BwdKernelTraits {
     // a branch per row pair: there the branch-free form spilled under the 128-register cap or ran slower on sm_90.
     static constexpr bool kDqRowPointers = kDqFromK;
     // dQ tile [kBlockM x head_dim], arranged like a forward output tile over the first kDqWarps warps: the most warps
-    // that tile it with 8-column tiles (pairs of them with kDqFromK), in as few rows per warp as they can (a
-    // 12-warp d64 or d128 CTA's dQ runs on 8 warps of 8 queries, d96's from the K tile on 6 of 16; the others skip
-    // it): warp w owns kDqRowsPerWarp queries and kDqColsPerWarp columns, kDqColWarps warps sharing a row range.
+    // that tile it with 8-column tiles (pairs of them with kDqFromK), in as few rows per warp as they can (a 12-warp
+    // d64 or d128 CTA's dQ runs on 8 warps of 8 queries, d96's from the K tile on 6 warps of 16; the others skip it):
+    // warp w owns kDqRowsPerWarp queries and kDqColsPerWarp columns, kDqColWarps warps sharing a row range.
     static constexpr int kDqWarps = const_max(1, dq_split_warps(kWarps, kBlockM, kHeadDim, kDqFromK ? 16 : 8));
     static constexpr int kDqColWarps =
         const_max(1, kDqWarps * const_max(8, dq_split_rows(kDqWarps, kBlockM, kHeadDim, kDqFromK ? 16 : 8)) / kBlockM);
@@ -258,9 +258,9 @@ struct BwdKernelTraits {
     //   2^z rows, z the trailing zeros of kOColsPerQuadPair (an odd count of them between the partners).
     // dQ atomics on 1x4 dQ quad-pairs (8 queries per warp): K^T rows kDqColsPerQuadPair apart, a gap every 8 rows.
     // dQ from the K tile (1x4 K rows, a pitch of 4 words modulo 32): quad-pair q takes column slot (q & 1) * 2 +
-    //   (q >> 1) of the warp's columns, so that the two quad-pairs of a quarter-warp read their 4 K rows 64 bytes apart;
-    //   2x2 dQ quad-pairs: the two of a quarter-warp share their columns (one row range each), so they read the same
-    //   K words (a broadcast), and q takes slot q >> 1.
+    //   (q >> 1) of the warp's columns, so that the two quad-pairs of a quarter-warp read their 4 K rows 64 bytes
+    //   apart; 2x2 dQ quad-pairs: the two of a quarter-warp share their columns (one row range each), so they read the
+    //   same K words (a broadcast), and q takes slot q >> 1.
     // Other tiles: plain rows (gaps 0).
     static constexpr int kSRowsApart = 8 * kSTilesPerQuadPair;  // rows between quad-pairs of a quarter-warp
     static constexpr bool k1x4Layout = kQuadPairRows == 1 && const_is_pow2(kSRowsApart);
