@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from volta_train.kernels import launch, tiles
-from volta_train.kernels.support import MAX_GRID_Y
+from volta_train.kernels.launch import MAX_GRID_Y
 from volta_train.kernels.variants import LaunchGeometry
 from volta_train.options import AttentionOptions
 

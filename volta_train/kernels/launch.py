@@ -12,8 +12,8 @@ from ..options import AttentionOptions
 from . import head_dim as head_dims
 from . import tiles
 from .params import BackwardKernelParams, KernelParams
-from .support import MAX_GRID_Y
 
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y and z (order_grid turns a grid round past it)
 LOG2E = 1.0 / math.log(2.0)
 
 

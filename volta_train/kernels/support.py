@@ -13,7 +13,6 @@ from . import nvrtc, tiles
 
 MIN_ARCH = 70  # sm_70 (Volta): mma.sync.m8n8k4 and nothing newer
 ALIGN_BYTES = 16  # the kernels move K, V, Q and O in 16-byte vectors
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y and z: launch.py orders each grid so that its larger count is x
 
 
 @dataclass(frozen=True)
