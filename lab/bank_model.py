@@ -543,6 +543,21 @@ class BwdShape(_QuadPairGeometry):
         return max(1, self.dq_warps // self.dq_row_warps)
 
     @property
+    def dq_cols_per_quad_pair(self):  # BwdKernelTraits::kDqColsPerQuadPair
+        return self.head_dim // self.dq_col_warps // (4 // (self.dq_rows_per_warp // 8))
+
+    def dq_origin(self, tid):
+        """(row0, col0): the first query and dQ column of the lane's quad-pair tile (flash_bwd_kernel.cuh
+        bwd_dq_atomic; from the K tile with 1x4 dQ quad-pairs, quad-pair q takes column slot (q & 1) * 2 + (q >> 1))."""
+        qp_rows = self.dq_rows_per_warp // 8
+        qp_m, qp_n = qp_of(tid & 31) % qp_rows, qp_of(tid & 31) // qp_rows
+        slot = (qp_n & 1) * 2 + (qp_n >> 1) if self.dq_k_rows and qp_rows == 1 else qp_n
+        row0 = ((tid >> 5) % self.dq_row_warps) * self.dq_rows_per_warp + 8 * qp_m
+        col_warp = (tid >> 5) // self.dq_row_warps
+        col0 = col_warp * (self.head_dim // self.dq_col_warps) + slot * self.dq_cols_per_quad_pair
+        return row0, col0
+
+    @property
     def dq_k_rows(self):  # dQ by atomics reading B from the K tile
         return self.dq_atomic and self.dq_from_k
 
@@ -757,21 +772,14 @@ def predict_dkdv(s: BwdShape, layouts: dict | None = None) -> Prediction:
             p.add("ds.st", "st", 16, _warps(T, lambda tid: L["ds"].addr(
                 s.stile_q0(tid & 31, 0, nt) + operand_row(tid & 31), s.key_in_block(tid))), blocks)
         TQ = 32 * s.dq_warps  # the warps that add dQ
-        dq_qp_rows = s.dq_rows_per_warp // 8
-        dq_qp_cols = 4 // dq_qp_rows
-        dq_cols = s.head_dim // s.dq_col_warps // dq_qp_cols  # per quad-pair
+        dq_cols = s.dq_cols_per_quad_pair
 
-        def col0(tid):  # the quad-pair's first dQ column (flash_bwd_kernel.cuh bwd_dq_atomic)
-            qp_n = qp_of(tid & 31) // dq_qp_rows
-            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows and dq_qp_cols == 4 else qp_n
-            return ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
+        def col0(tid):  # the quad-pair's first dQ column
+            return s.dq_origin(tid)[1]
 
         for kc in range(s.block_n // 8):
             def a_addr(tid):
-                lane = tid & 31
-                qp_m = qp_of(lane) % dq_qp_rows
-                return L["ds"].addr(((tid >> 5) % s.dq_row_warps) * s.dq_rows_per_warp + 8 * qp_m + operand_row(lane),
-                                    8 * kc)
+                return L["ds"].addr(s.dq_origin(tid)[0] + operand_row(tid & 31), 8 * kc)
             if s.dq_k_rows:  # one A load and two K-row loads (k-steps) per pair of 8-column tiles
                 for j in range(dq_cols // 16):
                     p.add("dQ+=dSK.A", "ld", 16, _warps(TQ, a_addr), blocks)

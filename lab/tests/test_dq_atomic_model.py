@@ -1,7 +1,8 @@
-"""bwd_dq_atomic (csrc/flash_bwd_kernel.cuh) replayed on the CPU for every tile that adds dQ by atomics: the lanes'
-A / B fragments as the kernel loads them, each quad-pair's m8n8k4 product as PTX defines it, and the atomics' targets
-(dq_column, the f32 / f16 accumulator layouts). Integer-valued inputs make the sums exact: every dQ element of the
-query block must receive dS K once, whatever the warp split (kDqWarps, kDqRowsPerWarp) and the column slots."""
+"""bwd_dq_atomic (csrc/flash_bwd_kernel.cuh) replayed on the CPU for every tile that adds dQ by atomics: from each
+quad-pair's origin (lab/bank_model.py BwdShape.dq_origin), the lanes' A / B fragments as the kernel loads them, each
+quad-pair's m8n8k4 product as PTX defines it, and the atomics' targets (dq_column, the f32 / f16 accumulator
+layouts). Integer-valued inputs make the sums exact: every dQ element of the query block must receive dS K once,
+whatever the warp split (kDqWarps, kDqRowsPerWarp) and the column slots."""
 
 import numpy as np
 import pytest
@@ -26,18 +27,11 @@ def _atomic_tiles():
 def _replay(s: bm.BwdShape, ds: np.ndarray, k: np.ndarray, accum_f16: bool) -> np.ndarray:
     """dQ of one query block as the kernel's atomics add it (before the softmax scale)."""
     dq = np.zeros((s.block_m, s.head_dim))
-    rows_qp = s.dq_rows_per_warp // 8
-    qp_cols = 4 // rows_qp
-    cols_qp = s.head_dim // s.dq_col_warps // qp_cols
-    tiles_qp = cols_qp // 8
+    tiles_qp = s.dq_cols_per_quad_pair // 8
     from_k = s.dq_k_rows
     for warp in range(s.dq_warps):
         for qp in range(4):
-            qp_m, qp_n = qp % rows_qp, qp // rows_qp
-            row_warp = warp % s.dq_row_warps
-            slot = (qp_n & 1) * 2 + (qp_n >> 1) if from_k and qp_cols == 4 else qp_n
-            col0 = (warp // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * cols_qp
-            row0 = row_warp * s.dq_rows_per_warp + 8 * qp_m
+            row0, col0 = s.dq_origin(32 * warp + 4 * qp)  # (lane 4 qp: the quad-pair's first)
             lanes = [(t, hi) for hi in (0, 1) for t in range(4)]
             for ot in range(tiles_qp):
                 c = np.zeros((8, 8))  # the quad-pair's C tile, logical columns

@@ -243,13 +243,9 @@ def _reads(s, L):
         # bwd_dq_atomic, on the first kDqWarps warps: a_row = DsRows::offset(row0 + operand_row()); b_rows +
         # KtRows::offset(8 ot)
         if s.dq_atomic and tid < 32 * s.dq_warps:
-            dq_qp_rows = s.dq_rows_per_warp // 8
-            dq_cols = s.head_dim // s.dq_col_warps // (4 // dq_qp_rows)
-            qp = bm.qp_of(lane)
-            qp_n = qp // dq_qp_rows
-            slot = (qp_n & 1) * 2 + (qp_n >> 1) if s.dq_k_rows and dq_qp_rows == 1 else qp_n
-            col0 = ((tid >> 5) // s.dq_row_warps) * (s.head_dim // s.dq_col_warps) + slot * dq_cols
-            a_row = ((tid >> 5) % s.dq_row_warps) * s.dq_rows_per_warp + 8 * (qp % dq_qp_rows) + _op_row(lane)
+            dq_cols = s.dq_cols_per_quad_pair
+            row0, col0 = s.dq_origin(tid)
+            a_row = row0 + _op_row(lane)
             b_row = col0 + _op_row(lane)
             for kc in range(s.block_n // 8):
                 yield "ds", a_row, 8 * kc, off("ds", a_row) + 16 * kc

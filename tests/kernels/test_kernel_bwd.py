@@ -66,6 +66,19 @@ def _kernel_grads(q, k, v, dout, causal, bwd_accum, window=(-1, -1), determinist
                            dq_tile=dq_tile, kernel_head_dim=kernel_head_dim)
 
 
+def _assert_within_twice_eager(grads, q, k, v, dout, causal):
+    """Each gradient finite and, in norm against float64, within twice PyTorch's fp16 eager error; returns the float64
+    and eager gradients."""
+    for name, g in zip("qkv", grads):
+        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
+    ref = _reference_grads(q, k, v, dout, causal)
+    eager = _eager_fp16_grads(q, k, v, dout, causal)
+    for name, g, r, e in zip("qkv", grads, ref, eager):
+        err, torch_err = _rel(g, r), _rel(e, r)
+        assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+    return ref, eager
+
+
 CASES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal
     (2, 128, 128, 4, 4, 64, False),
     (2, 257, 257, 4, 2, 64, True),
@@ -90,14 +103,7 @@ def test_gradients_within_twice_pytorch_fp16_error(case, bwd_accum):
     gen = torch.Generator(device="cuda").manual_seed(random.getrandbits(62))
     q, k, v = _inputs(batch, sq, sk, h, hk, d, gen)
     dout = torch.randn(batch, sq, h, d, generator=gen, device="cuda").half()
-    dq, dk, dv = _kernel_grads(q, k, v, dout, causal, bwd_accum)
-    for name, g in zip("qkv", (dq, dk, dv)):
-        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
-    ref = _reference_grads(q, k, v, dout, causal)
-    eager = _eager_fp16_grads(q, k, v, dout, causal)
-    for name, g, r, e in zip("qkv", (dq, dk, dv), ref, eager):
-        err, torch_err = _rel(g, r), _rel(e, r)
-        assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+    _assert_within_twice_eager(_kernel_grads(q, k, v, dout, causal, bwd_accum), q, k, v, dout, causal)
 
 
 @pytest.mark.parametrize("window", [(32, 0), (64, 16)])
@@ -299,12 +305,7 @@ def _check_backward_tile(head_dim, kernel_d, tile, dq_tile, bwd_accum, causal, d
         grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, tile=tile, dq_tile=dq_tile,
                               kernel_head_dim=kernel_d)
         assert all(g.shape == t.shape and g.is_contiguous() for g, t in zip(grads, (q, k, v)))
-        ref = _reference_grads(q, k, v, dout, causal)
-        eager = _eager_fp16_grads(q, k, v, dout, causal)
-        for name, g, r, e in zip("qkv", grads, ref, eager):
-            assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
-            err, torch_err = _rel(g, r), _rel(e, r)
-            assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
+        _assert_within_twice_eager(grads, q, k, v, dout, causal)
         return
     seed, offset, p = random.getrandbits(64), 4 * random.getrandbits(20), 0.25
     grads = _kernel_grads(q, k, v, dout, causal, bwd_accum, deterministic=deterministic, dropout_p=p, seed=seed,
@@ -340,12 +341,8 @@ def test_backward_past_cuda_grid_limits(varlen, batch, seqlen, heads, kv_heads, 
         grads = [g.unflatten(0, (batch, seqlen)) for g in grads]
     else:
         grads = _kernel_grads(q, k, v, dout, causal, "fp32")
-    ref = _reference_grads(q, k, v, dout, causal)
-    eager = _eager_fp16_grads(q, k, v, dout, causal)
+    ref, eager = _assert_within_twice_eager(grads, q, k, v, dout, causal)
     for name, g, r, e in zip("qkv", grads, ref, eager):
-        assert torch.isfinite(g).all(), f"d{name} has NaN or inf"
-        err, torch_err = _rel(g, r), _rel(e, r)
-        assert err <= 2 * torch_err + 1e-5, f"d{name}: kernel {err:.2e} vs PyTorch fp16 eager {torch_err:.2e}"
         worst = (g.double() - r).abs().max().item()
         assert worst <= 2 * (e.double() - r).abs().max().item() + 1e-3, f"d{name}: max-abs error {worst:.2e}"
 

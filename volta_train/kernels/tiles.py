@@ -202,7 +202,7 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
 }
 # What BWD_TILES_SM70 takes once a GPU lease has run it (the gpu tests, the sanitizer): reached only through tile=
 # until then. d96: the d128 design's 12 warps with dQ by atomics from the K tile, on 6 warps of 2x2 dQ quad-pairs
-# (BwdKernelTraits::kDqWarps), no K^T copy: 78 KB, 144-148 registers (docs/performance.md, "Backward tile choice").
+# (BwdKernelTraits::kDqWarps), no K^T copy (figures: docs/performance.md, "Backward tile choice").
 BWD_TILES_SM70_NEXT: dict[int, BwdTile] = {
     96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True),
 }
