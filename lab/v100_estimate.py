@@ -367,8 +367,8 @@ def bwd_tile_ok(head_dim: int, tile, dq_atomic: bool) -> bool:
         qp_cols = 4 // dq_rows
         if head_dim % (8 * qp_cols * shape.dq_col_warps):
             return False
-        pairs_of_tiles = (head_dim // shape.dq_col_warps // 4) % 16 == 0  # 8-column tiles in pairs per quad-pair
-        if tile.dq_from_k and not (tile.kv_in_smem and qp_cols == 4 and pairs_of_tiles):
+        pairs_of_tiles = shape.dq_cols_per_quad_pair % 16 == 0  # 8-column tiles in pairs per quad-pair
+        if tile.dq_from_k and not (tile.kv_in_smem and qp_cols >= 2 and pairs_of_tiles):
             return False
     return bank_model.bwd_tile_smem_bytes(tile, head_dim, dq_atomic) <= 96 * 1024
 

@@ -246,8 +246,10 @@ def test_bwd_tile_ok_mirrors_the_kernel_asserts():
     assert not ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True), True)
     assert ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
                           True)
-    assert not ve.bwd_tile_ok(96, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
-                              True)  # 12 dQ columns per quad-pair: no pair of 8-column tiles
+    assert ve.bwd_tile_ok(96, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32, kv_in_smem=True, dq_from_k=True),
+                          True)  # 6 dQ warps in 2x2 quad-pairs of 16 columns
+    assert not ve.bwd_tile_ok(96, tiles.BwdTile(quad_pair_rows=1, warps=4, block_m=32, kv_in_smem=True, dq_from_k=True),
+                              True)  # 3 dQ warps of 32 rows: one quad-pair column, from the K tile needs 2 or 4
     assert ve.bwd_tile_ok(128, tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=32), False)
     big = tiles.BwdTile(quad_pair_rows=1, warps=8, block_m=64, kv_in_smem=True)
     assert not ve.bwd_tile_ok(128, big, False)  # 107008 B > 96 KB
