@@ -13,9 +13,8 @@ from volta_train.kernels import tiles
 
 def _atomic_tiles():
     seen, out = set(), []
-    tables = [(70, tiles.BWD_TILES_SM70), (90, tiles.BWD_TILES_EMULATED), (90, tiles.BWD_TILES_EMULATED_FP16),
-              (70, tiles.BWD_TILES_SM70_NEXT)]
-    for _, table in tables:
+    for table in (tiles.BWD_TILES_SM70, tiles.BWD_TILES_EMULATED, tiles.BWD_TILES_EMULATED_FP16,
+                  tiles.BWD_TILES_SM70_NEXT):
         for d, tile in table.items():
             if tile.dq_atomic and (d, tile) not in seen:
                 seen.add((d, tile))
