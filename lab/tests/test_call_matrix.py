@@ -12,7 +12,7 @@ def test_backward_overrides_are_the_sm70_table_calls(accum):
     # tiles.backward_overrides (the tests' and sweeps' tile override) and the table calls' overrides agree, per head_dim
     for head_dim in tiles.SUPPORTED_HEAD_DIMS:
         chosen = tiles.backward_overrides(head_dim, 70, accum == "fp16")
-        assert chosen.get("kernel_head_dim") == (128 if head_dim == 112 else None)
+        assert chosen.get("kernel_head_dim") == tiles.BWD_KERNEL_HEAD_DIMS_SM70.get(head_dim)  # d80 on 96, d112 on 128
         for call in call_matrix.table_calls("sm70", 90, head_dims=(head_dim,), causal=(False,), dropout=(False,),
                                             accums=(accum,), passes=("bwd",), softcap=(False,)):
             assert call.overrides == chosen, (head_dim, call.name)

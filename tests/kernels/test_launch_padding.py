@@ -51,7 +51,7 @@ def test_a_smaller_kernel_head_dim_is_refused(monkeypatch):
 
 
 def test_only_the_v100_table_pads():
-    assert tiles.BWD_KERNEL_HEAD_DIMS_SM70 == {112: 128}
+    assert tiles.BWD_KERNEL_HEAD_DIMS_SM70 == {80: 96, 112: 128}
     for head_dim in tiles.SUPPORTED_HEAD_DIMS:
         assert tiles.bwd_kernel_head_dim(head_dim, 90) == head_dim  # sm_80+: every head_dim on its own kernels
         kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)

@@ -163,11 +163,11 @@ class BwdTile:
 # 1x4 quad-pairs need head_dim % 32 == 0 (a quarter of head_dim per quad-pair, in 8-column tiles); the other head
 # dims take 2x2 tiles.
 # sm_70: the best tile of the V100 estimate per head_dim: 1x4 tiles of 12 warps with K/V in shared memory at d 64-128
-#   (d64 dQ atomics on 8 warps from a K^T copy, with Q^T / dO^T copies; d96 lean with the dQ kernel, for registers;
-#   d128 lean, dQ atomics on 8 warps reading the K tile, dK/dV's B from the Q/dO rows), where latency outweighs their
-#   lower pipe bound; d32 a 1x4 tile of 8 warps with dQ atomics; d80 a 2x2 tile of 4 warps (no 12-warp tile is
-#   spill-free); d 16/48/112 have no 8-warp tile and take 2x2 tiles of 2 warps (d112 runs on the d128 kernels
-#   instead: BWD_KERNEL_HEAD_DIMS_SM70). head_dim 256: 2x2, 4 warps, K/V in shared
+#   (d64 dQ atomics on 8 warps from a K^T copy, with Q^T / dO^T copies; d96 lean, dQ atomics on 6 warps of 2x2 dQ
+#   quad-pairs reading the K tile; d128 lean, dQ atomics on 8 warps reading the K tile, dK/dV's B from the Q/dO rows),
+#   where latency outweighs their lower pipe bound; d32 a 1x4 tile of 8 warps with dQ atomics; d 16/48 have no 8-warp
+#   tile and take 2x2 tiles of 2 warps; d80 and d112 run on the d96 and d128 kernels (BWD_KERNEL_HEAD_DIMS_SM70).
+#   head_dim 256: 2x2, 4 warps, K/V in shared
 #   memory, lean, dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+ tile. docs/performance.md, "Backward tile
 #   choice", "Latency hiding" and "head_dim 256".
 # sm_80+ (emulated m8n8k4): the fastest tiles of the H100 backward sweeps, per accumulation mode (the emulated
@@ -178,8 +178,7 @@ BWD_TILES_SM70: dict[int, BwdTile] = {
     32: BwdTile(quad_pair_rows=1, warps=8, block_m=64),
     48: BwdTile(quad_pair_rows=2, warps=2, block_m=32, dq_atomic=False),
     64: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True),
-    80: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, dq_atomic=False),
-    96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_atomic=False),
+    96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True),
     128: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True, dkdv_row_b=True),
     256: BwdTile(quad_pair_rows=2, warps=4, block_m=16, kv_in_smem=True, dq_atomic=False, lean=True, out_split=2),
 }
@@ -201,11 +200,8 @@ BWD_TILES_EMULATED_FP16: dict[int, BwdTile] = {
     64: BwdTile(quad_pair_rows=2, warps=4, block_m=32, kv_in_smem=True, lean=True),
 }
 # What BWD_TILES_SM70 takes once a GPU lease has run it (the gpu tests, the sanitizer): reached only through tile=
-# until then. d96: the d128 design's 12 warps with dQ by atomics from the K tile, on 6 warps of 2x2 dQ quad-pairs
-# (BwdKernelTraits::kDqWarps), no K^T copy (figures: docs/performance.md, "Backward tile choice").
-BWD_TILES_SM70_NEXT: dict[int, BwdTile] = {
-    96: BwdTile(quad_pair_rows=1, warps=12, block_m=32, kv_in_smem=True, lean=True, dq_from_k=True),
-}
+# until then. Empty: nothing waits.
+BWD_TILES_SM70_NEXT: dict[int, BwdTile] = {}
 # The dQ kernel: 1x4 where head_dim % 32 == 0, else 2x2; head_dim 256 a 2x2 tile of 4 warps (one CTA per SM).
 DQ_TILES_SM70: dict[int, FwdTile] = {
     64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
@@ -228,11 +224,11 @@ def _pick(table: dict, head_dim: int):
     raise ValueError(f"head_dim {head_dim}: the Volta kernels support {SUPPORTED_HEAD_DIMS}")
 
 
-# sm_70: head dims whose backward runs the kernels of a larger head_dim on zero-padded inputs. d112 has no spill-free
-# tile of 8 warps per SM (1x4 tiles need head_dim % 32 == 0, 2x2 ones do not fit 8 warps in 96 KB); the 12-warp
-# d128 kernels on inputs padded to 128 are estimated faster despite the extra MMA work and the padding copies
-# (docs/performance.md, "d112 backward").
-BWD_KERNEL_HEAD_DIMS_SM70: dict[int, int] = {112: 128}
+# sm_70: head dims whose backward runs the kernels of a larger head_dim on zero-padded inputs. d80 and d112 have no
+# spill-free tile of 12 warps per SM (1x4 tiles need head_dim % 32 == 0; 2x2 ones spill at 12 warps' register cap
+# or do not fit 8 warps in 96 KB); the 12-warp d96 and d128 kernels on padded inputs are estimated faster despite
+# the extra MMA work and the padding copies (docs/performance.md, "Backward tile choice" and "d112 backward").
+BWD_KERNEL_HEAD_DIMS_SM70: dict[int, int] = {80: 96, 112: 128}
 
 
 def bwd_kernel_head_dim(head_dim: int, arch: int = 70) -> int:
