@@ -277,8 +277,8 @@ def _sm70_tile_id(head_dim):
 @pytest.mark.parametrize("head_dim", SM70_BWD_HEAD_DIMS, ids=_sm70_tile_id)
 def test_sm70_backward_tiles_at_their_head_dim(head_dim, bwd_accum, causal, dropout, deterministic):
     """Every tile of the V100 tables (BWD_TILES_SM70 and DQ_TILES_SM70), run at its own head_dim on whatever GPU is
-    present (the tables are what a V100 runs; elsewhere they are reached only through tile=), and d112 on the d128
-    kernels with zero-padded inputs (BWD_KERNEL_HEAD_DIMS_SM70): GQA, odd lengths (a partial key block and a
+    present (the tables are what a V100 runs; elsewhere they are reached only through tile=), and d80 and d112 on the
+    d96 and d128 kernels with zero-padded inputs (BWD_KERNEL_HEAD_DIMS_SM70): GQA, odd lengths (a partial key block and a
     partial query block), both accumulation modes, causal and not, dropout, and the deterministic path (dK/dV
     kernel without atomics + the sm_70 dQ kernel)."""
     kernel_d = tiles.bwd_kernel_head_dim(head_dim, 70)

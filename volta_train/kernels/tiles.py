@@ -167,9 +167,8 @@ class BwdTile:
 #   quad-pairs reading the K tile; d128 lean, dQ atomics on 8 warps reading the K tile, dK/dV's B from the Q/dO rows),
 #   where latency outweighs their lower pipe bound; d32 a 1x4 tile of 8 warps with dQ atomics; d 16/48 have no 8-warp
 #   tile and take 2x2 tiles of 2 warps; d80 and d112 run on the d96 and d128 kernels (BWD_KERNEL_HEAD_DIMS_SM70).
-#   head_dim 256: 2x2, 4 warps, K/V in shared
-#   memory, lean, dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+ tile. docs/performance.md, "Backward tile
-#   choice", "Latency hiding" and "head_dim 256".
+#   head_dim 256: 2x2, 4 warps, K/V in shared memory, lean, dK/dV split over 2 CTAs, one CTA per SM; also the sm_80+
+#   tile. docs/performance.md, "Backward tile choice", "Latency hiding" and "head_dim 256".
 # sm_80+ (emulated m8n8k4): the fastest tiles of the H100 backward sweeps, per accumulation mode (the emulated
 #   fp16-accumulating m8n8k4 is the slower one and prefers other shapes); d128 a 1x4 tile of 12 warps with K^T, Q^T
 #   and dO^T copies (.row.col products, 127 KB: sm_80+ only), lean in both modes.
@@ -205,7 +204,6 @@ BWD_TILES_SM70_NEXT: dict[int, BwdTile] = {}
 # The dQ kernel: 1x4 where head_dim % 32 == 0, else 2x2; head_dim 256 a 2x2 tile of 4 warps (one CTA per SM).
 DQ_TILES_SM70: dict[int, FwdTile] = {
     64: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=32),
-    80: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True),
     96: FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=32),
     128: FwdTile(quad_pair_rows=1, m_tiles=1, warps=8, block_n=32),
     256: FwdTile(quad_pair_rows=2, m_tiles=1, warps=4, block_n=16, q_in_smem=True),
